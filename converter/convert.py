@@ -1,0 +1,295 @@
+"""`kimi-convert SRC OUT`: resolve -> read headers -> plan + validate -> write -> finalize.
+
+Everything up to the plan reads headers only and writes nothing, so every problem with the
+source is reported before the first byte of output exists. The output directory carries a
+state folder (`.kimi_w31/`: lock, ledger, temporaries) while a run is in progress; the index
+is written last and the state folder removed after it, so a directory with an index is a
+complete conversion and one without is a resumable run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kimi_w31 import __version__
+
+from .config_rewrite import converted_config, layout_block
+from .errors import ConvertError, Problem, fail
+from .execute import Hooks, SourceFiles, fsync_dir, run_shards
+from .ledger import Ledger
+from .lock import OutputLock
+from .manifest import load_manifest
+from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
+from .source import CONFIG_NAME, INDEX_NAME, Source, read_source, resolve_source
+from .streaming import new_hash
+
+STATE_DIR = ".kimi_w31"
+CHECKSUMS_NAME = "kimi_w31.checksums.json"
+
+
+@dataclass
+class ConvertOptions:
+    source: str
+    out: Path
+    manifest: str = "kimi-k3"
+    revision: str | None = None
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    workers: int = 0  # 0: default
+    dry_run: bool = False
+    force: bool = False
+    check_scales: bool = False
+
+
+@dataclass
+class ConvertResult:
+    plan: Plan
+    source: Source
+    out: Path
+    seconds: float = 0.0
+    written: int = 0
+    reused: int = 0
+    bytes_written: int = 0
+    already_complete: bool = False
+    warnings: list[str] = field(default_factory=list)
+    scale_problems: list[Problem] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        p = self.plan
+        return {
+            "source": self.source.label,
+            "output": str(self.out),
+            "dry_run": self.seconds == 0.0 and not self.already_complete and not self.written,
+            "already_complete": self.already_complete,
+            "output_shards": len(p.shards),
+            "shards_written": self.written,
+            "shards_reused": self.reused,
+            "tensors": p.tensors_copied,
+            "experts_fused": p.experts_fused,
+            "moe_layers": len(p.layers),
+            "output_bytes": p.output_bytes,
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+            "throughput_mb_s": round(self.bytes_written / self.seconds / 1e6, 1)
+            if self.seconds
+            else None,
+            "warnings": self.warnings,
+        }
+
+
+def default_workers() -> int:
+    # Beyond a few streams a single disk gains nothing and memory grows (24 MiB a stream).
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def prepare(opts: ConvertOptions) -> tuple[Source, Plan]:
+    """Resolve, read and plan: no writes. Raises ConvertError with every problem."""
+    manifest = load_manifest(opts.manifest)
+    root = resolve_source(opts.source, opts.revision)
+    out = opts.out.expanduser().resolve()
+    if out == root or root in out.parents:
+        raise ConvertError(
+            [Problem("output directory is the source or inside it", file=str(out),
+                     expected="a directory outside the source", found=str(root))],
+            exit_code=2,
+        )  # fmt: skip
+    source = read_source(root, opts.source)
+    plan = plan_conversion(source, manifest, opts.max_shard_size, __version__)
+    return source, plan
+
+
+class Reporter:
+    """What the CLI shows while a conversion runs; the default shows nothing."""
+
+    def start(self, total_bytes: int, shards: int) -> None: ...
+    def advance(self, nbytes: int) -> None: ...
+    def shard_done(self, name: str, reused: bool) -> None: ...
+    def warn(self, message: str) -> None: ...
+    def stop(self) -> None: ...
+
+
+def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertResult:
+    reporter = reporter or Reporter()
+    source, plan = prepare(opts)
+    out = opts.out.expanduser().resolve()
+    result = ConvertResult(plan, source, out)
+    if opts.dry_run:
+        return result
+
+    manifest = load_manifest(opts.manifest)
+    final = _final_files(source, plan, manifest)
+    state = out / STATE_DIR
+    if _is_complete(out, plan.fingerprint):
+        result.already_complete = True
+        shutil.rmtree(state, ignore_errors=True)
+        return result
+    _claim_output_dir(out, state, plan, source, opts.force)
+
+    lock = OutputLock(state / "lock")
+    lock.acquire()
+    if lock.warning:
+        result.warnings.append(lock.warning)
+        reporter.warn(lock.warning)
+    try:
+        tmp = state / "tmp"
+        shutil.rmtree(tmp, ignore_errors=True)  # stale temporaries of a crashed run
+        tmp.mkdir(mode=0o755)
+        (out / INDEX_NAME).unlink(missing_ok=True)  # never leave an index over new shards
+        ledger = Ledger(state / "ledger.jsonl", plan.fingerprint)
+        ledger.open()
+        _check_free_space(out, plan, ledger)
+
+        sources = SourceFiles(source.root, source.shard_files)
+        stop = threading.Event()
+        written = [0]
+        lock_bytes = threading.Lock()
+
+        def on_bytes(n: int) -> None:
+            with lock_bytes:
+                written[0] += n
+            reporter.advance(n)
+
+        def on_nan(problem: Problem) -> None:
+            result.scale_problems.append(problem)
+
+        hooks = Hooks(on_bytes=on_bytes, on_shard=reporter.shard_done, on_scale_nan=on_nan)
+        reporter.start(plan.output_bytes, len(plan.shards))
+        started = time.perf_counter()
+        try:
+            outcome = run_shards(
+                plan.shards, sources, out, tmp, ledger, opts.workers or default_workers(),
+                stop, hooks, opts.check_scales,
+            )  # fmt: skip
+        finally:
+            sources.close()
+            reporter.stop()
+        if result.scale_problems:
+            raise ConvertError(
+                result.scale_problems,
+                hint="the source has NaN scales; nothing was finalized (no index written)",
+            )
+        _finalize(out, tmp, source, plan, ledger, final)
+        result.seconds = time.perf_counter() - started
+        result.written = sum(1 for v in outcome.values() if v == "written")
+        result.reused = sum(1 for v in outcome.values() if v == "reused")
+        result.bytes_written = written[0]
+    finally:
+        lock.release()
+    shutil.rmtree(state, ignore_errors=True)
+    return result
+
+
+def _final_files(source: Source, plan: Plan, manifest) -> dict[str, bytes]:
+    """config.json and the index, computed before any write (they go to disk last)."""
+    identity = {
+        "path": source.label,
+        "files": {f: {"size": h.file_size, "header_sha256": h.header_sha256}
+                  for f, h in sorted(source.headers.items())},
+    }  # fmt: skip
+    block = layout_block(source.config, manifest, __version__, identity, plan.dims.values)
+    config = converted_config(source.config, block)
+    index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map()}
+    return {
+        CONFIG_NAME: (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode(),
+        INDEX_NAME: (json.dumps(index, indent=2) + "\n").encode(),
+    }
+
+
+def _is_complete(out: Path, fingerprint: str) -> bool:
+    try:
+        data = json.loads((out / CHECKSUMS_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return data.get("plan_fingerprint") == fingerprint and (out / INDEX_NAME).exists()
+
+
+def _our_files(out: Path, source: Source, plan: Plan) -> list[Path]:
+    """Files this tool writes into an output directory (the only ones --force removes)."""
+    names = {s.name for s in plan.shards} | {CONFIG_NAME, INDEX_NAME, CHECKSUMS_NAME}
+    names |= set(source.extra_files)
+    found = [out / n for n in names if (out / n).is_file()]
+    found += [p for p in out.glob("model*.safetensors") if p.is_file() and p not in found]
+    return found
+
+
+def _claim_output_dir(out: Path, state: Path, plan: Plan, source: Source, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise fail("output path exists and is not a directory", file=str(out))
+    entries = [p for p in out.iterdir()] if out.exists() else []
+    resumable = Ledger.read_fingerprint(state / "ledger.jsonl") == plan.fingerprint
+    if entries and not resumable:
+        if not force:
+            raise ConvertError(
+                [Problem("output directory is not empty and is not a resumable run of this "
+                         "conversion", file=str(out))],
+                hint="pass --force to replace the files kimi-convert wrote there, or choose "
+                "another directory",
+            )  # fmt: skip
+        (out / INDEX_NAME).unlink(missing_ok=True)  # first: it marks an output complete
+        for path in _our_files(out, source, plan):
+            path.unlink()
+        shutil.rmtree(state, ignore_errors=True)
+    out.mkdir(mode=0o755, parents=True, exist_ok=True)
+    state.mkdir(mode=0o755, exist_ok=True)
+
+
+def _check_free_space(out: Path, plan: Plan, ledger: Ledger) -> None:
+    needed = sum(s.file_size for s in plan.shards if s.name not in ledger.done)
+    free = shutil.disk_usage(out).free
+    if needed > free:
+        raise ConvertError(
+            [Problem("not enough free space for the output", file=str(out),
+                     expected=f"{needed} bytes free", found=f"{free} bytes free")],
+            hint="free space or choose another output directory; --dry-run shows the size",
+        )  # fmt: skip
+
+
+def _write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
+    tmp = tmp_dir / (path.name + ".partial")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _sha256(data: bytes) -> str:
+    h = new_hash()
+    h.update(data)
+    return h.hexdigest()
+
+
+def _finalize(out: Path, tmp: Path, source: Source, plan: Plan, ledger: Ledger,
+              final: dict[str, bytes]) -> None:  # fmt: skip
+    """Extra files, checksums, config, then the index last."""
+    checksums: dict = {
+        "format_version": 1,
+        "algorithm": "sha256",
+        "plan_fingerprint": plan.fingerprint,
+        "files": {},
+    }
+    for shard in plan.shards:
+        entry = ledger.done[shard.name]
+        checksums["files"][shard.name] = {
+            "size": entry["size"], "header_sha256": entry["header_sha256"],
+            "tensors": entry["tensors"],
+        }  # fmt: skip
+    for rel in source.extra_files:
+        data = (source.root / rel).read_bytes()
+        dest = out / rel
+        dest.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        _write_atomic(dest, data, tmp)
+        checksums["files"][rel] = {"size": len(data), "sha256": _sha256(data)}
+    for name, data in final.items():
+        checksums["files"][name] = {"size": len(data), "sha256": _sha256(data)}
+    _write_atomic(out / CHECKSUMS_NAME, (json.dumps(checksums) + "\n").encode(), tmp)
+    _write_atomic(out / CONFIG_NAME, final[CONFIG_NAME], tmp)
+    fsync_dir(out)
+    _write_atomic(out / INDEX_NAME, final[INDEX_NAME], tmp)
+    fsync_dir(out)

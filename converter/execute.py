@@ -1,0 +1,267 @@
+"""Execute a plan: write output shards in parallel, atomically, resumably.
+
+Each shard is written to a temporary name under the state directory, space-reserved up
+front, streamed (header, then each tensor's source byte ranges), fsynced, checked against
+the source fingerprints taken before the run, renamed into place, and only then recorded in
+the ledger. Threads, not processes: every hot call (pread, write, fsync, sha256) releases the
+GIL, and a thread pool shares the stop flag and open source files for free.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConvertError, Problem
+from .ledger import Ledger
+from .plan import OutputShard
+from .streaming import (
+    CHUNK_SIZE,
+    HashPipe,
+    Interrupted,
+    ScaleScan,
+    SourceChanged,
+    hash_tensors,
+    new_hash,
+    stream_range,
+)
+
+SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def file_identity(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+class SourceFiles:
+    """Open source shards once, shared by all workers (pread is positional, thread-safe)."""
+
+    def __init__(self, root: Path, files: list[str]) -> None:
+        self.root = root
+        self.identity = {f: file_identity(root / f) for f in files}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, file: str) -> int:
+        with self._lock:
+            if file not in self._fds:
+                fd = os.open(self.root / file, os.O_RDONLY)
+                if os.fstat(fd).st_ino != self.identity[file][2]:
+                    os.close(fd)
+                    raise SourceChanged(file, "was replaced since the run started")
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                self._fds[file] = fd
+            return self._fds[file]
+
+    def check_unchanged(self, files: list[str]) -> None:
+        for file in files:
+            try:
+                now = file_identity(self.root / file)
+            except OSError:
+                raise SourceChanged(file, "disappeared during the run") from None
+            if now != self.identity[file]:
+                raise SourceChanged(
+                    file, "changed during the run (size, modification time or inode differ)"
+                )
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+@dataclass
+class Hooks:
+    """Callbacks for progress; all optional and called from worker threads."""
+
+    on_bytes: Callable[[int], None] | None = None
+    on_shard: Callable[[str, bool], None] | None = None  # (name, reused)
+    on_scale_nan: Callable[[Problem], None] | None = None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_shard(
+    shard: OutputShard,
+    sources: SourceFiles,
+    out_dir: Path,
+    tmp_dir: Path,
+    stop: threading.Event,
+    hooks: Hooks,
+    check_scales: bool = False,
+) -> dict:
+    tmp = tmp_dir / f"{shard.name}.partial"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    pipe = HashPipe(CHUNK_SIZE)
+    hashes = {}
+    scans: dict[str, ScaleScan] = {}
+    try:
+        os.fchmod(fd, 0o644)
+        _reserve(fd, shard.file_size, shard.name)
+        os.write(fd, shard.header)
+        if hooks.on_bytes:
+            hooks.on_bytes(len(shard.header))
+        for tensor in shard.tensors:
+            h = new_hash()
+            targets: tuple = (h,)
+            if check_scales and tensor.name.endswith("weight_scale"):
+                scans[tensor.name] = ScaleScan()
+                targets = (h, scans[tensor.name])
+            for piece in tensor.pieces:
+                stream_range(
+                    pipe, targets, sources.fd(piece.file), piece.offset, piece.length,
+                    fd, stop, hooks.on_bytes, piece.file,
+                )  # fmt: skip
+            hashes[tensor.name] = h
+        pipe.drain()
+        os.fsync(fd)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno in SPACE_ERRNOS:
+            raise _no_space(shard, out_dir) from None
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        pipe.close()
+        os.close(fd)
+    for name, scan in scans.items():
+        if scan.count and hooks.on_scale_nan:
+            hooks.on_scale_nan(_nan_problem(name, shard.name, scan))
+    # Nothing derived from a source file that changed under us may be marked done.
+    try:
+        sources.check_unchanged(shard.source_files)
+    except SourceChanged:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out_dir / shard.name)
+    fsync_dir(out_dir)
+    return {
+        "shard": shard.name,
+        "size": shard.file_size,
+        "header_sha256": _sha(shard.header),
+        "tensors": {name: h.hexdigest() for name, h in hashes.items()},
+    }
+
+
+def _nan_problem(tensor: str, file: str, scan: ScaleScan) -> Problem:
+    return Problem(
+        f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {scan.first} of the tensor",
+        file=file, tensor=tensor, expected="no 0xFF scale bytes", found=f"{scan.count}",
+    )  # fmt: skip
+
+
+def _sha(data: bytes) -> str:
+    h = new_hash()
+    h.update(data)
+    return h.hexdigest()
+
+
+def _reserve(fd: int, size: int, name: str) -> None:
+    """Reserve the shard's space so a full disk fails before any data is written."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in SPACE_ERRNOS:
+            raise
+        # EINVAL/EOPNOTSUPP: the filesystem cannot preallocate; writing still works.
+
+
+def _no_space(shard: OutputShard, out_dir: Path) -> ConvertError:
+    import shutil
+
+    free = shutil.disk_usage(out_dir).free
+    return ConvertError(
+        [Problem("no space left on the device (or file size limit reached) while writing",
+                 file=str(out_dir / shard.name), expected=f"{shard.file_size} bytes free",
+                 found=f"{free} bytes free")],
+        hint="free some space, then rerun the same command: finished shards are kept",
+    )  # fmt: skip
+
+
+def shard_still_valid(shard: OutputShard, entry: dict, out_dir: Path, stop: threading.Event,
+                      hooks: Hooks) -> bool:  # fmt: skip
+    """A ledger entry is only trusted if the file on disk still hashes to it."""
+    path = out_dir / shard.name
+    try:
+        if path.stat().st_size != shard.file_size or entry.get("size") != shard.file_size:
+            return False
+        with open(path, "rb") as fh:
+            if fh.read(len(shard.header)) != shard.header:
+                return False
+    except OSError:
+        return False
+    ranges, offset = [], len(shard.header)
+    for t in shard.tensors:
+        ranges.append((t.name, offset, offset + t.nbytes))
+        offset += t.nbytes
+    pipe = HashPipe(CHUNK_SIZE)
+    try:
+        hashes, _ = hash_tensors(str(path), ranges, pipe, stop, hooks.on_bytes)
+    finally:
+        pipe.close()
+    return hashes == entry.get("tensors")
+
+
+def run_shards(
+    shards: list[OutputShard],
+    sources: SourceFiles,
+    out_dir: Path,
+    tmp_dir: Path,
+    ledger: Ledger,
+    workers: int,
+    stop: threading.Event,
+    hooks: Hooks,
+    check_scales: bool = False,
+) -> dict[str, str]:
+    """Write (or re-check) every shard; returns shard -> 'written' | 'reused'."""
+    outcome: dict[str, str] = {}
+
+    def task(shard: OutputShard) -> None:
+        entry = ledger.done.get(shard.name)
+        if entry is not None and shard_still_valid(shard, entry, out_dir, stop, hooks):
+            outcome[shard.name] = "reused"
+            if hooks.on_shard:
+                hooks.on_shard(shard.name, True)
+            return
+        ledger.forget(shard.name)
+        entry = write_shard(shard, sources, out_dir, tmp_dir, stop, hooks, check_scales)
+        ledger.record(entry)
+        outcome[shard.name] = "written"
+        if hooks.on_shard:
+            hooks.on_shard(shard.name, False)
+
+    # Largest first keeps the tail short when shards differ in size.
+    order = sorted(shards, key=lambda s: -s.file_size)
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="shard") as pool:
+        futures = [pool.submit(task, s) for s in order]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                stop.set()
+                wait(futures)
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                real = [e for e in errors if not isinstance(e, Interrupted)]
+                raise (real or errors)[0]
+        except KeyboardInterrupt:
+            stop.set()
+            wait(futures)
+            raise
+    return outcome

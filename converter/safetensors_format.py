@@ -1,0 +1,245 @@
+"""The safetensors file format: parse headers strictly, build headers for writing.
+
+Reading follows the library's own rules, with one error per reason (like safetensors'
+`SafeTensorError`): 8-byte little-endian header length, a header of at most 100 MB that is
+UTF-8 JSON with no duplicate keys, known dtypes, byte sizes that agree with shapes, and
+offsets that tile the data section exactly (sorted, contiguous, no gap, no overlap, no
+trailing bytes). Only the header is read; tensor data never is.
+
+The safetensors library has no streaming writer, so `build_header` produces the header
+bytes for a list of tensors whose data the executor then streams in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+from .errors import ConvertError, Problem
+
+MAX_HEADER_BYTES = 100_000_000
+HEADER_ALIGN = 8
+
+# Bits per element of every dtype safetensors knows (F4/F6 pack below one byte).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor as a header describes it; `begin`/`end` are absolute file offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    file: str
+    file_size: int
+    data_start: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    header_sha256: str = ""
+
+
+def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    return (bits + 7) // 8
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    seen: dict[str, object] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
+    """Validate a header (the bytes after the 8-byte length) against the file size."""
+    problems: list[Problem] = []
+
+    def bad(what: str, tensor: str | None = None, **kw: str) -> None:
+        problems.append(Problem(what, file=file, tensor=tensor, **kw))
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConvertError([Problem(f"header is not UTF-8 ({exc.reason})", file=file)]) from None
+    if not text.lstrip().startswith("{"):
+        raise ConvertError([Problem("header is not a JSON object", file=file)])
+    try:
+        doc = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except _DuplicateKey as exc:
+        raise ConvertError([Problem(f"header has duplicate key {exc.key!r}", file=file)]) from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ConvertError([Problem(f"header is not valid JSON ({exc})", file=file)]) from None
+    if not isinstance(doc, dict):
+        raise ConvertError([Problem("header is not a JSON object", file=file)])
+
+    data_start = 8 + len(raw)
+    metadata: dict[str, str] = {}
+    raw_meta = doc.pop("__metadata__", None)
+    if raw_meta is not None:
+        if not isinstance(raw_meta, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
+        ):
+            bad("__metadata__ must map strings to strings")
+        else:
+            metadata = raw_meta
+
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in doc.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            bad("entry must have exactly dtype, shape and data_offsets", name)
+            continue
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPE_BITS:
+            bad("unknown dtype", name, expected="a safetensors dtype", found=repr(dtype))
+            continue
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            bad("shape must be a list of non-negative integers", name, found=repr(shape))
+            continue
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+        ):
+            bad("data_offsets must be two integers", name, found=repr(offsets))
+            continue
+        begin, end = offsets
+        if begin < 0 or end < begin:
+            bad("data_offsets out of order or negative", name, found=repr(offsets))
+            continue
+        want = tensor_nbytes(dtype, shape)
+        if end - begin != want:
+            bad(
+                "byte size disagrees with dtype and shape",
+                name,
+                expected=f"{want} bytes for {dtype}{shape}",
+                found=f"{end - begin} bytes",
+            )
+            continue
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+    if problems:
+        raise ConvertError(problems)
+
+    # Offsets must tile [0, data_len) exactly: sorted, contiguous, ending at the file's end.
+    cursor = data_start
+    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if info.begin != cursor:
+            kind = "overlaps the previous tensor" if info.begin < cursor else "leaves a gap"
+            bad(
+                f"data_offsets {kind}",
+                info.name,
+                expected=f"start at {cursor - data_start}",
+                found=str(info.begin - data_start),
+            )
+        cursor = max(cursor, info.end)
+    if cursor != file_size and not problems:
+        what = "file is truncated" if cursor > file_size else "file has trailing bytes"
+        bad(what, expected=f"{cursor} bytes", found=f"{file_size} bytes")
+    if problems:
+        raise ConvertError(problems)
+    digest = hashlib.sha256(raw).hexdigest()
+    return ShardHeader(file, file_size, data_start, tensors, metadata, digest)
+
+
+def read_header(path: str | os.PathLike[str], display_name: str | None = None) -> ShardHeader:
+    """Read and validate one shard's header. Never reads tensor data."""
+    name = display_name or os.fspath(path)
+    try:
+        with open(path, "rb") as fh:
+            file_size = os.fstat(fh.fileno()).st_size
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise ConvertError(
+                    [
+                        Problem(
+                            "file too small for a safetensors header",
+                            file=name,
+                            expected="at least 8 bytes",
+                            found=f"{file_size} bytes",
+                        )
+                    ]
+                )
+            (length,) = struct.unpack("<Q", prefix)
+            if length == 0:
+                raise ConvertError([Problem("header length is 0", file=name)])
+            if length > MAX_HEADER_BYTES:
+                raise ConvertError(
+                    [
+                        Problem(
+                            "header length exceeds the 100 MB limit",
+                            file=name,
+                            expected=f"<= {MAX_HEADER_BYTES}",
+                            found=str(length),
+                        )
+                    ]
+                )
+            if 8 + length > file_size:
+                raise ConvertError(
+                    [
+                        Problem(
+                            "header length is larger than the file",
+                            file=name,
+                            expected=f"<= {file_size - 8}",
+                            found=str(length),
+                        )
+                    ]
+                )
+            raw = fh.read(length)
+    except OSError as exc:
+        raise ConvertError([Problem(f"cannot read ({exc.strerror})", file=name)]) from None
+    return parse_header_bytes(name, raw, file_size)
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """Length prefix + JSON header, space-padded so the data section starts 8-byte aligned.
+
+    Tensors are laid out in the order given, contiguously from offset 0.
+    """
+    doc: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for e in entries:
+        doc[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % HEADER_ALIGN)
+    return struct.pack("<Q", len(body)) + body

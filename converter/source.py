@@ -1,0 +1,197 @@
+"""Resolve a source checkpoint and read everything but its tensor data.
+
+A source is a local directory (sharded with `model.safetensors.index.json`, or a single
+`model.safetensors`) or a Hugging Face repo id already in the local cache. The index's
+`weight_map` is treated as untrusted input: entries must be plain relative names of
+`.safetensors` files that stay inside the source (Hub cache snapshots are symlinks into
+`blobs/`, which is fine; a link that escapes the repository is not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConvertError, Problem, fail
+from .safetensors_format import ShardHeader, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class Source:
+    root: Path
+    label: str  # what the user typed, for messages
+    config: dict
+    weight_map: dict[str, str]  # tensor -> shard file name (relative)
+    shard_files: list[str]  # in index order, each once
+    headers: dict[str, ShardHeader] = field(default_factory=dict)
+    extra_files: list[str] = field(default_factory=list)  # copied unchanged
+    index_metadata: dict = field(default_factory=dict)
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+
+def resolve_source(spec: str, revision: str | None = None) -> Path:
+    """A directory, or a repo id resolved offline from the Hugging Face cache."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise fail("source is not a directory", file=str(path))
+        return path.resolve()
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+            from huggingface_hub.errors import LocalEntryNotFoundError
+
+            try:
+                local = snapshot_download(spec, revision=revision, local_files_only=True)
+            except LocalEntryNotFoundError:
+                raise fail(
+                    f"'{spec}' is not a local directory and is not in the local Hugging Face "
+                    "cache; download it first (`hf download "
+                    f"{spec}`) or pass a directory"
+                ) from None
+        except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+            raise fail("huggingface_hub is not installed; pass a local directory") from None
+        return Path(local)
+    raise fail(
+        "source not found: expected a directory with model.safetensors.index.json or "
+        "model.safetensors, or a Hugging Face repo id (org/name) in the local cache",
+        file=spec,
+    )
+
+
+def _check_shard_name(root: Path, name: object) -> str | None:
+    """Why a weight_map entry is unsafe or unusable, or None if it is fine."""
+    if not isinstance(name, str) or not name:
+        return "is not a file name"
+    if os.path.isabs(name) or name.startswith(("/", "\\")):
+        return "is an absolute path"
+    parts = Path(name).parts
+    if ".." in parts:
+        return "contains '..'"
+    if not name.endswith(".safetensors"):
+        return "does not name a .safetensors file"
+    target = (root / name).resolve()
+    real_root = root.resolve()
+    # Hub snapshots link files into ../../blobs of the same repo cache folder.
+    allowed = [real_root]
+    if real_root.parent.name == "snapshots":
+        allowed.append(real_root.parent.parent / "blobs")
+    if not any(target == a or a in target.parents for a in allowed):
+        return "points outside the source directory"
+    return None
+
+
+def read_source(root: Path, label: str | None = None) -> Source:
+    """Read config, index and every shard header; collect every problem before failing."""
+    label = label or str(root)
+    problems: list[Problem] = []
+    config = read_json(root / CONFIG_NAME)
+    if not isinstance(config, dict):
+        raise fail("config.json is not a JSON object", file=str(root / CONFIG_NAME))
+
+    index_path = root / INDEX_NAME
+    index_metadata: dict = {}
+    if index_path.exists():
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise fail("index has no weight_map object", file=str(index_path))
+        index_metadata = index.get("metadata") or {}
+        for tensor, shard in weight_map.items():
+            why = _check_shard_name(root, shard)
+            if why:
+                problems.append(
+                    Problem(
+                        f"weight_map entry {why}", file=INDEX_NAME, tensor=tensor, found=repr(shard)
+                    )
+                )
+        if problems:
+            raise ConvertError(problems)
+        shard_files = list(dict.fromkeys(weight_map.values()))
+    elif (root / SINGLE_NAME).exists():
+        shard_files = [SINGLE_NAME]
+        weight_map = {}
+    else:
+        raise fail(f"no {INDEX_NAME} or {SINGLE_NAME} in the source directory", file=str(root))
+
+    headers: dict[str, ShardHeader] = {}
+    for shard in shard_files:
+        path = root / shard
+        if not path.exists():
+            problems.append(Problem("shard named in the index is missing", file=shard))
+            continue
+        try:
+            headers[shard] = read_header(path, display_name=shard)
+        except ConvertError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConvertError(problems)
+
+    if not weight_map:  # single file: the header is the map
+        weight_map = {name: SINGLE_NAME for name in headers[SINGLE_NAME].tensors}
+    else:
+        problems.extend(check_index_against_headers(weight_map, headers, INDEX_NAME))
+        if problems:
+            raise ConvertError(problems)
+
+    weight_files = set(shard_files) | {INDEX_NAME, CONFIG_NAME}
+    extra = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file()
+        and str(p.relative_to(root)) not in weight_files
+        and not p.name.endswith(".safetensors")
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+    return Source(root, label, config, weight_map, shard_files, headers, extra, index_metadata)
+
+
+def check_index_against_headers(
+    weight_map: dict[str, str], headers: dict[str, ShardHeader], index_name: str
+) -> list[Problem]:
+    """Each tensor exactly once: in the index and in the shard the index names."""
+    problems: list[Problem] = []
+    for tensor, shard in weight_map.items():
+        header = headers.get(shard)
+        if header is not None and tensor not in header.tensors:
+            problems.append(
+                Problem("index names a tensor its shard does not hold", file=shard, tensor=tensor)
+            )
+    for shard, header in headers.items():
+        for tensor in header.tensors:
+            owner = weight_map.get(tensor)
+            if owner is None:
+                problems.append(
+                    Problem(f"tensor is missing from {index_name}", file=shard, tensor=tensor)
+                )
+            elif owner != shard:
+                problems.append(
+                    Problem(
+                        "tensor is in a different shard than the index says",
+                        file=shard,
+                        tensor=tensor,
+                        expected=owner,
+                        found=shard,
+                    )
+                )
+    return problems
+
+
+def read_json(path: Path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise fail("file is missing", file=str(path)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise fail(f"not valid JSON ({exc})", file=str(path)) from None
+    except OSError as exc:
+        raise fail(f"cannot read ({exc.strerror})", file=str(path)) from None
