@@ -33,7 +33,7 @@ from .errors import ConvertError
 from .manifest import DEFAULT_MANIFEST
 from .plan import DEFAULT_MAX_SHARD_SIZE
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # no hard wraps: messages stay greppable
 out = Console()
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -9,8 +9,10 @@ complete conversion and one without is a resumable run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -19,15 +21,16 @@ from pathlib import Path
 
 from kimi_w31 import __version__
 
+from . import faults
 from .config_rewrite import converted_config, layout_block
 from .errors import ConvertError, Problem, fail
-from .execute import Hooks, SourceFiles, fsync_dir, run_shards
+from .execute import SPACE_ERRNOS, Hooks, SourceFiles, fsync_dir, run_shards
 from .ledger import Ledger
 from .lock import OutputLock
 from .manifest import load_manifest
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
 from .source import CONFIG_NAME, INDEX_NAME, Source, read_source, resolve_source
-from .streaming import new_hash
+from .streaming import SourceChanged, new_hash
 
 STATE_DIR = ".kimi_w31"
 CHECKSUMS_NAME = "kimi_w31.checksums.json"
@@ -121,6 +124,36 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
     if opts.dry_run:
         return result
 
+    try:
+        return _run(opts, reporter, source, plan, result)
+    except SourceChanged as exc:
+        raise ConvertError(
+            [Problem(f"source file {exc.detail}", file=exc.file)],
+            hint="nothing copied from it was marked done; make sure nothing writes to the "
+            "source, then rerun the same command",
+        ) from None
+    except OSError as exc:  # disk full, permissions, I/O errors: say which file
+        raise _os_error(exc, plan) from None
+
+
+def _os_error(exc: OSError, plan: Plan) -> ConvertError:
+    file = None if exc.filename is None else os.fsdecode(exc.filename)
+    if exc.errno in SPACE_ERRNOS:
+        return ConvertError(
+            [Problem("no space left on the device (or file size limit reached)", file=file,
+                     expected=f"room for the output ({plan.output_bytes} bytes in all)",
+                     found=os.strerror(exc.errno))],
+            hint="free some space, then rerun the same command: finished shards are kept",
+        )  # fmt: skip
+    return ConvertError(
+        [Problem(f"I/O error: {exc.strerror or exc}", file=file)],
+        hint="rerun the same command once the cause is fixed: finished shards are kept",
+    )
+
+
+def _run(opts: ConvertOptions, reporter: Reporter, source: Source, plan: Plan,
+         result: ConvertResult) -> ConvertResult:  # fmt: skip
+    out = result.out
     manifest = load_manifest(opts.manifest)
     final = _final_files(source, plan, manifest)
     state = out / STATE_DIR
@@ -128,10 +161,8 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
         result.already_complete = True
         shutil.rmtree(state, ignore_errors=True)
         return result
-    _claim_output_dir(out, state, plan, source, opts.force)
 
-    lock = OutputLock(state / "lock")
-    lock.acquire()
+    lock = _lock_and_claim(out, state, plan, source, opts.force)
     if lock.warning:
         result.warnings.append(lock.warning)
         reporter.warn(lock.warning)
@@ -142,6 +173,7 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
         (out / INDEX_NAME).unlink(missing_ok=True)  # never leave an index over new shards
         ledger = Ledger(state / "ledger.jsonl", plan.fingerprint)
         ledger.open()
+        faults.fault_point("ledger.opened")
         _check_free_space(out, plan, ledger)
 
         sources = SourceFiles(source.root, source.shard_files)
@@ -208,34 +240,95 @@ def _is_complete(out: Path, fingerprint: str) -> bool:
     return data.get("plan_fingerprint") == fingerprint and (out / INDEX_NAME).exists()
 
 
-def _our_files(out: Path, source: Source, plan: Plan) -> list[Path]:
-    """Files this tool writes into an output directory (the only ones --force removes)."""
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors|model\.safetensors")
+
+
+def _inside(out: Path, path: Path) -> bool:
+    try:
+        return out in path.parent.resolve().parents or path.parent.resolve() == out
+    except OSError:
+        return False
+
+
+def _our_files(out: Path, state: Path, source: Source, plan: Plan) -> list[Path]:
+    """Files this tool writes into an output directory (the only ones --force removes).
+
+    The names of this plan, the files a previous conversion recorded in its checksums file
+    or ledger, and shards named the way this tool names them; never anything else.
+    """
     names = {s.name for s in plan.shards} | {CONFIG_NAME, INDEX_NAME, CHECKSUMS_NAME}
     names |= set(source.extra_files)
-    found = [out / n for n in names if (out / n).is_file()]
-    found += [p for p in out.glob("model*.safetensors") if p.is_file() and p not in found]
+    bad = (OSError, ValueError, KeyError, TypeError)
+    with contextlib.suppress(*bad):
+        names |= set(json.loads((out / CHECKSUMS_NAME).read_text())["files"])
+    with contextlib.suppress(OSError):
+        for line in (state / "ledger.jsonl").read_text().splitlines()[1:]:
+            with contextlib.suppress(*bad):
+                names.add(json.loads(line)["shard"])
+    names |= {p.name for p in out.iterdir() if _SHARD_NAME.fullmatch(p.name)}
+    found = []
+    for name in sorted(n for n in names if isinstance(n, str) and n):
+        path = out / name
+        # A recorded name is data from disk: never follow it out of the output directory.
+        if os.path.isabs(name) or ".." in Path(name).parts or not _inside(out, path):
+            continue
+        if path.is_file() or path.is_symlink():
+            found.append(path)
     return found
 
 
-def _claim_output_dir(out: Path, state: Path, plan: Plan, source: Source, force: bool) -> None:
+def _make_dir(path: Path) -> None:
+    """mkdir -p, and 0755 on what we create whatever the umask (others must read it)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    for p in missing:
+        os.chmod(p, 0o755)
+
+
+def _lock_and_claim(out: Path, state: Path, plan: Plan, source: Source,
+                    force: bool) -> OutputLock:  # fmt: skip
+    """Take the output lock, then make the directory ours (or refuse).
+
+    The lock comes first so that a second run, even with --force, never deletes files a
+    live run is writing; the state folder alone (a run killed early) counts as resumable.
+    """
     if out.exists() and not out.is_dir():
         raise fail("output path exists and is not a directory", file=str(out))
-    entries = [p for p in out.iterdir()] if out.exists() else []
-    resumable = Ledger.read_fingerprint(state / "ledger.jsonl") == plan.fingerprint
-    if entries and not resumable:
-        if not force:
-            raise ConvertError(
-                [Problem("output directory is not empty and is not a resumable run of this "
-                         "conversion", file=str(out))],
-                hint="pass --force to replace the files kimi-convert wrote there, or choose "
-                "another directory",
-            )  # fmt: skip
-        (out / INDEX_NAME).unlink(missing_ok=True)  # first: it marks an output complete
-        for path in _our_files(out, source, plan):
-            path.unlink()
-        shutil.rmtree(state, ignore_errors=True)
-    out.mkdir(mode=0o755, parents=True, exist_ok=True)
-    state.mkdir(mode=0o755, exist_ok=True)
+    created_state = not state.exists()
+    _make_dir(out)
+    _make_dir(state)
+    lock = OutputLock(state / "lock")
+    try:
+        lock.acquire()
+    except ConvertError:
+        if created_state:
+            shutil.rmtree(state, ignore_errors=True)
+        raise
+    faults.fault_point("lock.acquired")
+    try:
+        others = [p for p in out.iterdir() if p.name != STATE_DIR]
+        resumable = Ledger.read_fingerprint(state / "ledger.jsonl") == plan.fingerprint
+        if others and not resumable:
+            if not force:
+                raise ConvertError(
+                    [Problem("output directory is not empty and is not a resumable run of "
+                             "this conversion", file=str(out))],
+                    hint="pass --force to replace the files kimi-convert wrote there, or "
+                    "choose another directory",
+                )  # fmt: skip
+            (out / INDEX_NAME).unlink(missing_ok=True)  # first: it marks an output complete
+            for path in _our_files(out, state, source, plan):
+                path.unlink()
+        if not resumable:  # a previous plan's ledger and temporaries; keep our lock
+            for path in state.iterdir():
+                if path.name != "lock":
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except BaseException:
+        lock.release()
+        if created_state:
+            shutil.rmtree(state, ignore_errors=True)
+        raise
+    return lock
 
 
 def _check_free_space(out: Path, plan: Plan, ledger: Ledger) -> None:
@@ -283,13 +376,17 @@ def _finalize(out: Path, tmp: Path, source: Source, plan: Plan, ledger: Ledger,
     for rel in source.extra_files:
         data = (source.root / rel).read_bytes()
         dest = out / rel
-        dest.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        _make_dir(dest.parent)
         _write_atomic(dest, data, tmp)
+        faults.fault_point("finalize.extra")
         checksums["files"][rel] = {"size": len(data), "sha256": _sha256(data)}
     for name, data in final.items():
         checksums["files"][name] = {"size": len(data), "sha256": _sha256(data)}
     _write_atomic(out / CHECKSUMS_NAME, (json.dumps(checksums) + "\n").encode(), tmp)
+    faults.fault_point("finalize.checksums")
     _write_atomic(out / CONFIG_NAME, final[CONFIG_NAME], tmp)
     fsync_dir(out)
+    faults.fault_point("finalize.config")
     _write_atomic(out / INDEX_NAME, final[INDEX_NAME], tmp)
     fsync_dir(out)
+    faults.fault_point("finalize.index")

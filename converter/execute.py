@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import faults
 from .errors import ConvertError, Problem
 from .ledger import Ledger
 from .plan import OutputShard
@@ -26,6 +27,7 @@ from .streaming import (
     Interrupted,
     ScaleScan,
     SourceChanged,
+    _write_all,
     hash_tensors,
     new_hash,
     stream_range,
@@ -71,6 +73,10 @@ class SourceFiles:
                     file, "changed during the run (size, modification time or inode differ)"
                 )
 
+    def fingerprint(self, files: list[str]) -> dict[str, list[int]]:
+        """What a ledger entry records about the source files a shard was copied from."""
+        return {f: list(self.identity[f]) for f in files}
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
@@ -102,7 +108,8 @@ def write_shard(
     stop: threading.Event,
     hooks: Hooks,
     check_scales: bool = False,
-) -> dict:
+) -> dict | None:
+    """Write one shard; None if its scales hold NaN (then it is neither kept nor recorded)."""
     tmp = tmp_dir / f"{shard.name}.partial"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     pipe = HashPipe(CHUNK_SIZE)
@@ -111,7 +118,8 @@ def write_shard(
     try:
         os.fchmod(fd, 0o644)
         _reserve(fd, shard.file_size, shard.name)
-        os.write(fd, shard.header)
+        _write_all(fd, memoryview(shard.header))
+        faults.fault_point("shard.header")
         if hooks.on_bytes:
             hooks.on_bytes(len(shard.header))
         for tensor in shard.tensors:
@@ -125,9 +133,11 @@ def write_shard(
                     pipe, targets, sources.fd(piece.file), piece.offset, piece.length,
                     fd, stop, hooks.on_bytes, piece.file,
                 )  # fmt: skip
+                faults.fault_point("shard.piece")  # between the w3 and w1 halves of a w31
             hashes[tensor.name] = h
         pipe.drain()
         os.fsync(fd)
+        faults.fault_point("shard.fsynced")
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.errno in SPACE_ERRNOS:
@@ -139,9 +149,14 @@ def write_shard(
     finally:
         pipe.close()
         os.close(fd)
-    for name, scan in scans.items():
-        if scan.count and hooks.on_scale_nan:
-            hooks.on_scale_nan(_nan_problem(name, shard.name, scan))
+    nan = [_nan_problem(name, shard.name, scan) for name, scan in scans.items() if scan.count]
+    if nan:
+        # Not marked done: a rerun with --check-scales must find the NaN scales again.
+        tmp.unlink(missing_ok=True)
+        for problem in nan:
+            if hooks.on_scale_nan:
+                hooks.on_scale_nan(problem)
+        return None
     # Nothing derived from a source file that changed under us may be marked done.
     try:
         sources.check_unchanged(shard.source_files)
@@ -150,8 +165,10 @@ def write_shard(
         raise
     os.replace(tmp, out_dir / shard.name)
     fsync_dir(out_dir)
+    faults.fault_point("shard.renamed")
     return {
         "shard": shard.name,
+        "sources": sources.fingerprint(shard.source_files),
         "size": shard.file_size,
         "header_sha256": _sha(shard.header),
         "tensors": {name: h.hexdigest() for name, h in hashes.items()},
@@ -235,13 +252,22 @@ def run_shards(
 
     def task(shard: OutputShard) -> None:
         entry = ledger.done.get(shard.name)
-        if entry is not None and shard_still_valid(shard, entry, out_dir, stop, hooks):
+        # A shard is only kept if its source files are the very files it was copied from:
+        # a source rewritten between runs (same header, new data) must not leak old bytes.
+        if (
+            entry is not None
+            and entry.get("sources") == sources.fingerprint(shard.source_files)
+            and shard_still_valid(shard, entry, out_dir, stop, hooks)
+        ):
             outcome[shard.name] = "reused"
             if hooks.on_shard:
                 hooks.on_shard(shard.name, True)
             return
         ledger.forget(shard.name)
         entry = write_shard(shard, sources, out_dir, tmp_dir, stop, hooks, check_scales)
+        if entry is None:
+            outcome[shard.name] = "rejected"
+            return
         ledger.record(entry)
         outcome[shard.name] = "written"
         if hooks.on_shard:

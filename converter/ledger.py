@@ -12,6 +12,8 @@ import os
 import threading
 from pathlib import Path
 
+from . import faults
+
 
 class Ledger:
     def __init__(self, path: Path, fingerprint: str) -> None:
@@ -32,6 +34,9 @@ class Ledger:
     def open(self) -> None:
         """Load finished entries if this ledger belongs to our plan, else start afresh."""
         if self.read_fingerprint(self.path) == self.fingerprint:
+            data = self.path.read_bytes()
+            if not data.endswith(b"\n"):  # a torn last line: drop it, or the next append
+                os.truncate(self.path, data.rfind(b"\n") + 1)  # would be glued onto it
             with open(self.path, encoding="utf-8") as fh:
                 for line in fh.readlines()[1:]:
                     try:
@@ -49,10 +54,12 @@ class Ledger:
 
     def record(self, entry: dict) -> None:
         with self._lock:
+            faults.fault_point("ledger.append")
             with open(self.path, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(entry, separators=(",", ":")) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
+            faults.fault_point("ledger.appended")
             self.done[entry["shard"]] = entry
 
     def forget(self, shard: str) -> None:

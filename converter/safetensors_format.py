@@ -95,7 +95,7 @@ def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
         doc = json.loads(text, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as exc:
         raise ConvertError([Problem(f"header has duplicate key {exc.key!r}", file=file)]) from None
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # also ints beyond Python's digit limit
         raise ConvertError([Problem(f"header is not valid JSON ({exc})", file=file)]) from None
     if not isinstance(doc, dict):
         raise ConvertError([Problem("header is not a JSON object", file=file)])

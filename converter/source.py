@@ -78,15 +78,20 @@ def _check_shard_name(root: Path, name: object) -> str | None:
         return "contains '..'"
     if not name.endswith(".safetensors"):
         return "does not name a .safetensors file"
-    target = (root / name).resolve()
+    if not _stays_inside(root, root / name):
+        return "points outside the source directory"
+    return None
+
+
+def _stays_inside(root: Path, path: Path) -> bool:
+    """Whether `path`, symlinks resolved, is inside the source (or its Hub blob store)."""
+    target = path.resolve()
     real_root = root.resolve()
     # Hub snapshots link files into ../../blobs of the same repo cache folder.
     allowed = [real_root]
     if real_root.parent.name == "snapshots":
         allowed.append(real_root.parent.parent / "blobs")
-    if not any(target == a or a in target.parents for a in allowed):
-        return "points outside the source directory"
-    return None
+    return any(target == a or a in target.parents for a in allowed)
 
 
 def read_source(root: Path, label: str | None = None) -> Source:
@@ -128,6 +133,9 @@ def read_source(root: Path, label: str | None = None) -> Source:
         if not path.exists():
             problems.append(Problem("shard named in the index is missing", file=shard))
             continue
+        if not path.is_file():  # a directory, or a FIFO that would block the read forever
+            problems.append(Problem("shard is not a regular file", file=shard))
+            continue
         try:
             headers[shard] = read_header(path, display_name=shard)
         except ConvertError as exc:
@@ -151,6 +159,14 @@ def read_source(root: Path, label: str | None = None) -> Source:
         and not p.name.endswith(".safetensors")
         and not any(part.startswith(".") for part in p.relative_to(root).parts)
     )
+    # Extra files are copied into the output: a link to a file elsewhere (a hostile download
+    # pointing at ~/.ssh/...) would publish that file with the converted model.
+    escaping = [rel for rel in extra if not _stays_inside(root, root / rel)]
+    if escaping:
+        raise ConvertError(
+            [Problem("file is a symlink that points outside the source directory", file=rel)
+             for rel in escaping]
+        )  # fmt: skip
     return Source(root, label, config, weight_map, shard_files, headers, extra, index_metadata)
 
 
@@ -191,7 +207,7 @@ def read_json(path: Path):
             return json.load(fh)
     except FileNotFoundError:
         raise fail("file is missing", file=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd numbers/nesting
         raise fail(f"not valid JSON ({exc})", file=str(path)) from None
     except OSError as exc:
         raise fail(f"cannot read ({exc.strerror})", file=str(path)) from None

@@ -1,0 +1,162 @@
+"""End to end on synthetic checkpoints: the output obeys the data contract byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import run_cli
+from kimi_w31.converter.config_rewrite import unwrap_config
+from kimi_w31.converter.synth import EXTRA_FILES
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def _raw_tensors(root) -> dict[str, bytes]:
+    """Raw bytes per tensor through torch (handles bf16), as a loader would read them."""
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    raw = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        for name, t in load_file(str(root / shard)).items():
+            raw[name] = t.contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes()
+    return raw
+
+
+def test_w31_is_up_then_gate_and_everything_else_identical(small_source, converted):
+    src, out = _raw_tensors(small_source), _raw_tensors(converted)
+    fused = 0
+    for name, data in src.items():
+        if ".experts." in name and (".w1." in name or ".w3." in name) and "shared" not in name:
+            assert name not in out, f"{name} must not remain after conversion"
+            if ".w3." in name:
+                w31 = name.replace(".w3.", ".w31.")
+                assert out[w31] == data + src[name.replace(".w3.", ".w1.")]
+                fused += 1
+        else:
+            assert out[name] == data, name
+    assert fused == 3 * 8 * 2  # layers x experts x (packed, scale)
+    assert set(out) == {n for n in src if not (".experts." in n and (".w1." in n or ".w3." in n)
+                        and "shared" not in n)} | {n.replace(".w3.", ".w31.") for n in src
+                        if ".experts." in n and ".w3." in n and "shared" not in n}  # fmt: skip
+
+
+def test_w31_shapes_and_dtypes(converted):
+    count = 0
+    for shard in converted.glob("*.safetensors"):
+        with safe_open(str(shard), framework="np") as fh:
+            for n in [n for n in fh.keys() if ".w31." in n]:  # noqa: SIM118
+                s = fh.get_slice(n)
+                assert s.get_dtype() == "U8"
+                want = (
+                    [128, 64] if n.endswith("weight_packed") else [128, 4]
+                )  # [2N, K/2], [2N, K/32]
+                assert s.get_shape() == want
+                count += 1
+    assert count == 3 * 8 * 2
+
+
+def test_index_covers_every_tensor_once_with_right_total_size(converted):
+    index = json.loads((converted / "model.safetensors.index.json").read_text())
+    seen: dict[str, str] = {}
+    total = 0
+    shards = sorted(p.name for p in converted.glob("*.safetensors"))
+    assert shards == sorted(set(index["weight_map"].values()))
+    for shard in shards:
+        with safe_open(str(converted / shard), framework="np") as fh:
+            for name in fh.keys():  # noqa: SIM118
+                assert name not in seen, f"{name} in {shard} and {seen.get(name)}"
+                seen[name] = shard
+                sl = fh.get_slice(name)
+                bits = {"U8": 8, "BF16": 16, "F32": 32}[sl.get_dtype()]
+                total += int(np.prod(sl.get_shape())) * bits // 8
+    assert seen == index["weight_map"]
+    assert index["metadata"]["total_size"] == total
+
+
+def test_config_changed_exactly_as_the_contract_says(small_source, converted):
+    src = json.loads((small_source / "config.json").read_text())
+    out = json.loads((converted / "config.json").read_text())
+    block = out["kimi_w31"]
+    for key, want in {"format_version": 1, "fc1_layout": "w31", "fc1_order": ["up", "gate"],
+                      "activation": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0,
+                      "weight_format": "mxfp4", "group_size": 32}.items():  # fmt: skip
+        assert block[key] == want, key
+    assert out["quantization_config"] == {
+        "quant_method": "kimi_w31",
+        "base": src["quantization_config"],
+    }
+    assert unwrap_config(out) == src  # nothing else changed
+
+
+def test_extra_files_copied_unchanged(small_source, converted):
+    for name in EXTRA_FILES:
+        assert (converted / name).read_bytes() == (small_source / name).read_bytes()
+    assert not (converted / ".kimi_w31").exists()  # no state left after a complete run
+
+
+def test_output_shards_respect_max_size_and_hf_names(converted):
+    shards = sorted(converted.glob("*.safetensors"))
+    n = len(shards)
+    assert n > 2
+    assert [p.name for p in shards] == [
+        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)
+    ]
+    # a shard may exceed the limit only when a single tensor does; none does here
+    assert all(p.stat().st_size <= 600_000 + 20_000 for p in shards)
+    assert all(oct(p.stat().st_mode & 0o777) == "0o644" for p in shards)
+
+
+def test_single_file_source(tmp_path, small_source):
+    from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
+
+    src = tmp_path / "single"
+    synth_checkpoint(src, SynthSpec(layers=1, experts=4, shards=1))
+    # turn it into a plain model.safetensors repo (no index)
+    (src / "model-00001-of-00001.safetensors").rename(src / "model.safetensors")
+    (src / "model.safetensors.index.json").unlink()
+    proc = run_cli(src, tmp_path / "out", "--manifest", "kimi-k3-any", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["experts_fused"] == 4
+
+
+def test_dry_run_writes_nothing(small_source, tmp_path):
+    proc = run_cli(small_source, tmp_path / "out", "--manifest", "kimi-k3-any", "--dry-run",
+                   "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["output_bytes"] > 0 and summary["experts_fused"] == 24
+    assert not (tmp_path / "out").exists()
+
+
+def test_repo_id_from_local_hf_cache(small_source, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--tiny-k3" / "snapshots" / ("a" * 40)
+    blobs = cache / "models--org--tiny-k3" / "blobs"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in small_source.iterdir():
+        blob = blobs / f.name
+        blob.write_bytes(f.read_bytes())
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    (cache / "models--org--tiny-k3" / "refs").mkdir()
+    (cache / "models--org--tiny-k3" / "refs" / "main").write_text("a" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = run_cli("org/tiny-k3", tmp_path / "out", "--manifest", "kimi-k3-any", "-q", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    missing = run_cli("org/not-there", tmp_path / "o2", env=env)
+    assert missing.returncode == 1 and "local Hugging Face cache" in missing.stderr
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_output_independent_of_worker_count(small_source, converted, tmp_path, workers):
+    out = tmp_path / "o"
+    proc = run_cli(small_source, out, "--manifest", "kimi-k3-any", "--max-shard-size", "600000",
+                   "--workers", workers, "-q")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for p in converted.iterdir():
+        if p.is_file():
+            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
