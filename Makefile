@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check converter adapter tests
 
 bench: $(STAMP)
-	$(BIN)/python -m kimi_w31.converter.bench --out docs
+	$(BIN)/python tools/bench.py --out docs
 
 faults: $(STAMP)
 	$(BIN)/python tools/fault_table.py --out docs/reliability.md

@@ -103,10 +103,15 @@ class ExpertTensor:
 
 
 def parse_expert(manifest: Manifest, name: str) -> ExpertTensor | None:
-    m = manifest.pattern.match(name)
+    # Split at the last "experts." first and match the pattern on the short tail only: the
+    # pattern's `(?:.*\.)?` prefix costs ~3 us a name by backtracking, x500k names.
+    head, sep, tail = name.rpartition("experts.")
+    if not sep or (head and not head.endswith(".")):
+        return None
+    m = manifest.pattern.match(sep + tail)
     if m is None:
         return None
-    return ExpertTensor(m["prefix"], int(m["expert"]), m["proj"], m["suffix"])
+    return ExpertTensor(head, int(m["expert"]), m["proj"], m["suffix"])
 
 
 @dataclass
@@ -202,6 +207,7 @@ def check_expert_tensors(
     dims: Dims,
     tensors: dict[str, tuple[str, TensorInfo]],
     converted: bool,
+    parsed_names: dict[str, ExpertTensor | None] | None = None,
 ) -> tuple[dict[str, dict[int, dict[str, str]]], list[Problem]]:
     """Check every routed-expert tensor (name -> (file, info)) against the manifest.
 
@@ -210,12 +216,24 @@ def check_expert_tensors(
     and tensors that must not exist in this layout (w31 in a source, w1/w3 in an output).
     """
     rules = manifest.raw["converted_tensors" if converted else "source_tensors"]
+    shapes = {key: dims.shape(rule["shape"]) for key, rule in rules.items()}
     num_experts = dims.values.get("E")
     problems: list[Problem] = []
     layers: dict[str, dict[int, dict[str, str]]] = {}
     for name, (file, info) in tensors.items():
-        parsed = parse_expert(manifest, name)
+        parsed = parsed_names[name] if parsed_names is not None else parse_expert(manifest, name)
         if parsed is None:
+            continue
+        if parsed.name() != name:  # "experts.01." would alias expert 1 and be lost
+            problems.append(
+                Problem(
+                    "expert id is not a plain decimal number",
+                    file=file,
+                    tensor=name,
+                    expected=parsed.name(),
+                    found=name,
+                )
+            )
             continue
         key = f"{parsed.proj}.{parsed.suffix}"
         rule = rules.get(key)
@@ -249,7 +267,7 @@ def check_expert_tensors(
                     "wrong dtype", file=file, tensor=name, expected=rule["dtype"], found=info.dtype
                 )
             )
-        want = dims.shape(rule["shape"])
+        want = shapes[key]
         if want is not None and info.shape != want:
             problems.append(
                 Problem(

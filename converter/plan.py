@@ -12,32 +12,35 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .errors import ConvertError, Problem
-from .manifest import Dims, Manifest, check_expert_tensors, parse_expert, resolve_dims
-from .safetensors_format import HeaderEntry, TensorInfo, build_header
+from .manifest import (
+    Dims,
+    ExpertTensor,
+    Manifest,
+    check_expert_tensors,
+    parse_expert,
+    resolve_dims,
+)
+from .safetensors_format import TensorInfo, build_header
 from .source import Source
 
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
+class Piece(NamedTuple):
     file: str  # source shard, relative to the source root
     offset: int  # absolute offset in that file
     length: int
 
 
-@dataclass(frozen=True, slots=True)
-class OutputTensor:
+class OutputTensor(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.length for p in self.pieces)
+    nbytes: int  # sum of the pieces' lengths
 
 
 @dataclass
@@ -97,7 +100,9 @@ def _ordered_tensors(source: Source) -> list[tuple[str, TensorInfo]]:
     return out
 
 
-def validate_source(source: Source, manifest: Manifest) -> tuple[Dims, dict, list[Problem]]:
+def validate_source(
+    source: Source, manifest: Manifest
+) -> tuple[Dims, dict, dict[str, ExpertTensor | None], list[Problem]]:
     """Every check that must pass before a byte is written; returns all problems."""
     problems: list[Problem] = []
     if not _has_quantization_config(source.config):
@@ -113,9 +118,10 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[Dims, dict, lis
         info.name: (file, info) for file, header in source.headers.items()
         for info in header.tensors.values()
     }  # fmt: skip
-    layers, tensor_problems = check_expert_tensors(manifest, dims, table, converted=False)
+    parsed = {name: parse_expert(manifest, name) for name in table}
+    layers, tensor_problems = check_expert_tensors(manifest, dims, table, False, parsed)
     problems.extend(tensor_problems)
-    return dims, layers, problems
+    return dims, layers, parsed, problems
 
 
 def _has_quantization_config(config: dict) -> bool:
@@ -132,7 +138,7 @@ def plan_conversion(
     tool_version: str = "",
 ) -> Plan:
     """Validate, then lay out every output tensor and shard. Raises with all problems."""
-    dims, layers, problems = validate_source(source, manifest)
+    dims, layers, parsed_names, problems = validate_source(source, manifest)
     if problems:
         raise ConvertError(
             problems,
@@ -149,10 +155,10 @@ def plan_conversion(
     outputs: list[OutputTensor] = []
     fused: set[str] = set()
     for file, info in ordered:
-        parsed = parse_expert(manifest, info.name)
+        parsed = parsed_names[info.name]
         if parsed is None or parsed.proj not in ("w1", "w3"):
-            piece = Piece(file, info.begin, info.nbytes)
-            outputs.append(OutputTensor(info.name, info.dtype, info.shape, (piece,)))
+            piece = Piece(file, info.begin, info.end - info.begin)
+            outputs.append(OutputTensor(info.name, info.dtype, info.shape, (piece,), piece.length))
             continue
         # w31 goes where the first of its two halves appears in the source.
         name = parsed.name("w31")
@@ -165,7 +171,7 @@ def plan_conversion(
             Piece(source.weight_map[gate.name], gate.begin, gate.nbytes),
         )
         shape = (up.shape[0] + gate.shape[0], *up.shape[1:])
-        outputs.append(OutputTensor(name, up.dtype, shape, pieces))
+        outputs.append(OutputTensor(name, up.dtype, shape, pieces, up.nbytes + gate.nbytes))
 
     shards = pack_shards(outputs, max_shard_size)
     plan = Plan(
@@ -197,9 +203,7 @@ def pack_shards(tensors: list[OutputTensor], max_shard_size: int) -> list[Output
     shards = []
     for i, group in enumerate(groups, start=1):
         shard = OutputShard(shard_name(i, count), group)
-        shard.header = build_header(
-            [HeaderEntry(t.name, t.dtype, t.shape, t.nbytes) for t in group]
-        )
+        shard.header = build_header(group)  # OutputTensor has HeaderEntry's fields
         shards.append(shard)
     return shards
 

@@ -17,7 +17,10 @@ import json
 import math
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import NamedTuple
 
 from .errors import ConvertError, Problem
 
@@ -33,9 +36,12 @@ DTYPE_BITS: dict[str, int] = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One tensor as a header describes it; `begin`/`end` are absolute file offsets."""
+class TensorInfo(NamedTuple):
+    """One tensor as a header describes it; `begin`/`end` are absolute file offsets.
+
+    A NamedTuple, not a frozen dataclass: the real model has ~500k of these and a frozen
+    dataclass costs several times more to construct.
+    """
 
     name: str
     dtype: str
@@ -58,17 +64,28 @@ class ShardHeader:
     header_sha256: str = ""
 
 
+_BITS_BY_DTYPE = DTYPE_BITS  # local alias for the hot loop
+
+
+def _all_dims_ok(shape: list) -> bool:
+    """Non-negative ints (bool excluded); unrolled for the common 1-D/2-D shapes."""
+    if len(shape) == 2:
+        a, b = shape
+        return type(a) is int and type(b) is int and a >= 0 and b >= 0
+    return all(type(d) is int and d >= 0 for d in shape)
+
+
 def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     bits = DTYPE_BITS[dtype] * math.prod(shape)
     return (bits + 7) // 8
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    seen: dict[str, object] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _DuplicateKey(key)
-        seen[key] = value
+    # json keeps the last of duplicate keys silently; a header with two meanings is rejected.
+    seen = dict(pairs)
+    if len(seen) != len(pairs):
+        dup = next(k for i, (k, _) in enumerate(pairs) if any(k == q for q, _ in pairs[:i]))
+        raise _DuplicateKey(dup)
     return seen
 
 
@@ -113,6 +130,27 @@ def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
 
     tensors: dict[str, TensorInfo] = {}
     for name, entry in doc.items():
+        # Fast path first: ~500k entries in the real model, each checked in a few hundred ns.
+        if type(entry) is dict and len(entry) == 3:
+            dtype = entry.get("dtype")
+            shape = entry.get("shape")
+            offsets = entry.get("data_offsets")
+            if (
+                type(dtype) is str
+                and dtype in _BITS_BY_DTYPE
+                and type(shape) is list
+                and type(offsets) is list
+                and len(offsets) == 2
+                and _all_dims_ok(shape)
+                and type(offsets[0]) is int
+                and type(offsets[1]) is int
+                and 0 <= offsets[0] <= offsets[1]
+                and offsets[1] - offsets[0] == (_BITS_BY_DTYPE[dtype] * math.prod(shape) + 7) // 8
+            ):
+                tensors[name] = TensorInfo(
+                    name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1]
+                )
+                continue
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             bad("entry must have exactly dtype, shape and data_offsets", name)
             continue
@@ -150,7 +188,7 @@ def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
 
     # Offsets must tile [0, data_len) exactly: sorted, contiguous, ending at the file's end.
     cursor = data_start
-    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+    for info in sorted(tensors.values(), key=_begin_end):
         if info.begin != cursor:
             kind = "overlaps the previous tensor" if info.begin < cursor else "leaves a gap"
             bad(
@@ -167,6 +205,9 @@ def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
         raise ConvertError(problems)
     digest = hashlib.sha256(raw).hexdigest()
     return ShardHeader(file, file_size, data_start, tensors, metadata, digest)
+
+
+_begin_end = attrgetter("begin", "end")
 
 
 def read_header(path: str | os.PathLike[str], display_name: str | None = None) -> ShardHeader:
@@ -226,7 +267,7 @@ class HeaderEntry:
     nbytes: int
 
 
-def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = None) -> bytes:
+def build_header(entries: Sequence[HeaderEntry], metadata: dict[str, str] | None = None) -> bytes:
     """Length prefix + JSON header, space-padded so the data section starts 8-byte aligned.
 
     Tensors are laid out in the order given, contiguously from offset 0.

@@ -69,7 +69,7 @@ def resolve_source(spec: str, revision: str | None = None) -> Path:
 
 def _check_shard_name(root: Path, name: object) -> str | None:
     """Why a weight_map entry is unsafe or unusable, or None if it is fine."""
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or "\x00" in name:  # NUL: no OS takes it
         return "is not a file name"
     if os.path.isabs(name) or name.startswith(("/", "\\")):
         return "is an absolute path"
@@ -81,6 +81,21 @@ def _check_shard_name(root: Path, name: object) -> str | None:
     if not _stays_inside(root, root / name):
         return "points outside the source directory"
     return None
+
+
+def check_weight_map(root: Path, weight_map: dict, index_name: str) -> list[Problem]:
+    """Every entry names a safe shard; each distinct name is checked once (500k tensors
+    share a few hundred shard names, and resolving symlinks is a system call per path)."""
+    verdicts: dict[str, str | None] = {}
+    problems = []
+    for tensor, shard in weight_map.items():
+        key = shard if isinstance(shard, str) else repr(shard)
+        if key not in verdicts:
+            verdicts[key] = _check_shard_name(root, shard)
+        if verdicts[key]:
+            problems.append(Problem(f"weight_map entry {verdicts[key]}", file=index_name,
+                                    tensor=tensor, found=repr(shard)))  # fmt: skip
+    return problems
 
 
 def _stays_inside(root: Path, path: Path) -> bool:
@@ -110,14 +125,7 @@ def read_source(root: Path, label: str | None = None) -> Source:
         if not isinstance(weight_map, dict) or not weight_map:
             raise fail("index has no weight_map object", file=str(index_path))
         index_metadata = index.get("metadata") or {}
-        for tensor, shard in weight_map.items():
-            why = _check_shard_name(root, shard)
-            if why:
-                problems.append(
-                    Problem(
-                        f"weight_map entry {why}", file=INDEX_NAME, tensor=tensor, found=repr(shard)
-                    )
-                )
+        problems.extend(check_weight_map(root, weight_map, INDEX_NAME))
         if problems:
             raise ConvertError(problems)
         shard_files = list(dict.fromkeys(weight_map.values()))

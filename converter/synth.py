@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -89,10 +91,17 @@ def make_config(spec: SynthSpec) -> dict:
         "routed_scaling_factor": spec.routed_scaling_factor,
         "rms_norm_eps": 1e-5,
         "torch_dtype": "bfloat16",
+        # MLA attention dims: SGLang's ModelConfig derives its attention scaling from them.
+        "q_lora_rank": None,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
     }
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
-        "model_type": "kimi_k3_vl",
+        # The model type SGLang registers for Kimi-K3 (its KimiK3Config).
+        "model_type": "kimi_k3",
         "text_config": text,
         "quantization_config": quantization_config(),
         "torch_dtype": "bfloat16",
@@ -115,65 +124,63 @@ def _fp4_bytes(rng: np.random.Generator, rows: int, k: int, scales: np.ndarray) 
     return packed
 
 
-def _expert_tensors(rng, prefix: str, spec: SynthSpec):
-    n, k = spec.n, spec.k
-    out = []
-    for proj, rows, cols in (("w1", n, k), ("w2", k, n), ("w3", n, k)):
-        scale = _scale_bytes(rng, rows, cols)
-        out.append(
-            (
-                f"{prefix}.{proj}.weight_packed",
-                "U8",
-                (rows, cols // 2),
-                _fp4_bytes(rng, rows, cols, scale),
-            )
-        )
-        out.append((f"{prefix}.{proj}.weight_scale", "U8", (rows, cols // 32), scale))
-    return out  # fmt: skip
+def _rng(spec: SynthSpec, name: str) -> np.random.Generator:
+    # One generator per tensor: data does not depend on shard layout or write order.
+    return np.random.default_rng([spec.seed, zlib.crc32(name.encode())])
 
 
-def _dense(rng, name: str, dtype: str, shape: tuple[int, ...]):
-    nbytes = tensor_nbytes(dtype, shape)
-    if dtype == "F32":
-        data = (rng.standard_normal(math.prod(shape)) * 0.02).astype(np.float32)
-    else:  # bf16/f16: random small-magnitude bit patterns are fine for byte-level tests
-        data = (rng.standard_normal(math.prod(shape)) * 0.02).astype(np.float32)
-        data = (
-            (data.view(np.uint32) >> 16).astype(np.uint16)
-            if dtype == "BF16"
-            else data.astype(np.float16)
-        )
-    raw = np.frombuffer(data.tobytes(), dtype=np.uint8)
-    assert raw.size == nbytes
-    return (name, dtype, shape, raw)
+def _dense_bytes(spec: SynthSpec, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    data = (_rng(spec, name).standard_normal(math.prod(shape)) * 0.02).astype(np.float32)
+    if dtype == "BF16":
+        data = (data.view(np.uint32) >> 16).astype(np.uint16)
+    elif dtype == "F16":
+        data = data.astype(np.float16)
+    return np.frombuffer(data.tobytes(), dtype=np.uint8)
 
 
-def _tensors(spec: SynthSpec):
-    rng = np.random.default_rng(spec.seed)
-    h = spec.hidden
-    yield _dense(rng, "language_model.model.embed_tokens.weight", "BF16", (spec.vocab, h))
+def tensor_bytes(spec: SynthSpec, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The deterministic content of one synthetic tensor, generated on demand."""
+    if name.endswith(".weight_scale"):
+        return _scale_bytes(_rng(spec, name), shape[0], shape[1] * 32)
+    if name.endswith(".weight_packed"):
+        scale_name = name[: -len("weight_packed")] + "weight_scale"
+        scales = _scale_bytes(_rng(spec, scale_name), shape[0], shape[1] * 2)
+        return _fp4_bytes(_rng(spec, name), shape[0], shape[1] * 2, scales)
+    return _dense_bytes(spec, name, dtype, shape)
+
+
+def tensor_specs(spec: SynthSpec) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor, in checkpoint order; no data."""
+    h, n, k = spec.hidden, spec.n, spec.k
+    out = [("language_model.model.embed_tokens.weight", "BF16", (spec.vocab, h))]
     for layer in range(spec.layers):
         p = f"{PREFIX}.{layer}"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            yield _dense(rng, f"{p}.self_attn.{proj}.weight", "BF16", (h, h))
-        yield _dense(rng, f"{p}.input_layernorm.weight", "BF16", (h,))
-        yield _dense(rng, f"{p}.post_attention_layernorm.weight", "BF16", (h,))
-        yield _dense(rng, f"{p}.mlp.gate.weight", "F32", (spec.experts, h))
-        yield _dense(rng, f"{p}.mlp.gate.e_score_correction_bias", "F32", (spec.experts,))
+            out.append((f"{p}.self_attn.{proj}.weight", "BF16", (h, h)))
+        out.append((f"{p}.input_layernorm.weight", "BF16", (h,)))
+        out.append((f"{p}.post_attention_layernorm.weight", "BF16", (h,)))
+        out.append((f"{p}.mlp.gate.weight", "F32", (spec.experts, h)))
+        out.append((f"{p}.mlp.gate.e_score_correction_bias", "F32", (spec.experts,)))
         # Shared experts use w1/w3 names too, but are not routed experts: copied as-is.
-        for proj, shape in (("w1", (spec.n, h)), ("w3", (spec.n, h)), ("w2", (h, spec.n))):
-            yield _dense(rng, f"{p}.mlp.shared_experts.{proj}.weight", "BF16", shape)
+        for proj, shape in (("w1", (n, h)), ("w3", (n, h)), ("w2", (h, n))):
+            out.append((f"{p}.mlp.shared_experts.{proj}.weight", "BF16", shape))
         for e in range(spec.experts):
-            yield from _expert_tensors(rng, f"{p}.mlp.experts.{e}", spec)
-    yield _dense(rng, "language_model.model.norm.weight", "BF16", (h,))
-    yield _dense(rng, "language_model.lm_head.weight", "BF16", (spec.vocab, h))
+            for proj, rows, cols in (("w1", n, k), ("w2", k, n), ("w3", n, k)):
+                q = f"{p}.mlp.experts.{e}.{proj}"
+                out.append((f"{q}.weight_packed", "U8", (rows, cols // 2)))
+                out.append((f"{q}.weight_scale", "U8", (rows, cols // 32)))
+    out.append(("language_model.model.norm.weight", "BF16", (h,)))
+    out.append(("language_model.lm_head.weight", "BF16", (spec.vocab, h)))
+    return out
 
 
 def write_safetensors(path: Path, tensors: list) -> None:
-    entries = [HeaderEntry(n, d, s, a.nbytes) for n, d, s, a in tensors]
+    """Write (name, dtype, shape, uint8 array or a zero-arg callable returning one)."""
+    entries = [HeaderEntry(n, d, s, tensor_nbytes(d, s)) for n, d, s, _ in tensors]
     with open(path, "wb") as fh:
         fh.write(build_header(entries))
-        for *_, arr in tensors:
+        for *_, data in tensors:
+            arr = data() if callable(data) else data
             fh.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
 
 
@@ -188,14 +195,14 @@ EXTRA_FILES = {
 
 
 def synth_checkpoint(out: Path, spec: SynthSpec) -> dict:
-    """Write a checkpoint; returns a small summary. Streams shard by shard."""
+    """Write a checkpoint; returns a small summary. Generates data shard by shard."""
     out.mkdir(parents=True, exist_ok=True)
-    all_tensors = list(_tensors(spec))
+    specs = tensor_specs(spec)
     # Move one expert's w3 to the last shard so partners are certainly split across shards.
-    moved = [t for t in all_tensors if ".experts.0.w3." in t[0] and t[0].startswith(f"{PREFIX}.0.")]
-    rest = [t for t in all_tensors if t not in moved]
-    total = sum(t[3].nbytes for t in rest)
-    per_shard = math.ceil(total / spec.shards)
+    moved = [t for t in specs if t[0].startswith(f"{PREFIX}.0.mlp.experts.0.w3.")]
+    rest = [t for t in specs if t not in moved]
+    sizes = {t[0]: tensor_nbytes(t[1], t[2]) for t in specs}
+    per_shard = math.ceil(sum(sizes[t[0]] for t in rest) / spec.shards)
     groups: list[list] = [[]]
     size = 0
     for t in rest:
@@ -203,21 +210,18 @@ def synth_checkpoint(out: Path, spec: SynthSpec) -> dict:
             groups.append([])
             size = 0
         groups[-1].append(t)
-        size += t[3].nbytes
+        size += sizes[t[0]]
     groups[-1].extend(moved)
     weight_map = {}
     for i, group in enumerate(groups, start=1):
         name = shard_name(i, len(groups)) if len(groups) > 1 else "model-00001-of-00001.safetensors"
-        write_safetensors(out / name, group)
+        lazy = [(n, d, s, partial(tensor_bytes, spec, n, d, s)) for n, d, s in group]
+        write_safetensors(out / name, lazy)
         weight_map.update({t[0]: name for t in group})
-    index = {"metadata": {"total_size": sum(t[3].nbytes for t in all_tensors)},
-             "weight_map": weight_map}  # fmt: skip
+    total = sum(sizes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(make_config(spec), indent=2) + "\n")
     for name, text in EXTRA_FILES.items():
         (out / name).write_text(text)
-    return {
-        "tensors": len(all_tensors),
-        "shards": len(groups),
-        "bytes": index["metadata"]["total_size"],
-    }
+    return {"tensors": len(specs), "shards": len(groups), "bytes": total}

@@ -26,8 +26,8 @@ from .safetensors_format import ShardHeader, read_header
 from .source import (
     CONFIG_NAME,
     INDEX_NAME,
-    _check_shard_name,
     check_index_against_headers,
+    check_weight_map,
     read_json,
     read_source,
     resolve_source,
@@ -96,10 +96,7 @@ def check_structure(root: Path, manifest_name: str | None, report: VerifyReport)
     if not isinstance(weight_map, dict):
         report.add("index", [Problem("index has no weight_map", file=INDEX_NAME)], "malformed")
         raise _Stop()
-    for tensor, shard in weight_map.items():
-        why = _check_shard_name(root, shard)
-        if why:
-            problems.append(Problem(f"weight_map entry {why}", file=INDEX_NAME, tensor=tensor))
+    problems.extend(check_weight_map(root, weight_map, INDEX_NAME))
     files = sorted(set(weight_map.values()))
     headers: dict[str, ShardHeader] = {}
     for f in files:

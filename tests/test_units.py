@@ -207,7 +207,7 @@ def test_pack_shards_is_order_preserving():
     from kimi_w31.converter.plan import OutputTensor, Piece
 
     ts = [
-        OutputTensor(f"t{i}", "U8", (s,), (Piece("f", 0, s),))
+        OutputTensor(f"t{i}", "U8", (s,), (Piece("f", 0, s),), s)
         for i, s in enumerate([5, 5, 5, 20, 1])
     ]
     shards = pack_shards(ts, 10)

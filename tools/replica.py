@@ -1,0 +1,72 @@
+"""Header-only replicas of the real Kimi-K3 checkpoint: real names, shapes, dtypes and
+shard sizes, with tensor data left as holes (sparse files), so a 1.46 TB checkpoint costs
+a few hundred MB of headers on disk. Used by the planning-scale benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kimi_w31.converter.convert import _final_files
+from kimi_w31.converter.manifest import load_manifest
+from kimi_w31.converter.plan import OutputTensor, Piece, pack_shards, plan_conversion
+from kimi_w31.converter.safetensors_format import tensor_nbytes
+from kimi_w31.converter.source import read_source
+from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, make_config, tensor_specs
+
+REAL = SynthSpec(layers=93, experts=896, hidden=7168, k=3584, n=3072, top_k=16, vocab=163840)
+
+
+def _write_sparse(path: Path, header: bytes, size: int) -> None:
+    with open(path, "wb") as fh:
+        fh.write(header)
+        fh.truncate(size)  # the rest is a hole: apparent size only
+
+
+def write_source_replica(
+    root: Path, spec: SynthSpec = REAL, shard_size: int = 5_000_000_000
+) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = [
+        OutputTensor(n, d, s, (Piece("", 0, tensor_nbytes(d, s)),), tensor_nbytes(d, s))
+        for n, d, s in tensor_specs(spec)
+    ]
+    shards = pack_shards(tensors, shard_size)
+    weight_map = {}
+    for shard in shards:
+        _write_sparse(root / shard.name, shard.header, shard.file_size)
+        weight_map.update({t.name: shard.name for t in shard.tensors})
+    index = {"metadata": {"total_size": sum(s.data_size for s in shards)}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "config.json").write_text(json.dumps(make_config(spec), indent=2))
+    for name, text in EXTRA_FILES.items():
+        (root / name).write_text(text)
+    return {
+        "tensors": len(tensors),
+        "shards": len(shards),
+        "apparent_bytes": sum(s.file_size for s in shards),
+    }
+
+
+def write_converted_replica(source_root: Path, out: Path, manifest: str = "kimi-k3") -> dict:
+    """What kimi-convert would write for `source_root`, as sparse files (plan -> headers)."""
+    m = load_manifest(manifest)
+    source = read_source(source_root)
+    plan = plan_conversion(source, m)
+    out.mkdir(parents=True, exist_ok=True)
+    for shard in plan.shards:
+        _write_sparse(out / shard.name, shard.header, shard.file_size)
+    for name, data in _final_files(source, plan, m).items():
+        (out / name).write_bytes(data)
+    for name in source.extra_files:
+        (out / name).write_bytes((source_root / name).read_bytes())
+    return {"tensors": plan.tensors_copied, "shards": len(plan.shards)}
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use
+    import sys
+
+    info = write_source_replica(Path(sys.argv[1]))
+    print(info, os.path.getsize(sys.argv[1]) if False else "")
