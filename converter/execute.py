@@ -25,12 +25,13 @@ from .streaming import (
     CHUNK_SIZE,
     HashPipe,
     Interrupted,
+    RangeHasher,
     ScaleScan,
     SourceChanged,
     _write_all,
+    copy_range,
     hash_tensors,
     new_hash,
-    stream_range,
 )
 
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -100,6 +101,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _either(threading.Event):
+    """A stop flag for one shard's hasher: set by the run's flag or by the shard's failure."""
+
+    def __init__(self, run_stop: threading.Event) -> None:
+        super().__init__()
+        self.run_stop = run_stop
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.run_stop.is_set()
+
+
 def write_shard(
     shard: OutputShard,
     sources: SourceFiles,
@@ -112,7 +124,6 @@ def write_shard(
     """Write one shard; None if its scales hold NaN (then it is neither kept nor recorded)."""
     tmp = tmp_dir / f"{shard.name}.partial"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    pipe = HashPipe(CHUNK_SIZE)
     hashes = {}
     scans: dict[str, ScaleScan] = {}
     try:
@@ -122,20 +133,29 @@ def write_shard(
         faults.fault_point("shard.header")
         if hooks.on_bytes:
             hooks.on_bytes(len(shard.header))
+        jobs = []
         for tensor in shard.tensors:
             h = new_hash()
             targets: tuple = (h,)
             if check_scales and tensor.name.endswith("weight_scale"):
                 scans[tensor.name] = ScaleScan()
                 targets = (h, scans[tensor.name])
-            for piece in tensor.pieces:
-                stream_range(
-                    pipe, targets, sources.fd(piece.file), piece.offset, piece.length,
-                    fd, stop, hooks.on_bytes, piece.file,
-                )  # fmt: skip
-                faults.fault_point("shard.piece")  # between the w3 and w1 halves of a w31
             hashes[tensor.name] = h
-        pipe.drain()
+            ranges = [(sources.fd(p.file), p.offset, p.length, p.file) for p in tensor.pieces]
+            jobs.append((targets, ranges))
+        stop_hasher = _either(stop)
+        hasher = RangeHasher(jobs, stop_hasher)  # checksums computed beside the copy, not after it
+        try:
+            for tensor in shard.tensors:
+                for piece in tensor.pieces:
+                    copy_range(sources.fd(piece.file), piece.offset, piece.length, fd, stop,
+                               hooks.on_bytes, piece.file)  # fmt: skip
+                    faults.fault_point("shard.piece")  # between the w3 and w1 halves of a w31
+        except BaseException:
+            stop_hasher.set()
+            raise
+        finally:
+            hasher.finish()
         os.fsync(fd)
         faults.fault_point("shard.fsynced")
     except OSError as exc:
@@ -147,7 +167,6 @@ def write_shard(
         tmp.unlink(missing_ok=True)
         raise
     finally:
-        pipe.close()
         os.close(fd)
     nan = [_nan_problem(name, shard.name, scan) for name, scan in scans.items() if scan.count]
     if nan:

@@ -9,6 +9,7 @@ Memory per stream is `BUFFERS * CHUNK_SIZE`, whatever the tensor or shard size.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import queue
@@ -169,3 +170,87 @@ def hash_tensors(
     finally:
         os.close(fd)
     return {name: h.hexdigest() for name, h in hashes.items()}, scans
+
+
+# Kernel-side copy: the bytes go page cache -> page cache without passing through Python,
+# as `cp` does. Falls back to a read/write loop where the kernel or filesystem cannot.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
+_kernel_copy_ok = hasattr(os, "copy_file_range")
+COPY_STEP = 64 << 20  # per call: keeps progress and Ctrl-C responsive
+
+
+def copy_range(
+    src_fd: int,
+    offset: int,
+    length: int,
+    out_fd: int,
+    stop: threading.Event | None,
+    progress: Callable[[int], None] | None,
+    what: str,
+) -> None:
+    """Append [offset, offset+length) of src_fd to out_fd (at its current position)."""
+    global _kernel_copy_ok
+    end = offset + length
+    while offset < end:
+        if stop is not None and stop.is_set():
+            raise Interrupted()
+        want = min(COPY_STEP, end - offset)
+        n = 0
+        if _kernel_copy_ok:
+            try:
+                n = os.copy_file_range(src_fd, out_fd, want, offset)
+            except OSError as exc:
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                _kernel_copy_ok = False
+        if n == 0:  # no kernel copy, or it copied nothing: a plain read/write of this step
+            buf = bytearray(min(want, CHUNK_SIZE))
+            n = os.preadv(src_fd, [buf], offset)
+            if n == 0:
+                raise SourceChanged(what, f"ended early at byte {offset} (file truncated?)")
+            _write_all(out_fd, memoryview(buf)[:n])
+        offset += n
+        if progress is not None:
+            progress(n)
+
+
+class RangeHasher(threading.Thread):
+    """Hashes a shard's source ranges on its own thread while `copy_range` copies them.
+
+    Both read the same source pages, so one of the two reads is served from the page cache;
+    hashing (the only CPU-heavy part) runs beside the kernel copy instead of after it.
+    Each job is (targets, [(fd, offset, length, file name), ...]); every target's `update`
+    gets the job's bytes in order.
+    """
+
+    def __init__(self, jobs: list[tuple[tuple, list[tuple[int, int, int, str]]]],
+                 stop: threading.Event | None) -> None:  # fmt: skip
+        super().__init__(name="range-hasher", daemon=True)
+        self.jobs = jobs
+        self.stop = stop
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        buf = bytearray(CHUNK_SIZE)
+        view = memoryview(buf)
+        try:
+            for targets, ranges in self.jobs:
+                for fd, offset, length, what in ranges:
+                    end = offset + length
+                    while offset < end:
+                        if self.stop is not None and self.stop.is_set():
+                            raise Interrupted()
+                        n = os.preadv(fd, [view[: min(CHUNK_SIZE, end - offset)]], offset)
+                        if n == 0:
+                            raise SourceChanged(what, f"ended early at byte {offset}")
+                        for target in targets:
+                            target.update(view[:n])
+                        offset += n
+        except BaseException as exc:
+            self.error = exc
+
+    def finish(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
