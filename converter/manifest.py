@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import ConvertError, Problem, fail
 from .safetensors_format import TensorInfo
@@ -89,8 +90,7 @@ def config_value(config: dict, key: str):
     return config.get(key)
 
 
-@dataclass(frozen=True, slots=True)
-class ExpertTensor:
+class ExpertTensor(NamedTuple):
     """A routed-expert tensor name taken apart: `<prefix>experts.<expert>.<proj>.<suffix>`."""
 
     prefix: str

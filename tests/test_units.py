@@ -212,3 +212,16 @@ def test_pack_shards_is_order_preserving():
     ]
     shards = pack_shards(ts, 10)
     assert [[t.name for t in s.tensors] for s in shards] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.experts.7.w31.weight_packed", 'odd"name\\é'])
+def test_fast_header_formatting_equals_json_dumps(name):
+    import json
+
+    entries = [HeaderEntry(name, "U8", (4, 2), 8), HeaderEntry("s", "F32", (), 4)]
+    doc = {"__metadata__": {"format": "pt"},
+           name: {"dtype": "U8", "shape": [4, 2], "data_offsets": [0, 8]},
+           "s": {"dtype": "F32", "shape": [], "data_offsets": [8, 12]}}  # fmt: skip
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    assert build_header(entries) == struct.pack("<Q", len(body)) + body
