@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/kimi-convert synth $(DEMO)/src --layers 3 --experts 8
-	$(BIN)/kimi-convert $(DEMO)/src $(DEMO)/out --manifest kimi-k3-any
+	$(BIN)/kimi-convert $(DEMO)/src $(DEMO)/out --manifest kimi-k3-any --max-shard-size 1MB
 	$(BIN)/kimi-convert verify $(DEMO)/out --checksums --source $(DEMO)/src --numerics
 
 test: $(STAMP)

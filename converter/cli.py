@@ -317,9 +317,12 @@ def synth(output, layers, experts, top_k, shards, real_dims, k, n, seed) -> None
 
 
 def _register_optional_commands() -> None:
+    from kimi_w31.adapter.launch import serve  # metadata checks only: never imports SGLang
+
     from .verify_cli import verify
 
     main.add_command(verify)
+    main.add_command(serve)
 
 
 _register_optional_commands()

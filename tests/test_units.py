@@ -225,3 +225,16 @@ def test_fast_header_formatting_equals_json_dumps(name):
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % 8)
     assert build_header(entries) == struct.pack("<Q", len(body)) + body
+
+
+def test_importing_the_converter_never_imports_sglang_flashinfer_or_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kimi_w31.converter.cli, kimi_w31.converter.convert, "
+        "kimi_w31.converter.verify\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'flashinfer', 'torch'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
