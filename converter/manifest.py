@@ -97,6 +97,7 @@ class ExpertTensor(NamedTuple):
     expert: int
     proj: str
     suffix: str
+    canonical: bool = True  # False for ids such as "01" that would alias expert 1
 
     def name(self, proj: str | None = None) -> str:
         return f"{self.prefix}experts.{self.expert}.{proj or self.proj}.{self.suffix}"
@@ -111,7 +112,9 @@ def parse_expert(manifest: Manifest, name: str) -> ExpertTensor | None:
     m = manifest.pattern.match(sep + tail)
     if m is None:
         return None
-    return ExpertTensor(head, int(m["expert"]), m["proj"], m["suffix"])
+    digits = m["expert"]
+    expert = int(digits)
+    return ExpertTensor(head, expert, m["proj"], m["suffix"], str(expert) == digits)
 
 
 @dataclass
@@ -224,7 +227,7 @@ def check_expert_tensors(
         parsed = parsed_names[name] if parsed_names is not None else parse_expert(manifest, name)
         if parsed is None:
             continue
-        if parsed.name() != name:  # "experts.01." would alias expert 1 and be lost
+        if not parsed.canonical:  # "experts.01." would alias expert 1 and be lost
             problems.append(
                 Problem(
                     "expert id is not a plain decimal number",

@@ -161,11 +161,13 @@ def plan_conversion(
             outputs.append(OutputTensor(info.name, info.dtype, info.shape, (piece,), piece.length))
             continue
         # w31 goes where the first of its two halves appears in the source.
-        name = parsed.name("w31")
+        stem = info.name[: -len(parsed.proj) - len(parsed.suffix) - 1]  # "<p>experts.E."
+        tail = "." + parsed.suffix
+        name = stem + "w31" + tail
         if name in fused:
             continue
         fused.add(name)
-        up, gate = table[parsed.name("w3")], table[parsed.name("w1")]
+        up, gate = table[stem + "w3" + tail], table[stem + "w1" + tail]
         pieces = (
             Piece(source.weight_map[up.name], up.begin, up.nbytes),
             Piece(source.weight_map[gate.name], gate.begin, gate.nbytes),
