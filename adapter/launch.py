@@ -1,0 +1,236 @@
+"""`kimi-convert serve OUT [-- SGLANG ARGS...]`: check a checkpoint and the serving stack,
+then exec SGLang's server with the adapter's backend.
+
+Only importlib.metadata looks at SGLang/FlashInfer here (never an import): the checks run
+before the interpreter that serves, and importing SGLang costs seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from .layout import (
+    BLOCK_KEY,
+    OPT_IN_ENV,
+    WRAPPER_METHOD,
+    LayoutError,
+    find_block,
+    load_layout,
+    text_config,
+)
+
+SGLANG_PIN = "0.5.23"
+FLASHINFER_MIN = (0, 7, 0)
+PLUGIN_GROUP, PLUGIN_NAME = "sglang.srt.plugins", "kimi_w31"
+BACKEND = "flashinfer_mxfp4"
+ALIGNMENT = 128
+
+
+class ServeError(click.ClickException):
+    """A reason not to start the server; the message says what to do instead."""
+
+
+@dataclass
+class ServePlan:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # variables to add for the server
+
+    def shell(self) -> str:
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (prefix + " " if prefix else "") + shlex.join(self.argv)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts: list[int] = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not piece.isdigit():
+            break
+    return tuple(parts)
+
+
+def check_stack(
+    version_of: Callable[[str], str] = md.version,
+    entry_points: Callable[..., Sequence] = md.entry_points,
+    environ: Mapping[str, str] = os.environ,
+) -> list[str]:
+    """Problems with the installed SGLang / FlashInfer / plugin (empty: all good)."""
+    problems: list[str] = []
+    for dist, check, want in (
+        ("sglang", lambda v: v == SGLANG_PIN, f"== {SGLANG_PIN}"),
+        ("flashinfer-python", lambda v: _version_tuple(v) >= FLASHINFER_MIN, ">= 0.7.0"),
+    ):
+        try:
+            found = version_of(dist)
+        except md.PackageNotFoundError:
+            problems.append(
+                f"{dist} is not installed (need {want}): pip install 'kimi-w31[sglang]'"
+            )
+            continue
+        if not check(found):
+            problems.append(
+                f"{dist} {found} is installed, the adapter needs {want}: "
+                "pip install 'kimi-w31[sglang]'"
+            )
+    names = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+    if PLUGIN_NAME not in names:
+        problems.append(
+            f"no '{PLUGIN_NAME}' entry point in group {PLUGIN_GROUP}: install kimi-w31 into "
+            "the environment that runs SGLang"
+        )
+    else:
+        try:
+            names[PLUGIN_NAME].load()
+        except Exception as exc:  # the plugin itself must import without SGLang running
+            problems.append(f"the {PLUGIN_NAME} plugin does not import: {exc!r}")
+    allowed = environ.get("SGLANG_PLUGINS", "")
+    if allowed.strip() and PLUGIN_NAME not in {x.strip() for x in allowed.split(",")}:
+        problems.append(
+            f"SGLANG_PLUGINS={allowed!r} filters out '{PLUGIN_NAME}': add it to the list"
+        )
+    return problems
+
+
+def _flag_given(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def check_checkpoint(
+    root: Path, *, unconverted: bool, tp: int, ep: int, backend: str = BACKEND
+) -> tuple[dict, bool]:
+    """(config, converted?) after the config-level checks; raises ServeError."""
+    cfg_path = root / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ServeError(f"{cfg_path}: cannot read the model config ({exc})") from exc
+    converted = find_block(cfg) is not None
+    if converted:
+        try:
+            load_layout(cfg)
+        except LayoutError as exc:
+            raise ServeError(f"{cfg_path}: {exc}") from exc
+        qc = cfg.get("quantization_config") or text_config(cfg).get("quantization_config")
+        if not (isinstance(qc, dict) and qc.get("quant_method") == WRAPPER_METHOD):
+            raise ServeError(
+                f"{cfg_path}: has a '{BLOCK_KEY}' block but its quantization_config is not "
+                f"wrapped as '{WRAPPER_METHOD}', so a server without the adapter would not "
+                "refuse it. Convert the checkpoint again."
+            )
+    elif not unconverted:
+        raise ServeError(
+            f"{root} is not a converted checkpoint (no '{BLOCK_KEY}' block in config.json). "
+            f"Convert it with `kimi-convert SRC OUT`, or pass --unconverted to serve the "
+            f"original with the adapter's SiTU method ({OPT_IN_ENV}=1)."
+        )
+    text = text_config(cfg)
+    if text.get("hidden_act") != "situ":
+        raise ServeError(f"{cfg_path}: hidden_act is {text.get('hidden_act')!r}, not 'situ'")
+    if tp < 1 or ep < 1 or tp % ep:
+        raise ServeError(f"--tp {tp} / --ep {ep}: both >= 1 and --ep must divide --tp")
+    n = text.get("moe_intermediate_size")
+    moe_tp = tp // ep
+    aligned = isinstance(n, int) and n % moe_tp == 0 and (n // moe_tp) % ALIGNMENT == 0
+    if backend == BACKEND and not aligned:
+        raise ServeError(
+            f"moe_intermediate_size {n} over moe-TP {moe_tp} (= tp/ep) is not a multiple of "
+            f"{ALIGNMENT}: the CUTLASS SiTU method does not pad. Pick another --tp/--ep "
+            "(Kimi-K3: tp/ep in 1, 2, 3, 4, 6, 8, 12, 24), or --backend marlin."
+        )
+    return cfg, converted
+
+
+def plan_serve(
+    root: Path,
+    extra: Sequence[str] = (),
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    backend: str = BACKEND,
+    unconverted: bool = False,
+    python: str = sys.executable,
+) -> ServePlan:
+    """The server command for `root`: config checks, no structure verify, no stack checks."""
+    for arg in extra:
+        if arg.startswith("--moe-runner-backend="):
+            backend = arg.split("=", 1)[1]
+    if "--moe-runner-backend" in extra[:-1]:
+        backend = extra[list(extra).index("--moe-runner-backend") + 1]
+    _, converted = check_checkpoint(root, unconverted=unconverted, tp=tp, ep=ep, backend=backend)
+    argv = [python, "-m", "sglang.launch_server", "--model-path", str(root)]
+    if not _flag_given(extra, "--moe-runner-backend"):
+        argv += ["--moe-runner-backend", backend]
+    if not _flag_given(extra, "--tp-size") and not _flag_given(extra, "--tp"):
+        argv += ["--tp-size", str(tp)]
+    if ep > 1 and not _flag_given(extra, "--ep-size") and not _flag_given(extra, "--ep"):
+        argv += ["--ep-size", str(ep)]
+    argv += list(extra)
+    env = {OPT_IN_ENV: "1"} if (unconverted and not converted) else {}
+    return ServePlan(argv=argv, env=env)
+
+
+def verify_structure(root: Path) -> list[str]:
+    """`kimi-convert verify`'s structure level (headers, index, block): rendered problems."""
+    from ..converter.verify import verify
+
+    report = verify(root)
+    return [p.render() for c in report.checks if c.ok is False for p in c.problems] or (
+        [] if report.ok else ["structure verification failed"]
+    )
+
+
+@click.command(
+    "serve",
+    context_settings={"ignore_unknown_options": True},
+)
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel size (GPUs).")  # fmt: skip
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Expert-parallel size; must divide --tp (moe-TP = tp/ep).")  # fmt: skip
+@click.option("--backend", default=BACKEND, show_default=True,
+              help="--moe-runner-backend for SGLang (marlin is the fallback).")  # fmt: skip
+@click.option("--unconverted", is_flag=True,
+              help=f"Serve an unconverted Kimi-K3 checkpoint ({OPT_IN_ENV}=1).")  # fmt: skip
+@click.option("--print", "print_only", is_flag=True, help="Print the command, do not run it.")
+@click.option("--skip-checks", is_flag=True, help="Skip the structure verify and stack checks.")
+@click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
+def serve(
+    checkpoint: Path,
+    tp: int,
+    ep: int,
+    backend: str,
+    unconverted: bool,
+    print_only: bool,
+    skip_checks: bool,
+    sglang_args: tuple[str, ...],
+) -> None:
+    """Check CHECKPOINT and the SGLang stack, then run SGLang's server on it.
+
+    Arguments after `--` go to `python -m sglang.launch_server` unchanged.
+    """
+    plan = plan_serve(
+        checkpoint, sglang_args, tp=tp, ep=ep, backend=backend, unconverted=unconverted
+    )
+    if not skip_checks:
+        problems = check_stack()
+        if not plan.env:  # a converted checkpoint: prove its structure first
+            problems += [f"verify: {p}" for p in verify_structure(checkpoint)]
+        if problems:
+            raise ServeError("not starting the server:\n  - " + "\n  - ".join(problems))
+    if print_only:
+        click.echo(plan.shell())
+        return
+    os.execvpe(plan.argv[0], plan.argv, {**os.environ, **plan.env})

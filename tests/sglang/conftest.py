@@ -1,0 +1,71 @@
+"""Shared fixtures for the tests against the real SGLang 0.5.23 code (`make test-sglang`)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _have_sglang() -> bool:
+    # Not find_spec("sglang"): this very folder would pass for a namespace package.
+    try:
+        importlib.metadata.distribution("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+if not _have_sglang():
+    # The plain suite's venv has no SGLang: these tests run under `make test-sglang`.
+    collect_ignore_glob = ["test_*.py"]
+else:
+    import harness  # noqa: F401  (installs the import stand-ins before SGLang is imported)
+
+# Small, but 128-aligned like the kernels need: E experts, K hidden, N intermediate.
+E, K, N, LAYERS = 4, 256, 256, 2
+
+
+@pytest.fixture(scope="session")
+def plugins() -> None:
+    """Load plugins the way every SGLang process does: through the installed entry point."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    load_plugins()
+    assert "sglang.srt.models.kimi_k3.KimiK3LinearForCausalLM.load_weights" in (
+        HookRegistry._patched
+    ), "the kimi_w31 plugin's hooks were not applied: is the project installed in this venv?"
+
+
+@pytest.fixture(scope="session")
+def source_tensors() -> dict:
+    return harness.source_tensors(experts=E, hidden=K, inter=N, layers=LAYERS, seed=1)
+
+
+@pytest.fixture(scope="session")
+def source_config() -> dict:
+    return harness.source_config(experts=E, hidden=K, inter=N, layers=LAYERS)
+
+
+@pytest.fixture(scope="session")
+def source_dir(tmp_path_factory, source_config, source_tensors) -> Path:
+    return harness.write_checkpoint(tmp_path_factory.mktemp("src"), source_config, source_tensors)
+
+
+@pytest.fixture(scope="session")
+def converted_tensors(source_tensors) -> dict:
+    return harness.fuse(source_tensors)
+
+
+@pytest.fixture(scope="session")
+def converted_dir(tmp_path_factory, source_config, converted_tensors) -> Path:
+    return harness.write_checkpoint(
+        tmp_path_factory.mktemp("out"),
+        harness.converted_config(source_config),
+        converted_tensors,
+    )

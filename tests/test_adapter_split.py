@@ -1,0 +1,71 @@
+"""Splitting fused w31 tensors into zero-copy w3/w1 views (no SGLang needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kimi_w31.adapter.split import SplitError, SplitStats, split_w31_items
+
+P = "model.layers.3.mlp.experts.7."
+
+
+def _w31(rows: int = 8, cols: int = 4) -> torch.Tensor:
+    return torch.arange(rows * cols, dtype=torch.int32).to(torch.uint8).reshape(rows, cols)
+
+
+def test_w31_becomes_up_then_gate_views():
+    t = _w31()
+    out = list(split_w31_items([(P + "w31.weight_packed", t)]))
+    assert [name for name, _ in out] == [P + "w3.weight_packed", P + "w1.weight_packed"]
+    up, gate = out[0][1], out[1][1]
+    assert torch.equal(up, t[:4]) and torch.equal(gate, t[4:])
+    assert up.data_ptr() == t.data_ptr()  # a view: no copy of the mmap'd tensor
+    assert gate.data_ptr() == t.data_ptr() + 4 * t.stride(0)
+
+
+def test_renamed_weight_suffix_and_scales_split_too():
+    names = [
+        n
+        for n, _ in split_w31_items([(P + "w31.weight", _w31()), (P + "w31.weight_scale", _w31())])
+    ]
+    assert names == [P + "w3.weight", P + "w1.weight", P + "w3.weight_scale", P + "w1.weight_scale"]
+
+
+def test_4d_scales_are_squeezed_first():
+    t = _w31()
+    out = list(split_w31_items([(P + "w31.weight_scale", t[:, None, :, None])]))
+    assert out[0][1].shape == (4, 4) and torch.equal(out[1][1], t[4:])
+
+
+def test_extra_tuple_elements_are_kept():
+    out = list(split_w31_items([(P + "w31.weight_packed", _w31(), {"k": 1})]))
+    assert all(item[2] == {"k": 1} for item in out)
+
+
+def test_other_names_pass_through_untouched():
+    items = [("model.layers.0.self_attn.q_proj.weight", _w31()), (P + "w2.weight_packed", _w31())]
+    out = list(split_w31_items(items))
+    assert [n for n, _ in out] == [n for n, _ in items]
+    assert all(a[1] is b[1] for a, b in zip(out, items, strict=True))
+
+
+def test_unknown_w31_suffix_is_dropped_and_recorded():
+    stats = SplitStats()
+    assert list(split_w31_items([(P + "w31.weight_shape", torch.tensor([8, 8]))], stats)) == []
+    assert stats.dropped == [P + "w31.weight_shape"]
+
+
+def test_stats_record_fused_and_unfused_layers():
+    stats = SplitStats()
+    other = "model.layers.4.mlp.experts.0.w1.weight_packed"
+    list(split_w31_items([(P + "w31.weight_packed", _w31()), (other, _w31())], stats))
+    assert stats.w31_layers == {"model.layers.3.mlp.experts."}
+    assert stats.w13_layers == {"model.layers.4.mlp.experts."}
+    assert stats.w31_tensors == 1
+
+
+@pytest.mark.parametrize("shape", [(7, 4), (0, 4), (8,), (2, 4, 4)])
+def test_malformed_w31_fails_with_name_and_shape(shape):
+    with pytest.raises(SplitError, match=r"experts\.7\.w31") as err:
+        list(split_w31_items([(P + "w31.weight_packed", torch.zeros(shape, dtype=torch.uint8))]))
+    assert str(tuple(shape)) in str(err.value)
