@@ -1,0 +1,1 @@
+"""GPU validation of the converted checkpoint through the adapter's FlashInfer module."""

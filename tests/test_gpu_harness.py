@@ -1,0 +1,338 @@
+"""CPU parts of the GPU harness (gpu/): inputs, routing, corruptions, gate, report, build list.
+
+The GPU run itself is evidence (docs/gpu-validation.md, gpu/results/), not a CI test; the
+one test here that needs a GPU and FlashInfer skips cleanly without them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kimi_w31.converter import reference as ref
+
+# gpu/ is a tool folder at the repository root, not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu import cases as C  # noqa: E402
+from gpu import harness as H  # noqa: E402
+from gpu import trimmed_build as T  # noqa: E402
+
+# --------------------------------------------------------------------------------------
+# routing and inputs
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "masked_slot"])
+def test_routing_basic_properties(kind) -> None:
+    r = C.make_routing(64, 28, 16, kind, seed=1)
+    assert r.ids.shape == r.weights.shape == (64, 16)
+    assert r.ids.dtype == torch.int32 and r.weights.dtype == torch.float32
+    assert torch.allclose(r.weights.sum(1), torch.ones(64)) and torch.all(r.weights > 0)
+    for row in r.ids.tolist():
+        routed = [e for e in row if e >= 0]
+        assert len(set(routed)) == len(routed) and all(0 <= e < 28 for e in routed)
+
+
+def test_routing_is_reproducible() -> None:
+    a, b = C.make_routing(8, 28, 16, "skewed", 5), C.make_routing(8, 28, 16, "skewed", 5)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.weights, b.weights)
+    assert not torch.equal(a.ids, C.make_routing(8, 28, 16, "skewed", 6).ids)
+
+
+def test_skewed_routing_is_imbalanced() -> None:
+    def max_share(kind):
+        ids = C.make_routing(256, 28, 4, kind, seed=3).ids
+        return torch.bincount(ids.flatten().long(), minlength=28).max().item() / ids.numel()
+
+    assert max_share("skewed") > 2 * max_share("uniform")
+
+
+def test_empty_expert_routing_leaves_experts_empty() -> None:
+    r = C.make_routing(128, 28, 16, "empty_expert", seed=2, empty_experts=(3, 18))
+    assert not torch.isin(r.ids, torch.tensor([3, 18], dtype=torch.int32)).any()
+    with pytest.raises(ValueError):
+        C.make_routing(4, 28, 16, "empty_expert", seed=2)
+    with pytest.raises(ValueError):
+        C.make_routing(4, 8, 7, "empty_expert", seed=2, empty_experts=(1, 2))
+
+
+def test_masked_slot_pattern() -> None:
+    r = C.make_routing(6, 28, 16, "masked_slot", seed=4)
+    assert (r.ids[::2, 15] == -1).all() and (r.ids[1::2] >= 0).all()
+    assert (r.ids[:, :15] >= 0).all()
+
+
+def test_hidden_and_ep_slices() -> None:
+    x = C.make_hidden(4, 64, seed=0, scale=3.0)
+    assert x.dtype == torch.bfloat16 and x.shape == (4, 64)
+    assert torch.equal(x, C.make_hidden(4, 64, seed=0, scale=3.0))
+    assert C.ep_slices(28, 2) == [range(0, 14), range(14, 28)]
+    with pytest.raises(ValueError):
+        C.ep_slices(28, 3)
+
+
+# --------------------------------------------------------------------------------------
+# corruptions
+# --------------------------------------------------------------------------------------
+
+
+def test_swap_nibbles_reads_high_nibble_first() -> None:
+    packed = torch.randint(0, 256, (3, 16), dtype=torch.uint8)
+    swapped = C.swap_nibbles(packed)
+    assert swapped.dtype == torch.uint8
+    assert torch.equal(C.swap_nibbles(swapped), packed)
+    assert torch.equal(ref.unpack_fp4(swapped), ref.unpack_fp4(packed, low_nibble_first=False))
+    assert C.swap_nibbles(torch.tensor([0x21], dtype=torch.uint8)).item() == 0x12
+
+
+def test_swap_fc1_halves() -> None:
+    w31 = torch.arange(2 * 4 * 3).reshape(2, 4, 3)
+    s = C.swap_fc1_halves(w31)
+    assert torch.equal(s[:, :2], w31[:, 2:]) and torch.equal(s[:, 2:], w31[:, :2])
+
+
+# --------------------------------------------------------------------------------------
+# gate, comparison, verdict, report
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cos, nrmse, ok",
+    [(0.99999, 0.005, True), (0.9999946, 0.0033, True), (0.999989, 0.001, False),
+     (1.0, 0.00501, False), (float("nan"), 0.0, False), (1.0, float("nan"), False)],
+)
+def test_gate_thresholds(cos, nrmse, ok) -> None:
+    assert C.gate(cos, nrmse) is ok
+
+
+def test_case_result_expectations() -> None:
+    good = C.CaseResult("a", "situ", 1, "uniform", 0.999995, 0.003, 0.5)
+    neg_fails = C.CaseResult("n", "negative", 1, "uniform", 0.45, 1.0, 99.0, expect="fail")
+    neg_passes = C.CaseResult("n", "negative", 1, "uniform", 0.999995, 0.003, 0.5, expect="fail")
+    assert good.passes_gate and good.ok
+    assert not neg_fails.passes_gate and neg_fails.ok
+    assert neg_passes.passes_gate and not neg_passes.ok
+
+
+def test_verdict() -> None:
+    good = C.CaseResult("a", "situ", 1, "uniform", 0.999995, 0.003, 0.5)
+    bad = C.CaseResult("b", "situ", 1, "uniform", 0.99, 0.03, 5.0)
+    neg = C.CaseResult("n", "negative", 1, "uniform", 0.4, 1.0, 99.0, expect="fail")
+    neg_ok = C.CaseResult("m", "negative", 1, "uniform", 0.999995, 0.003, 0.5, expect="fail")
+    assert C.verdict([good, neg], {"graph_replay_bitwise": True})["overall"]
+    assert not C.verdict([good, bad, neg], {})["overall"]
+    assert not C.verdict([good, neg, neg_ok], {})["overall"]
+    assert not C.verdict([good], {})["overall"]  # no negative control: cannot show it can fail
+    v = C.verdict([good, neg], {"graph_replay_bitwise": False})
+    assert not v["overall"] and v["expected_pass_cases_pass"]
+
+
+def test_compare_and_bitwise() -> None:
+    e = torch.randn(8, 16)
+    stats = C.compare(e.to(torch.bfloat16), e)
+    assert stats["cosine"] > 0.9999 and 0 < stats["nrmse"] < 0.01
+    with pytest.raises(ValueError):
+        C.compare(e[:4], e)
+    assert C.bitwise_equal([e, e.clone(), e.clone()])
+    assert not C.bitwise_equal([torch.zeros(2), torch.tensor([0.0, -0.0])])  # sign bit differs
+    nan = torch.tensor([float("nan")])
+    assert C.bitwise_equal([nan, nan.clone()])
+
+
+def test_report_and_table(tmp_path) -> None:
+    cases = [C.CaseResult("situ-M1-uniform", "situ", 1, "uniform", 0.9999947, 0.00326, 0.41),
+             C.CaseResult("neg-x", "negative", 32, "uniform", 0.45, 1.04, 133.8, expect="fail")]
+    report = {"cases": cases, "verdict": C.verdict(cases, {}), "path": tmp_path, "nan": math.nan}
+    C.write_report(tmp_path / "r.json", report)
+    back = json.loads((tmp_path / "r.json").read_text())
+    assert back["cases"][0]["name"] == "situ-M1-uniform" and back["cases"][0]["passes_gate"]
+    assert back["cases"][1]["ok"] and not back["cases"][1]["passes_gate"]
+    assert back["verdict"]["overall"] and back["path"] == str(tmp_path)
+    table = C.markdown_table(cases).splitlines()
+    assert len(table) == 4 and table[2].startswith("| situ-M1-uniform | situ | 1 |")
+    assert "0.326%" in table[2] and "| FAIL | yes |" in table[3]
+
+
+def test_expert_index_and_layer_pick() -> None:
+    wm = {f"model.layers.{L}.mlp.experts.{e}.{p}.{part}": "x"
+          for L in (1, 2) for e in range(3) for p in ("w31", "w2")
+          for part in ("weight_packed", "weight_scale")}
+    wm["model.layers.1.self_attn.q_proj.weight"] = "x"
+    idx = C.expert_index(wm)
+    assert set(idx) == {"model.layers.1.mlp.experts", "model.layers.2.mlp.experts"}
+    assert idx["model.layers.1.mlp.experts"][2] == {"w31", "w2"}
+    assert C.pick_moe_layer(idx, {"w31", "w2"}, 3) == "model.layers.1.mlp.experts"
+    with pytest.raises(ValueError):
+        C.pick_moe_layer(idx, {"w1"}, 3)
+    with pytest.raises(ValueError):
+        C.pick_moe_layer(idx, {"w31"}, 4)
+
+
+# --------------------------------------------------------------------------------------
+# the whole case list on CPU, the torch reference standing in for the kernel
+# --------------------------------------------------------------------------------------
+
+
+def _kimi_convert(*args: str) -> None:
+    code = "from kimi_w31.converter.cli import main; main()"
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def checkpoint_pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("gpu-harness")
+    src, conv = root / "src", root / "conv"
+    _kimi_convert("synth", str(src), "--layers", "1", "--experts", "8", "--top-k", "4")
+    _kimi_convert(str(src), str(conv), "--manifest", "kimi-k3-any", "-q")
+    return src, conv
+
+
+def _harness(pair, backend) -> H.Harness:
+    layer = H.load_layer(pair[0], pair[1], 8, torch.device("cpu"))
+    return H.Harness(backend, layer, torch.device("cpu"), top_k=4, log=lambda _msg: None)
+
+
+def test_load_layer_reads_converted_and_source(checkpoint_pair) -> None:
+    layer = H.load_layer(*checkpoint_pair, 8, torch.device("cpu"))
+    assert layer.num_experts == 8 and layer.w31[0].shape == (8, 2 * layer.intermediate,
+                                                             layer.hidden // 2)
+    # the converted fc1 really is [up; gate] of the source experts (bit-exact)
+    conv = ref.dequant_converted_expert((layer.w31[0][5], layer.w31[1][5]),
+                                        (layer.w2[0][5], layer.w2[1][5]))
+    assert torch.equal(conv.gate, layer.reference[5].gate)
+    assert torch.equal(conv.up, layer.reference[5].up)
+
+
+def test_all_cases_on_cpu_stand_in(checkpoint_pair) -> None:
+    h = _harness(checkpoint_pair, H.ReferenceBackend())
+    report = H.run_all(h, gpu_checks=False, timing=False)
+    names = [c.name for c in report["cases"]]
+    for m in H.SITU_MS:
+        assert f"situ-M{m}-uniform" in names and f"situ-M{m}-skewed" in names
+    assert {"situ-M32-empty-experts", "ep2-M8-uniform", "swiglu-M8-uniform",
+            "neg-fc1-halves-swapped", "neg-betas-swapped", "neg-nibble-order",
+            "situ-M32-masked-slot"} <= set(names)
+    assert report["verdict"]["overall"], C.markdown_table(report["cases"])
+    negatives = [c for c in report["cases"] if c.kind == "negative"]
+    assert len(negatives) == 3 and all(c.cosine < 0.95 for c in negatives)
+    assert 2.0 < report["input_stats"]["gate_std"] < 20.0  # tanh(gate/4) saturation exercised
+
+
+class _GateUpSwappedBackend(H.ReferenceBackend):
+    """An adapter bug: reads w31 as [gate; up]. The harness must catch it."""
+
+    def prepare(self, w31, w2):
+        return [
+            ref.dequant_converted_expert((w31[0][i], w31[1][i]), (w2[0][i], w2[1][i]),
+                                         fc1_order=("gate", "up"))
+            for i in range(w31[0].shape[0])
+        ]
+
+
+def test_harness_fails_a_broken_adapter(checkpoint_pair) -> None:
+    h = _harness(checkpoint_pair, _GateUpSwappedBackend())
+    report = H.run_all(h, gpu_checks=False, timing=False)
+    assert not report["verdict"]["overall"]
+    assert not report["verdict"]["expected_pass_cases_pass"]
+
+
+def test_cli_reference_backend_writes_report(checkpoint_pair, tmp_path) -> None:
+    src, conv = checkpoint_pair
+    rc = H.main(["--source", str(src), "--converted", str(conv), "--out", str(tmp_path),
+                 "--experts", "8", "--top-k", "4", "--backend", "reference"])
+    assert rc == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verdict"]["overall"] and report["dims"]["experts"] == 8
+    assert report["backend"] == "torch-reference"
+    assert (tmp_path / "report.md").read_text().startswith("| case |")
+
+
+@pytest.mark.gpu
+def test_harness_on_gpu(checkpoint_pair, tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (the H200 evidence is in docs/gpu-validation.md)")
+    pytest.importorskip("flashinfer", reason="needs flashinfer-python >= 0.7.0")
+    src, conv = checkpoint_pair
+    rc = H.main(["--source", str(src), "--converted", str(conv), "--out", str(tmp_path),
+                 "--experts", "8", "--top-k", "4", "--no-timing"])
+    assert rc == 0
+
+
+# --------------------------------------------------------------------------------------
+# the trimmed FlashInfer build: what it compiles
+# --------------------------------------------------------------------------------------
+
+_BINDING = """class FusedMoeRunner {
+  FusedMoeRunner() {
+    mInnerDimMultiplier = 1;
+
+    // keep consistent with cpp/tensorrt_llm/plugins/mixtureOfExperts/mixtureOfExpertsPlugin.cpp
+    if (a) { mKernelRunner = std::make_shared<kernels::CutlassMoeFCRunner<half, half>>(); }
+    if (isWFP4A16Quant()) { other(); }
+    if (!mKernelRunner) {
+      fail();
+    }
+  }
+};
+"""
+
+
+def test_trim_binding_keeps_only_the_w4a16_runner() -> None:
+    out = T.trim_binding(_BINDING)
+    assert "CutlassMoeFCRunner<half, half>" not in out
+    assert "CutlassMoeFCRunner<__nv_bfloat16, kernels::Fp4Type>" in out
+    assert out.index("isWFP4A16Quant") < out.index("if (!mKernelRunner)")
+    assert out.startswith("class FusedMoeRunner {") and out.endswith("};\n")
+    with pytest.raises(ValueError):
+        T.trim_binding("no markers here")
+
+
+def test_trim_instantiation() -> None:
+    text = """#include "x.h"
+template class CutlassMoeFCRunner<half, half>;
+template class CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>;
+INSTANTIATE_FINALIZE_MOE_ROUTING(half, half, half);
+#ifdef ENABLE_BF16
+INSTANTIATE_FINALIZE_MOE_ROUTING(__nv_bfloat16, __nv_bfloat16, __nv_bfloat16);
+#endif
+}
+"""
+    out = T.trim_instantiation(text)
+    assert "CutlassMoeFCRunner<half, half>" not in out
+    assert out.count("template class") == 1 and "<__nv_bfloat16, Fp4Type>" in out
+    assert out.count("INSTANTIATE_FINALIZE_MOE_ROUTING") == 2 and "#endif\n}" in out
+    with pytest.raises(ValueError):
+        T.trim_instantiation("template class CutlassMoeFCRunner<half, half>;\n")
+
+
+def test_select_generated_and_source_order(tmp_path) -> None:
+    def gen(m, group, body):
+        p = tmp_path / "gemm_grouped" / "90" / f"k_sm90_M{m}_Mixed_group{group}.generated.cu"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(body)
+        return p
+
+    bf16 = "template void f<__nv_bfloat16, SafeFP4, __nv_bfloat16>();"
+    files = [gen(64, 1, bf16), gen(256, 2, bf16), gen(128, 3, bf16),
+             gen(128, 4, "template void f<half, SafeFP4, half>();")]
+    sm80 = tmp_path / "gemm_grouped" / "80" / "k_sm80.generated.cu"
+    sm80.parent.mkdir(parents=True)
+    sm80.write_text(bf16)
+    picked = T.select_generated([*files, sm80])
+    assert [p.name for p in picked] == [files[1].name, files[2].name, files[0].name]
+
+    d = Path("/csrc")
+    stock = [d / "moe_gemm_kernels_fp8_fp8.cu", d / "moe_gemm_kernels_bf16_fp4.cu",
+             d / T.BINDING, d / T.INSTANTIATION, *files, d / "logger.cpp"]
+    src = T.trimmed_sources(stock, picked, d / "trim_binding.cu", d / "trim_inst.cu")
+    assert src[:3] == picked  # biggest M tile first: it compiles longest
+    assert src[3:5] == [d / "trim_inst.cu", d / "trim_binding.cu"]
+    assert src[5:] == [d / "moe_gemm_kernels_bf16_fp4.cu", d / "logger.cpp"]
+    with pytest.raises(ValueError):
+        T.trimmed_sources(stock[:1], picked, d / "b.cu", d / "i.cu")
