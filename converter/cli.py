@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -28,6 +29,7 @@ from rich.table import Table
 
 from kimi_w31 import __version__
 
+from .backends import hub_and_cluster_options, make_backend
 from .convert import ConvertOptions, Reporter, convert, default_workers
 from .errors import ConvertError
 from .manifest import DEFAULT_MANIFEST
@@ -63,14 +65,14 @@ def render_error(exc: ConvertError, as_json: bool) -> None:
                                    "hint": exc.hint}))  # fmt: skip
         return
     shown = exc.problems[:50]
-    err.print(f"[bold red]error:[/] {exc.summary()}")
+    err.print(f"[bold red]error:[/] {escape(exc.summary())}")
     if len(exc.problems) > 1 or exc.problems[0].expected is not None:
         for p in shown:
-            err.print(f"  [red]-[/] {p.render()}", highlight=False, soft_wrap=True)
+            err.print(f"  [red]-[/] {escape(p.render())}", highlight=False, soft_wrap=True)
         if len(exc.problems) > len(shown):
             err.print(f"  ... and {len(exc.problems) - len(shown)} more")
     if exc.hint:
-        err.print(f"[yellow]hint:[/] {exc.hint}")
+        err.print(f"[yellow]hint:[/] {escape(exc.hint)}")
 
 
 def run_guarded(fn, as_json: bool = False) -> None:
@@ -89,7 +91,7 @@ def run_guarded(fn, as_json: bool = False) -> None:
     except Exception as exc:  # a bug or an unexpected OS error: say what, not a traceback
         if os.environ.get("KIMI_W31_DEBUG"):
             raise
-        err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+        err.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}")
         err.print("set KIMI_W31_DEBUG=1 for the full traceback")
         sys.exit(1)
 
@@ -128,7 +130,7 @@ class RichReporter(Reporter):
             self.progress.update(self.task, description=self._label())
 
     def warn(self, message: str) -> None:
-        err.print(f"[yellow]warning:[/] {message}")
+        err.print(f"[yellow]warning:[/] {escape(message)}")
 
     def stop(self) -> None:
         if self.progress is not None:
@@ -204,8 +206,9 @@ def main() -> None:
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary.")
+@hub_and_cluster_options
 def convert_cmd(source, output, manifest, revision, max_shard_size, workers, dry_run, force,
-                check_scales, quiet, as_json) -> None:  # fmt: skip
+                check_scales, quiet, as_json, **backend_opts) -> None:  # fmt: skip
     """Convert SOURCE (a directory or a cached HF repo id) into OUTPUT.
 
     Every expert tensor is checked against the manifest from headers alone before anything
@@ -220,16 +223,20 @@ def convert_cmd(source, output, manifest, revision, max_shard_size, workers, dry
     )  # fmt: skip
 
     def body() -> None:
+        opts.backend = make_backend(**backend_opts)
         reporter = RichReporter(quiet or as_json)
         result = convert(opts, reporter)
         summary = result.summary()
+        if opts.backend:
+            summary.update(opts.backend.plan_summary(result.source, result.plan))
         if as_json:
             out.print_json(json.dumps({"ok": True, **summary}))
             return
         if quiet:
             return
         if dry_run:
-            _print_plan(result)
+            _print_plan(result, opts.backend.plan_rows(result.source, result.plan)
+                        if opts.backend else [])  # fmt: skip
             return
         if result.already_complete:
             err.print(f"[green]already complete:[/] {result.out} holds this conversion; "
@@ -240,7 +247,7 @@ def convert_cmd(source, output, manifest, revision, max_shard_size, workers, dry
     run_guarded(body, as_json)
 
 
-def _print_plan(result) -> None:
+def _print_plan(result, extra_rows: list[tuple[str, str]] = ()) -> None:
     plan = result.plan
     table = Table(title="Plan (dry run: nothing written)", show_header=False)
     table.add_row("source", result.source.label)
@@ -252,6 +259,8 @@ def _print_plan(result) -> None:
     table.add_row("output shards", str(len(plan.shards)))
     table.add_row("space needed", human(plan.output_bytes))
     table.add_row("dims", ", ".join(f"{k}={v}" for k, v in plan.dims.values.items()))
+    for label, value in extra_rows:
+        table.add_row(label, value)
     out.print(table)
     for shard in plan.shards[:5]:
         out.print(f"  {shard.name}: {len(shard.tensors)} tensors, {human(shard.file_size)}")

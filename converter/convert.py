@@ -23,6 +23,7 @@ from pathlib import Path
 from kimi_w31 import __version__
 
 from . import faults
+from .backends import Backend
 from .config_rewrite import converted_config, layout_block
 from .errors import ConvertError, Problem, fail
 from .execute import SPACE_ERRNOS, Hooks, SourceFiles, fsync_dir, run_shards
@@ -48,6 +49,8 @@ class ConvertOptions:
     dry_run: bool = False
     force: bool = False
     check_scales: bool = False
+    # Hub download or Ray executor (converter.backends); None: local disk and threads.
+    backend: Backend | None = None
 
 
 @dataclass
@@ -94,7 +97,8 @@ def default_workers() -> int:
 def prepare(opts: ConvertOptions) -> tuple[Source, Plan]:
     """Resolve, read and plan: no writes. Raises ConvertError with every problem."""
     manifest = load_manifest(opts.manifest)
-    root = resolve_source(opts.source, opts.revision)
+    b = opts.backend
+    root = (b.resolve if b else resolve_source)(opts.source, opts.revision)
     out = opts.out.expanduser().resolve()
     if out == root or root in out.parents:
         raise ConvertError(
@@ -107,7 +111,7 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Plan]:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        source = read_source(root, opts.source)
+        source = (b.read_source if b else read_source)(root, opts.source)
         plan = plan_conversion(source, manifest, opts.max_shard_size, __version__)
     finally:
         if gc_was_enabled:
@@ -186,7 +190,11 @@ def _run(opts: ConvertOptions, reporter: Reporter, source: Source, plan: Plan,
         faults.fault_point("ledger.opened")
         _check_free_space(out, plan, ledger)
 
-        sources = SourceFiles(source.root, source.shard_files)
+        b = opts.backend
+        planned = {f: h.header_sha256 for f, h in source.headers.items()}
+        sources = (
+            b.source_files(source) if b else SourceFiles(source.root, source.shard_files, planned)
+        )
         stop = threading.Event()
         written = [0]
         lock_bytes = threading.Lock()
@@ -203,7 +211,7 @@ def _run(opts: ConvertOptions, reporter: Reporter, source: Source, plan: Plan,
         reporter.start(plan.output_bytes, len(plan.shards))
         started = time.perf_counter()
         try:
-            outcome = run_shards(
+            outcome = (b.run_shards if b else run_shards)(
                 plan.shards, sources, out, tmp, ledger, opts.workers or default_workers(),
                 stop, hooks, opts.check_scales,
             )  # fmt: skip
@@ -386,6 +394,10 @@ def _finalize(out: Path, tmp: Path, source: Source, plan: Plan, ledger: Ledger,
     for rel in source.extra_files:
         data = (source.root / rel).read_bytes()
         dest = out / rel
+        if not _inside(out, dest):  # a symlinked folder in OUT must not lead writes elsewhere
+            raise fail(
+                "output path leads outside the output directory (a symlink?)", file=str(dest)
+            )
         _make_dir(dest.parent)
         _write_atomic(dest, data, tmp)
         faults.fault_point("finalize.extra")

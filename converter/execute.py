@@ -10,6 +10,7 @@ GIL, and a thread pool shares the stop flag and open source files for free.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import threading
 from collections.abc import Callable
@@ -45,9 +46,13 @@ def file_identity(path: Path) -> tuple[int, int, int]:
 class SourceFiles:
     """Open source shards once, shared by all workers (pread is positional, thread-safe)."""
 
-    def __init__(self, root: Path, files: list[str]) -> None:
+    def __init__(self, root: Path, files: list[str],
+                 header_sha256: dict[str, str] | None = None) -> None:  # fmt: skip
         self.root = root
         self.identity = {f: file_identity(root / f) for f in files}
+        # The headers the plan was made from: a file rewritten between planning and this
+        # snapshot (same size, new layout) would otherwise be copied with stale offsets.
+        self.header_sha256 = header_sha256 or {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -58,6 +63,10 @@ class SourceFiles:
                 if os.fstat(fd).st_ino != self.identity[file][2]:
                     os.close(fd)
                     raise SourceChanged(file, "was replaced since the run started")
+                want = self.header_sha256.get(file)
+                if want and _header_sha256(fd) != want:
+                    os.close(fd)
+                    raise SourceChanged(file, "changed since it was planned (header differs)")
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 self._fds[file] = fd
@@ -82,6 +91,15 @@ class SourceFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _header_sha256(fd: int) -> str:
+    """sha256 of a safetensors header as `read_header` hashes it (bytes after the length)."""
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8:
+        return ""
+    length = min(int.from_bytes(prefix, "little"), 100_000_000)
+    return hashlib.sha256(os.pread(fd, length, 8)).hexdigest()
 
 
 @dataclass
@@ -153,9 +171,9 @@ def write_shard(
                     faults.fault_point("shard.piece")  # between the w3 and w1 halves of a w31
         except BaseException:
             stop_hasher.set()
+            hasher.join()  # not finish(): its Interrupted must not mask the copy's own error
             raise
-        finally:
-            hasher.finish()
+        hasher.finish()
         os.fsync(fd)
         faults.fault_point("shard.fsynced")
     except OSError as exc:

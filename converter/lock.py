@@ -2,21 +2,27 @@
 
 `O_CREAT | O_EXCL` makes creation atomic (also on NFS v3+); the file records pid and host
 so a second run can say who holds it, and a lock left by a dead process on this host is
-taken over with a warning instead of blocking forever.
+taken over with a warning instead of blocking forever. The holder also keeps an `flock` on
+the file: the kernel drops it when the process dies, and it serialises a takeover, so two
+runs that find the same stale lock at once cannot both take it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
 import time
 from pathlib import Path
 
-from .errors import fail
+from .errors import ConvertError, fail
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:  # 0 / negative address process groups, not a process: never "dead"
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -26,40 +32,95 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a filesystem without flock: fall back to pid/host alone
+        return True
+    return True
+
+
 class OutputLock:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.warning: str | None = None
+        self._fd: int | None = None
 
     def acquire(self) -> None:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-        for _ in range(2):
+        for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
-                owner = self._owner()
-                if owner and owner.get("host") == me["host"] and not _alive(int(owner["pid"])):
-                    self.warning = (
-                        f"took over a stale lock left by pid {owner['pid']} (no longer running)"
-                    )
-                    self.path.unlink(missing_ok=True)
-                    continue
-                who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
-                raise fail(
-                    f"another conversion is writing this output directory ({who}); wait for "
-                    f"it, or remove {self.path} if you are sure it is gone",
-                    file=str(self.path.parent.parent),
-                ) from None
-            with os.fdopen(fd, "w") as fh:
-                json.dump(me, fh)
+                if self._take_over_stale(me):
+                    return
+                continue  # the lock vanished (its owner finished): try to create it again
+            # Blocking: a taker may hold it for a moment, but never keeps a lock whose
+            # content (still empty) names no dead owner.
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            self._hold(fd, me)
             return
         raise fail("could not take the output lock", file=str(self.path))
 
+    def _take_over_stale(self, me: dict) -> bool:
+        """True if we now hold the lock, False if it vanished; raises if someone holds it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            if not _flock(fd):  # the owner is alive (or another run is taking over)
+                raise self._busy(self._owner())
+            if not self._is_current(fd):  # released and recreated while we waited
+                return False
+            owner = self._owner()
+            pid = owner.get("pid") if owner else None
+            if not (owner and owner.get("host") == me["host"] and type(pid) is int
+                    and not _alive(pid)):  # fmt: skip
+                raise self._busy(owner)
+            self.warning = f"took over a stale lock left by pid {pid} (no longer running)"
+            self._hold(fd, me)
+            fd = -1
+            return True
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _is_current(self, fd: int) -> bool:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return os.fstat(fd).st_ino == st.st_ino
+
+    def _hold(self, fd: int, me: dict) -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self._fd = fd
+
+    def _busy(self, owner: dict | None) -> ConvertError:
+        who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
+        return fail(
+            f"another conversion is writing this output directory ({who}); wait for "
+            f"it, or remove {self.path} if you are sure it is gone",
+            file=str(self.path.parent.parent),
+        )
+
     def _owner(self) -> dict | None:
         try:
-            return json.loads(self.path.read_text())
+            owner = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return None
+        return owner if isinstance(owner, dict) else None
 
     def release(self) -> None:
+        # Unlink while still holding the flock, then let go: a waiter that opened the old
+        # file sees it is no longer the lock (`_is_current`) and starts over.
         self.path.unlink(missing_ok=True)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None

@@ -26,6 +26,7 @@ from .safetensors_format import ShardHeader, read_header
 from .source import (
     CONFIG_NAME,
     INDEX_NAME,
+    _check_shard_name,
     check_index_against_headers,
     check_weight_map,
     read_json,
@@ -97,10 +98,11 @@ def check_structure(root: Path, manifest_name: str | None, report: VerifyReport)
         report.add("index", [Problem("index has no weight_map", file=INDEX_NAME)], "malformed")
         raise _Stop()
     problems.extend(check_weight_map(root, weight_map, INDEX_NAME))
-    files = sorted(set(weight_map.values()))
+    # Open only names that passed those checks: never a path outside OUT, never a non-string.
+    files = sorted({f for f in weight_map.values() if _check_shard_name(root, f) is None})
     headers: dict[str, ShardHeader] = {}
     for f in files:
-        if not (root / f).exists():
+        if not (root / f).is_file():  # missing, or a directory/FIFO (a FIFO blocks the read)
             problems.append(Problem("shard named in the index is missing", file=f))
             continue
         try:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -97,7 +98,8 @@ def _render(report, quiet: bool) -> None:
         out.print(table)
     for c in report.checks:
         for p in c.problems[:20]:
-            err.print(f"  [red]-[/] [{c.name}] {p.render()}", highlight=False, soft_wrap=True)
+            err.print(f"  [red]-[/] {escape(f'[{c.name}] {p.render()}')}", highlight=False,
+                      soft_wrap=True)  # fmt: skip
         if len(c.problems) > 20:
             err.print(f"  ... and {len(c.problems) - 20} more in {c.name}")
     if not quiet:

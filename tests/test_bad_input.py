@@ -164,3 +164,14 @@ def test_non_empty_unrelated_output_refused_without_force(small_source, tmp_path
     proc = run_cli(small_source, out, "--manifest", "kimi-k3-any", "--force", "-q")
     assert proc.returncode == 0, proc.stderr
     assert (out / "notes.txt").read_text() == "mine"  # --force only removes what it wrote
+
+
+def test_messages_are_not_read_as_markup(source_copy, tmp_path):
+    """Problem text is data: a name such as "[red]x" must be printed as it is."""
+    index_path = source_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../[red]x.safetensors"
+    index_path.write_text(json.dumps(index))
+    proc = _convert(source_copy, tmp_path)
+    assert proc.returncode == 1 and "../[red]x.safetensors" in proc.stderr

@@ -1,0 +1,99 @@
+"""The Ray executor against a real local Ray runtime, compared byte for byte with local runs.
+
+One Ray runtime (2 CPUs, loopback only) serves the module; conversions run as the real CLI in
+subprocess drivers that join it with --ray-address, so a driver can be SIGKILLed mid-run
+(after its second ledger append, by the fault hook) while the runtime lives on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from cli_helpers import run_cli
+
+# Ray binds to the machine's address unless told that this is a one-node, loopback setup.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray", reason="Ray is an optional extra (kimi-w31[ray])")
+
+ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000"]
+KILL_AFTER_TWO = {"KIMI_W31_FAULT_AT": "ledger.appended:2"}  # SIGKILL the driver right there
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                   logging_level="warning")  # fmt: skip
+    address = ctx.address_info["address"]
+    assert address.startswith("127.0.0.1:")
+    yield address
+    ray.shutdown()
+
+
+def _files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _ray(address):
+    return ["--executor", "ray", "--ray-address", address]
+
+
+def _run(src, out, *args, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return run_cli(src, out, *ARGS, *args, env=env)
+
+
+def _killed_after_two(src, out, *args):
+    r = _run(src, out, *args, env_extra=KILL_AFTER_TWO)
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    assert not (out / "model.safetensors.index.json").exists()
+    ledger = (out / ".kimi_w31" / "ledger.jsonl").read_text().splitlines()
+    assert len(ledger) == 3  # the fingerprint and two finished shards
+
+
+def test_ray_output_is_byte_identical_to_the_local_executor(small_source, converted, tmp_path,
+                                                            ray_address):  # fmt: skip
+    out = tmp_path / "out"
+    r = _run(small_source, out, *_ray(ray_address), "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["shards_written"] == summary["output_shards"] > 1
+    assert _files(out) == _files(converted)  # config, index, checksums and every shard
+
+
+def test_killed_ray_driver_resumes_on_ray(small_source, converted, tmp_path, ray_address):
+    out = tmp_path / "out"
+    _killed_after_two(small_source, out, *_ray(ray_address))
+    r = _run(small_source, out, *_ray(ray_address), "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["shards_reused"] == 2
+    assert summary["shards_written"] == summary["output_shards"] - 2
+    assert _files(out) == _files(converted)
+
+
+def test_local_run_finished_on_ray_and_ray_run_finished_locally(small_source, converted,
+                                                                tmp_path, ray_address):  # fmt: skip
+    local_first, ray_first = tmp_path / "a", tmp_path / "b"
+    _killed_after_two(small_source, local_first, "--workers", "1")
+    _killed_after_two(small_source, ray_first, *_ray(ray_address))
+    for out, finish in ((local_first, _ray(ray_address)), (ray_first, ["--workers", "1"])):
+        r = _run(small_source, out, *finish, "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["shards_reused"] == 2
+        assert _files(out) == _files(converted)
+
+
+def test_corrupted_shard_is_found_by_a_ray_task_and_redone(small_source, converted, tmp_path,
+                                                           ray_address):  # fmt: skip
+    out = tmp_path / "out"
+    _killed_after_two(small_source, out, "--workers", "1")
+    done = json.loads((out / ".kimi_w31" / "ledger.jsonl").read_text().splitlines()[1])["shard"]
+    data = bytearray((out / done).read_bytes())
+    data[-1] ^= 0xFF  # same size, same header: only the re-hash can tell
+    (out / done).write_bytes(bytes(data))
+    r = _run(small_source, out, *_ray(ray_address), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["shards_reused"] == 1
+    assert _files(out) == _files(converted)
