@@ -30,6 +30,7 @@ class Manifest:
     sha256: str
     raw: dict
     pattern: re.Pattern[str]
+    tail_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def group_size(self) -> int:
@@ -109,12 +110,20 @@ def parse_expert(manifest: Manifest, name: str) -> ExpertTensor | None:
     head, sep, tail = name.rpartition("experts.")
     if not sep or (head and not head.endswith(".")):
         return None
-    m = manifest.pattern.match(sep + tail)
-    if m is None:
+    # ~7k distinct tails ("E.wX.suffix") serve 500k names: match each tail once.
+    cache = manifest.tail_cache
+    parts = cache.get(tail)
+    if parts is None:
+        m = manifest.pattern.match(sep + tail)
+        if m is None:
+            cache[tail] = False
+            return None
+        digits = m["expert"]
+        expert = int(digits)
+        parts = cache[tail] = (expert, m["proj"], m["suffix"], str(expert) == digits)
+    elif parts is False:
         return None
-    digits = m["expert"]
-    expert = int(digits)
-    return ExpertTensor(head, expert, m["proj"], m["suffix"], str(expert) == digits)
+    return ExpertTensor(head, *parts)
 
 
 @dataclass

@@ -100,9 +100,18 @@ def _ordered_tensors(source: Source) -> list[tuple[str, TensorInfo]]:
     return out
 
 
-def validate_source(
-    source: Source, manifest: Manifest
-) -> tuple[Dims, dict, dict[str, ExpertTensor | None], list[Problem]]:
+@dataclass
+class Validated:
+    """What validation learned, handed to the planner so nothing is computed twice."""
+
+    dims: Dims
+    layers: dict  # MoE layer prefix -> expert id -> {proj.suffix: tensor name}
+    parsed: dict[str, ExpertTensor | None]  # tensor name -> its expert-name parts
+    table: dict[str, tuple[str, TensorInfo]]  # tensor name -> (source file, info)
+    problems: list[Problem]
+
+
+def validate_source(source: Source, manifest: Manifest) -> Validated:
     """Every check that must pass before a byte is written; returns all problems."""
     problems: list[Problem] = []
     if not _has_quantization_config(source.config):
@@ -121,7 +130,7 @@ def validate_source(
     parsed = {name: parse_expert(manifest, name) for name in table}
     layers, tensor_problems = check_expert_tensors(manifest, dims, table, False, parsed)
     problems.extend(tensor_problems)
-    return dims, layers, parsed, problems
+    return Validated(dims, layers, parsed, table, problems)
 
 
 def _has_quantization_config(config: dict) -> bool:
@@ -138,7 +147,10 @@ def plan_conversion(
     tool_version: str = "",
 ) -> Plan:
     """Validate, then lay out every output tensor and shard. Raises with all problems."""
-    dims, layers, parsed_names, problems = validate_source(source, manifest)
+    checked = validate_source(source, manifest)
+    dims, layers, parsed_names, table, problems = (
+        checked.dims, checked.layers, checked.parsed, checked.table, checked.problems,
+    )  # fmt: skip
     if problems:
         raise ConvertError(
             problems,
@@ -151,7 +163,6 @@ def plan_conversion(
         )
 
     ordered = _ordered_tensors(source)
-    table = {info.name: info for _, info in ordered}
     outputs: list[OutputTensor] = []
     fused: set[str] = set()
     for file, info in ordered:
@@ -167,13 +178,15 @@ def plan_conversion(
         if name in fused:
             continue
         fused.add(name)
-        up, gate = table[stem + "w3" + tail], table[stem + "w1" + tail]
+        (up_file, up), (gate_file, gate) = table[stem + "w3" + tail], table[stem + "w1" + tail]
         pieces = (
-            Piece(source.weight_map[up.name], up.begin, up.nbytes),
-            Piece(source.weight_map[gate.name], gate.begin, gate.nbytes),
+            Piece(up_file, up.begin, up.end - up.begin),
+            Piece(gate_file, gate.begin, gate.end - gate.begin),
         )
         shape = (up.shape[0] + gate.shape[0], *up.shape[1:])
-        outputs.append(OutputTensor(name, up.dtype, shape, pieces, up.nbytes + gate.nbytes))
+        outputs.append(
+            OutputTensor(name, up.dtype, shape, pieces, pieces[0].length + pieces[1].length)
+        )
 
     shards = pack_shards(outputs, max_shard_size)
     plan = Plan(

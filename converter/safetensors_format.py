@@ -214,6 +214,12 @@ _begin_end = attrgetter("begin", "end")
 def read_header(path: str | os.PathLike[str], display_name: str | None = None) -> ShardHeader:
     """Read and validate one shard's header. Never reads tensor data."""
     name = display_name or os.fspath(path)
+    raw, file_size = read_header_bytes(path, name)
+    return parse_header_bytes(name, raw, file_size)
+
+
+def read_header_bytes(path: str | os.PathLike[str], name: str) -> tuple[bytes, int]:
+    """The header bytes (after the length prefix) and the file size, with the length checks."""
     try:
         with open(path, "rb") as fh:
             file_size = os.fstat(fh.fileno()).st_size
@@ -257,7 +263,7 @@ def read_header(path: str | os.PathLike[str], display_name: str | None = None) -
             raw = fh.read(length)
     except OSError as exc:
         raise ConvertError([Problem(f"cannot read ({exc.strerror})", file=name)]) from None
-    return parse_header_bytes(name, raw, file_size)
+    return raw, file_size
 
 
 @dataclass(frozen=True, slots=True)
