@@ -99,7 +99,8 @@ def check_structure(root: Path, manifest_name: str | None, report: VerifyReport)
         raise _Stop()
     problems.extend(check_weight_map(root, weight_map, INDEX_NAME))
     # Open only names that passed those checks: never a path outside OUT, never a non-string.
-    files = sorted({f for f in weight_map.values() if _check_shard_name(root, f) is None})
+    names = {f for f in weight_map.values() if isinstance(f, str)}  # once per shard, not tensor
+    files = sorted(f for f in names if _check_shard_name(root, f) is None)
     headers: dict[str, ShardHeader] = {}
     for f in files:
         if not (root / f).is_file():  # missing, or a directory/FIFO (a FIFO blocks the read)
