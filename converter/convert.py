@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from .lock import OutputLock
 from .manifest import load_manifest
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
 from .source import CONFIG_NAME, INDEX_NAME, Source, read_source, resolve_source
-from .streaming import SourceChanged, new_hash
+from .streaming import HASH_NAME, SourceChanged
 
 STATE_DIR = ".kimi_w31"
 CHECKSUMS_NAME = "kimi_w31.checksums.json"
@@ -90,7 +91,7 @@ class ConvertResult:
 
 
 def default_workers() -> int:
-    # Each shard stream keeps about two cores busy (the kernel copy and its sha256 thread);
+    # Each shard stream keeps about two cores busy (the kernel copy and its checksum thread);
     # more streams than that only contend. Beyond 8 a single filesystem rarely gains.
     return max(1, min((os.cpu_count() or 1) // 2, 8))
 
@@ -372,9 +373,7 @@ def _write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
 
 
 def _sha256(data: bytes) -> str:
-    h = new_hash()
-    h.update(data)
-    return h.hexdigest()
+    return hashlib.sha256(data).hexdigest()
 
 
 def _finalize(out: Path, tmp: Path, source: Source, plan: Plan, ledger: Ledger,
@@ -382,7 +381,7 @@ def _finalize(out: Path, tmp: Path, source: Source, plan: Plan, ledger: Ledger,
     """Extra files, checksums, config, then the index last."""
     checksums: dict = {
         "format_version": 1,
-        "algorithm": "sha256",
+        "tensor_checksum": HASH_NAME,  # per tensor; whole small files: sha256
         "plan_fingerprint": plan.fingerprint,
         "files": {},
     }

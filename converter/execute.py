@@ -3,7 +3,7 @@
 Each shard is written to a temporary name under the state directory, space-reserved up
 front, streamed (header, then each tensor's source byte ranges), fsynced, checked against
 the source fingerprints taken before the run, renamed into place, and only then recorded in
-the ledger. Threads, not processes: every hot call (pread, write, fsync, sha256) releases the
+the ledger. Threads, not processes: every hot call (pread, write, fsync, crc32) releases the
 GIL, and a thread pool shares the stop flag and open source files for free.
 """
 
@@ -220,9 +220,7 @@ def _nan_problem(tensor: str, file: str, scan: ScaleScan) -> Problem:
 
 
 def _sha(data: bytes) -> str:
-    h = new_hash()
-    h.update(data)
-    return h.hexdigest()
+    return hashlib.sha256(data).hexdigest()
 
 
 def _reserve(fd: int, size: int, name: str) -> None:

@@ -9,6 +9,7 @@ Levels, each including the ones before it:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import threading
@@ -33,7 +34,7 @@ from .source import (
     read_source,
     resolve_source,
 )
-from .streaming import CHUNK_SIZE, HashPipe, hash_tensors, new_hash
+from .streaming import CHUNK_SIZE, HASH_NAME, HashPipe, hash_tensors, new_hash
 
 MAX_PROBLEMS_KEPT = 1000
 
@@ -239,7 +240,13 @@ def check_checksums(
     try:
         recorded = read_json(conv.root / CHECKSUMS_NAME)
         files = recorded["files"]
-    except (ConvertError, KeyError, TypeError):
+        if recorded.get("tensor_checksum") != HASH_NAME:
+            report.add("checksums", [Problem("unknown tensor checksum", file=CHECKSUMS_NAME,
+                                             expected=HASH_NAME,
+                                             found=repr(recorded.get("tensor_checksum")))],
+                       "cannot check")  # fmt: skip
+            return {}
+    except (ConvertError, KeyError, TypeError, AttributeError):
         report.add(
             "checksums",
             [Problem("checksum file is missing or malformed", file=CHECKSUMS_NAME)],
@@ -314,19 +321,17 @@ def check_checksums(
         elif _sha_file(path) != want["sha256"]:
             problems.append(Problem("file differs from the conversion record", file=rel))
     others = len(files) - len(conv.headers)
-    report.add("checksums", problems,
-               f"{len(digests)} tensors and {others} other files re-hashed (sha256)")  # fmt: skip
+    detail = f"{len(digests)} tensors ({HASH_NAME}), {others} other files (sha256) re-hashed"
+    report.add("checksums", problems, detail)
     return digests
 
 
 def _sha(data: bytes) -> str:
-    h = new_hash()
-    h.update(data)
-    return h.hexdigest()
+    return hashlib.sha256(data).hexdigest()
 
 
 def _sha_file(path: Path) -> str:
-    h = new_hash()
+    h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(CHUNK_SIZE):
             h.update(chunk)

@@ -166,3 +166,12 @@ def test_incomplete_output_says_so(output_copy):
 @pytest.mark.parametrize("args", [["--numerics"], ["--experts", "0"]])
 def test_verify_usage_errors(converted, args):
     assert run_cli("verify", converted, *args).returncode == 2
+
+
+def test_unknown_checksum_algorithm_is_reported_not_misread(output_copy):
+    record_path = output_copy / "kimi_w31.checksums.json"
+    record = json.loads(record_path.read_text())
+    record["tensor_checksum"] = "md4"
+    record_path.write_text(json.dumps(record))
+    failed = _failed(verify(output_copy, checksums=True))
+    assert any("unknown tensor checksum" in p and "md4" in p for p in failed["checksums"])
