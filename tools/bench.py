@@ -73,20 +73,16 @@ def warm(root: Path) -> None:
                     pass
 
 
-def median_run(make_cmd, repeats: int, cache: str, src: Path, dst: Path, shell=False) -> dict:
-    times, rss = [], []
-    for _ in range(repeats):
-        shutil.rmtree(dst, ignore_errors=True)
-        os.sync()
-        if cache == "cold":
-            evict(src)
-        else:
-            warm(src)
-        r = measure(make_cmd(), shell=shell)
-        times.append(r["seconds"])
-        rss.append(r["peak_rss"])
+def timed_run(cmd: list[str], cache: str, src: Path, dst: Path, shell: bool = False) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
-    return {"median_s": statistics.median(times), "runs_s": times, "peak_rss": max(rss)}
+    os.sync()
+    if cache == "cold":
+        evict(src)
+    else:
+        warm(src)
+    result = measure(cmd, shell=shell)
+    shutil.rmtree(dst, ignore_errors=True)
+    return result
 
 
 def du(root: Path) -> int:
@@ -120,20 +116,38 @@ def machine_facts(work: Path) -> dict:
 
 
 def bench_throughput(work: Path, src: Path, repeats: int, workers: list[int]) -> dict:
+    """Interleaved rounds (cp, cp && sync, convert per worker count), ratios taken within a
+    round: this machine's disk speed drifts by 2-3x over minutes, so only runs measured side
+    by side are compared; the figure reported is the median of the per-round ratios."""
     dst = work / "dst"
     rows = {}
     for cache in ("warm", "cold"):
-        cp = median_run(lambda: [f"cp -r {src} {dst}"], repeats, cache, src, dst, shell=True)
-        cps = median_run(lambda: [f"cp -r {src} {dst} && sync"], repeats, cache, src, dst,
-                         shell=True)  # fmt: skip
-        rows[cache] = {"cp": cp, "cp_sync": cps, "convert": {}}
+        runs: dict[str, list[float]] = {"cp": [], "cp_sync": []}
+        runs.update({f"w{w}": [] for w in workers})
+        for _ in range(repeats):
+            runs["cp"].append(timed_run([f"cp -r {src} {dst}"], cache, src, dst, True)["seconds"])
+            runs["cp_sync"].append(
+                timed_run([f"cp -r {src} {dst} && sync"], cache, src, dst, True)["seconds"]
+            )
+            for w in workers:
+                cmd = [*CLI, str(src), str(dst), "--manifest", "kimi-k3-any", "--workers", str(w),
+                       "-q"]  # fmt: skip
+                runs[f"w{w}"].append(timed_run(cmd, cache, src, dst)["seconds"])
+        med = statistics.median
+        row = {
+            "cp": {"median_s": med(runs["cp"]), "runs_s": runs["cp"]},
+            "cp_sync": {"median_s": med(runs["cp_sync"]), "runs_s": runs["cp_sync"]},
+            "convert": {},
+        }
         for w in workers:
-            conv = median_run(
-                lambda w=w: [*CLI, str(src), str(dst), "--manifest", "kimi-k3-any", "--workers",
-                             str(w), "-q"], repeats, cache, src, dst)  # fmt: skip
-            conv["vs_cp_sync"] = conv["median_s"] / cps["median_s"]
-            conv["vs_cp"] = conv["median_s"] / cp["median_s"]
-            rows[cache]["convert"][w] = conv
+            t = runs[f"w{w}"]
+            row["convert"][w] = {
+                "median_s": med(t),
+                "runs_s": t,
+                "vs_cp_sync": med(a / b for a, b in zip(t, runs["cp_sync"], strict=True)),
+                "vs_cp": med(a / b for a, b in zip(t, runs["cp"], strict=True)),
+            }
+        rows[cache] = row
     return rows
 
 
@@ -201,7 +215,9 @@ def render(report: dict) -> str:
         f"filesystem; Python {f['python']}, kimi-w31 {f['kimi_w31']}, safetensors "
         f"{f['safetensors']}, huggingface_hub {f['huggingface_hub']}, numpy {f['numpy']}, "
         f"kernel {f['kernel']}. Medians of {report['repeats']} runs; ratios are against a "
-        "baseline measured in the same run on the same files. Raw figures: "
+        "baseline measured in the same run on the same files (for conversion: the median of "
+        "per-round ratios, each round running cp, cp && sync and convert back to back). Raw "
+        "figures: "
         "`docs/benchmarks.json`.",
         "",
         f"## Conversion throughput vs `cp` ({gb:.2f} GB synthetic real-dims checkpoint: "
@@ -272,7 +288,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(".bench"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=60, help="per layer; 4x60 is ~4.2 GB")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="smoke run on tiny inputs (tests)")
     args = ap.parse_args()
     work = args.work.resolve()
