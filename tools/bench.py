@@ -124,15 +124,20 @@ def bench_throughput(work: Path, src: Path, repeats: int, workers: list[int]) ->
     for cache in ("warm", "cold"):
         runs: dict[str, list[float]] = {"cp": [], "cp_sync": []}
         runs.update({f"w{w}": [] for w in workers})
-        for _ in range(repeats):
-            runs["cp"].append(timed_run([f"cp -r {src} {dst}"], cache, src, dst, True)["seconds"])
-            runs["cp_sync"].append(
-                timed_run([f"cp -r {src} {dst} && sync"], cache, src, dst, True)["seconds"]
-            )
-            for w in workers:
-                cmd = [*CLI, str(src), str(dst), "--manifest", "kimi-k3-any", "--workers", str(w),
-                       "-q"]  # fmt: skip
-                runs[f"w{w}"].append(timed_run(cmd, cache, src, dst)["seconds"])
+        commands: dict[str, tuple[list[str], bool]] = {
+            "cp": ([f"cp -r {src} {dst}"], True),
+            "cp_sync": ([f"cp -r {src} {dst} && sync"], True),
+        }
+        for w in workers:
+            commands[f"w{w}"] = ([*CLI, str(src), str(dst), "--manifest", "kimi-k3-any",
+                                  "--workers", str(w), "-q"], False)  # fmt: skip
+        order = list(commands)
+        for r in range(repeats):
+            # Rotate the order each round: the first command of a round was seen to pay for
+            # the previous round's deletes, so every command takes every position in turn.
+            for key in order[r % len(order) :] + order[: r % len(order)]:
+                cmd, shell = commands[key]
+                runs[key].append(timed_run(cmd, cache, src, dst, shell)["seconds"])
         med = statistics.median
         row = {
             "cp": {"median_s": med(runs["cp"]), "runs_s": runs["cp"]},
@@ -216,7 +221,8 @@ def render(report: dict) -> str:
         f"{f['safetensors']}, huggingface_hub {f['huggingface_hub']}, numpy {f['numpy']}, "
         f"kernel {f['kernel']}. Medians of {report['repeats']} runs; ratios are against a "
         "baseline measured in the same run on the same files (for conversion: the median of "
-        "per-round ratios, each round running cp, cp && sync and convert back to back). Raw "
+        "per-round ratios; each round runs cp, cp && sync and convert back to back, in an order "
+        "rotated from round to round). Raw "
         "figures: "
         "`docs/benchmarks.json`.",
         "",
@@ -288,7 +294,12 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(".bench"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=60, help="per layer; 4x60 is ~4.2 GB")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=4,
+        help="rounds (4: each command once in each position of a round)",
+    )
     ap.add_argument("--tiny", action="store_true", help="smoke run on tiny inputs (tests)")
     args = ap.parse_args()
     work = args.work.resolve()
