@@ -261,6 +261,33 @@ def start_writeback(fd: int) -> None:
         _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
+def hash_ranges(
+    jobs: list[tuple[tuple, list[tuple[int, int, int, str]]]],
+    view: memoryview,
+    stop: threading.Event | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Feed each job's ranges, in order, to its targets' `update`, through `view`.
+
+    A job is (targets, [(fd, offset, length, file name), ...]).
+    """
+    size = len(view)
+    for targets, ranges in jobs:
+        for fd, offset, length, what in ranges:
+            end = offset + length
+            while offset < end:
+                if stop is not None and stop.is_set():
+                    raise Interrupted()
+                n = os.preadv(fd, [view[: min(size, end - offset)]], offset)
+                if n == 0:
+                    raise SourceChanged(what, f"ended early at byte {offset}")
+                for target in targets:
+                    target.update(view[:n])
+                offset += n
+                if progress is not None:
+                    progress(n)
+
+
 class RangeHasher(threading.Thread):
     """Hashes a shard's source ranges on its own thread while `copy_range` copies them.
 
@@ -279,21 +306,8 @@ class RangeHasher(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        buf = bytearray(CHUNK_SIZE)
-        view = memoryview(buf)
         try:
-            for targets, ranges in self.jobs:
-                for fd, offset, length, what in ranges:
-                    end = offset + length
-                    while offset < end:
-                        if self.stop is not None and self.stop.is_set():
-                            raise Interrupted()
-                        n = os.preadv(fd, [view[: min(CHUNK_SIZE, end - offset)]], offset)
-                        if n == 0:
-                            raise SourceChanged(what, f"ended early at byte {offset}")
-                        for target in targets:
-                            target.update(view[:n])
-                        offset += n
+            hash_ranges(self.jobs, memoryview(bytearray(CHUNK_SIZE)), self.stop)
         except BaseException as exc:
             self.error = exc
 

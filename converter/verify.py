@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import threading
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from .source import (
     read_source,
     resolve_source,
 )
-from .streaming import CHUNK_SIZE, HASH_NAME, HashPipe, hash_tensors, new_hash
+from .streaming import CHUNK_SIZE, HASH_NAME, HashPipe, hash_ranges, hash_tensors, new_hash
 
 MAX_PROBLEMS_KEPT = 1000
 
@@ -373,26 +374,20 @@ def check_against_source(conv: Converted, source_spec: str, digests: dict[str, s
         )
     names = sorted(set(expected) & set(digests))
 
+    local = threading.local()  # one read buffer per worker thread, not per tensor
+
     def one(name: str) -> Problem | None:
         t = expected[name]
         h = new_hash()
-        pipe = HashPipe(CHUNK_SIZE)
+        if not hasattr(local, "view"):
+            local.view = memoryview(bytearray(CHUNK_SIZE))
+        fds = [os.open(root / p.file, os.O_RDONLY) for p in t.pieces]
         try:
-            import os
-
-            from .streaming import stream_range
-
-            for piece in t.pieces:
-                fd = os.open(root / piece.file, os.O_RDONLY)
-                try:
-                    stream_range(
-                        pipe, (h,), fd, piece.offset, piece.length, None, None, on_bytes, piece.file
-                    )
-                finally:
-                    pipe.drain()
-                    os.close(fd)
+            ranges = [(fd, p.offset, p.length, p.file) for fd, p in zip(fds, t.pieces, strict=True)]
+            hash_ranges([((h,), ranges)], local.view, progress=on_bytes)
         finally:
-            pipe.close()
+            for fd in fds:
+                os.close(fd)
         if h.hexdigest() != digests[name]:
             what = (
                 "w31 is not concat([w3, w1]) of the source"
