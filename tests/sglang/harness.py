@@ -19,6 +19,7 @@ import stubs
 stubs.install()
 
 import torch  # noqa: E402
+from kimi_w31.converter.synth import quantization_config  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 # --- synthetic checkpoints (DESIGN.md layout) ---------------------------------------------
@@ -26,33 +27,9 @@ from safetensors.torch import save_file  # noqa: E402
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0
 EXPERT_PREFIX = "language_model.model.layers.{L}.mlp.experts.{E}."
 
-COMPRESSED_TENSORS_MXFP4 = {
-    "quant_method": "compressed-tensors",
-    "format": "mxfp4-pack-quantized",
-    "quantization_status": "compressed",
-    "config_groups": {
-        "group_0": {
-            "format": "mxfp4-pack-quantized",
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "float",
-                "strategy": "group",
-                "group_size": 32,
-                "symmetric": True,
-                "dynamic": False,
-                "scale_dtype": "torch.uint8",
-            },
-            "input_activations": None,
-            "output_activations": None,
-        }
-    },
-    "ignore": ["language_model.lm_head"],
-    "kv_cache_scheme": None,
-    "sparsity_config": {},
-    "transform_config": {},
-    "version": "0.20.0",
-}
+# What compressed-tensors writes for Kimi-K3's experts (the converter's synth uses the same);
+# only the ignore list is narrowed to the layers these small test modules have.
+COMPRESSED_TENSORS_MXFP4 = {**quantization_config(), "ignore": ["language_model.lm_head"]}
 
 LAYOUT_BLOCK = {
     "format_version": 1,
