@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -214,105 +215,153 @@ def check_situ_config(manifest: Manifest, config: dict) -> list[Problem]:
     return problems
 
 
+class _Expected(NamedTuple):
+    """What the manifest requires of every tensor with one name tail ("E.proj.suffix")."""
+
+    expert: int
+    key: str  # "proj.suffix"
+    dtype: str
+    shape: tuple[int, ...] | None  # None when a dimension is unknown (reported already)
+
+
+_REJECTED = "rejected"  # a tail no expert tensor may have (bad id, unknown or stale proj)
+_UNSEEN = object()
+
+
 def check_expert_tensors(
     manifest: Manifest,
     dims: Dims,
-    tensors: dict[str, tuple[str, TensorInfo]],
+    tensors: Iterable[tuple[str, TensorInfo]],
     converted: bool,
-    parsed_names: dict[str, ExpertTensor | None] | None = None,
-) -> tuple[dict[str, dict[int, dict[str, str]]], list[Problem]]:
-    """Check every routed-expert tensor (name -> (file, info)) against the manifest.
+) -> tuple[dict[str, int], list[Problem]]:
+    """Check every routed-expert tensor, given as (file, info) pairs, against the manifest.
 
-    Returns the experts found, grouped `{layer prefix: {expert id: {proj.suffix: name}}}`,
-    and every problem: wrong dtype/shape, ids out of range, missing partners or experts,
-    and tensors that must not exist in this layout (w31 in a source, w1/w3 in an output).
+    Returns the number of experts found per MoE layer prefix, and every problem: wrong
+    dtype/shape, ids out of range, missing partners or experts, and tensors that must not
+    exist in this layout (w31 in a source, w1/w3 in an output).
+
+    The real model has ~500k expert tensors but only a few thousand distinct name tails
+    ("E.proj.suffix"): each tail is judged once, and a layer whose set of tails is exactly
+    the expected one needs no per-expert bookkeeping at all.
     """
     rules = manifest.raw["converted_tensors" if converted else "source_tensors"]
     shapes = {key: dims.shape(rule["shape"]) for key, rule in rules.items()}
     num_experts = dims.values.get("E")
     problems: list[Problem] = []
-    layers: dict[str, dict[int, dict[str, str]]] = {}
-    for name, (file, info) in tensors.items():
-        parsed = parsed_names[name] if parsed_names is not None else parse_expert(manifest, name)
-        if parsed is None:
+    tails_by_layer: dict[str, list[str]] = {}
+    verdicts: dict[str, _Expected | str | None] = {}
+    for file, info in tensors:
+        name = info.name
+        head, sep, tail = name.rpartition("experts.")
+        if not sep or (head and head[-1] != "."):
             continue
-        if not parsed.canonical:  # "experts.01." would alias expert 1 and be lost
+        verdict = verdicts.get(tail, _UNSEEN)
+        if verdict is _UNSEEN:
+            verdict = verdicts[tail] = _judge_tail(manifest, tail, rules, shapes, num_experts)
+        if verdict is None:
+            continue
+        if verdict is _REJECTED:
+            problems.append(_rejection(manifest, rules, num_experts, converted, file, name))
+            continue
+        tails = tails_by_layer.get(head)
+        if tails is None:
+            tails = tails_by_layer[head] = []
+        tails.append(tail)
+        if info.dtype != verdict.dtype:
             problems.append(
                 Problem(
-                    "expert id is not a plain decimal number",
-                    file=file,
-                    tensor=name,
-                    expected=parsed.name(),
-                    found=name,
+                    "wrong dtype", file=file, tensor=name, expected=verdict.dtype, found=info.dtype
                 )
             )
-            continue
-        key = f"{parsed.proj}.{parsed.suffix}"
-        rule = rules.get(key)
-        if rule is None:
-            what = (
-                "w1/w3 expert tensor left in a converted checkpoint"
-                if converted and parsed.proj in ("w1", "w3")
-                else "fused w31 tensor in a source checkpoint"
-                if parsed.proj == "w31"
-                else "unexpected routed-expert tensor"
-            )
-            problems.append(
-                Problem(what, file=file, tensor=name, expected=" / ".join(sorted(rules)), found=key)
-            )
-            continue
-        if num_experts is not None and parsed.expert >= num_experts:
-            problems.append(
-                Problem(
-                    "expert id out of range",
-                    file=file,
-                    tensor=name,
-                    expected=f"< {num_experts}",
-                    found=str(parsed.expert),
-                )
-            )
-            continue
-        layers.setdefault(parsed.prefix, {}).setdefault(parsed.expert, {})[key] = name
-        if info.dtype != rule["dtype"]:
-            problems.append(
-                Problem(
-                    "wrong dtype", file=file, tensor=name, expected=rule["dtype"], found=info.dtype
-                )
-            )
-        want = shapes[key]
-        if want is not None and info.shape != want:
+        if verdict.shape is not None and info.shape != verdict.shape:
             problems.append(
                 Problem(
                     "wrong shape",
                     file=file,
                     tensor=name,
-                    expected=str(list(want)),
+                    expected=str(list(verdict.shape)),
                     found=str(list(info.shape)),
                 )
             )
 
-    for prefix, experts in sorted(layers.items()):
-        if num_experts is not None:
-            missing = sorted(set(range(num_experts)) - set(experts))
-            if missing:
-                problems.append(
-                    Problem(
-                        f"MoE layer is missing {len(missing)} of {num_experts} experts",
-                        tensor=f"{prefix}experts.*",
-                        expected=f"ids 0..{num_experts - 1}",
-                        found=f"missing {_id_ranges(missing)}",
-                    )
-                )
-        for expert, parts in sorted(experts.items()):
-            absent = sorted(set(rules) - set(parts))
-            for key in absent:
-                problems.append(
-                    Problem(
-                        "expert tensor is missing (its partners exist)",
-                        tensor=f"{prefix}experts.{expert}.{key}",
-                    )
-                )
+    layers: dict[str, int] = {}
+    complete = num_experts * len(rules) if num_experts is not None else None
+    for prefix, tails in sorted(tails_by_layer.items()):
+        # Every accepted tail has an id below E and a key from the rules, so E x rules
+        # distinct tails is exactly "every expert with every tensor".
+        if len(tails) == complete and len(set(tails)) == complete:
+            layers[prefix] = num_experts
+            continue
+        experts: dict[int, set[str]] = {}
+        for tail in tails:
+            verdict = verdicts[tail]
+            experts.setdefault(verdict.expert, set()).add(verdict.key)
+        layers[prefix] = len(experts)
+        problems.extend(_missing_in_layer(prefix, experts, rules, num_experts))
     return layers, problems
+
+
+def _judge_tail(
+    manifest: Manifest, tail: str, rules: dict, shapes: dict, num_experts: int | None
+) -> _Expected | str | None:
+    parsed = parse_expert(manifest, "experts." + tail)
+    if parsed is None:
+        return None
+    key = f"{parsed.proj}.{parsed.suffix}"
+    if not parsed.canonical or key not in rules:
+        return _REJECTED
+    if num_experts is not None and parsed.expert >= num_experts:
+        return _REJECTED
+    return _Expected(parsed.expert, key, rules[key]["dtype"], shapes[key])
+
+
+def _rejection(
+    manifest: Manifest, rules: dict, num_experts: int | None, converted: bool, file: str, name: str
+) -> Problem:
+    """Why a routed-expert tensor must not exist (the rare path: worded in full)."""
+    parsed = parse_expert(manifest, name)
+    assert parsed is not None
+    key = f"{parsed.proj}.{parsed.suffix}"
+    if not parsed.canonical:  # "experts.01." would alias expert 1 and be lost
+        return Problem("expert id is not a plain decimal number", file=file, tensor=name,
+                       expected=parsed.name(), found=name)  # fmt: skip
+    if key not in rules:
+        what = (
+            "w1/w3 expert tensor left in a converted checkpoint"
+            if converted and parsed.proj in ("w1", "w3")
+            else "fused w31 tensor in a source checkpoint"
+            if parsed.proj == "w31"
+            else "unexpected routed-expert tensor"
+        )
+        return Problem(what, file=file, tensor=name, expected=" / ".join(sorted(rules)), found=key)
+    return Problem("expert id out of range", file=file, tensor=name,
+                   expected=f"< {num_experts}", found=str(parsed.expert))  # fmt: skip
+
+
+def _missing_in_layer(
+    prefix: str, experts: dict[int, set[str]], rules: dict, num_experts: int | None
+) -> list[Problem]:
+    problems = []
+    if num_experts is not None:
+        missing = sorted(set(range(num_experts)) - set(experts))
+        if missing:
+            problems.append(
+                Problem(
+                    f"MoE layer is missing {len(missing)} of {num_experts} experts",
+                    tensor=f"{prefix}experts.*",
+                    expected=f"ids 0..{num_experts - 1}",
+                    found=f"missing {_id_ranges(missing)}",
+                )
+            )
+    for expert, parts in sorted(experts.items()):
+        for key in sorted(set(rules) - parts):
+            problems.append(
+                Problem(
+                    "expert tensor is missing (its partners exist)",
+                    tensor=f"{prefix}experts.{expert}.{key}",
+                )
+            )
+    return problems
 
 
 def _id_ranges(ids: list[int]) -> str:

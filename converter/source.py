@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import eq
 from pathlib import Path
 
 from .errors import ConvertError, Problem, fail
@@ -27,7 +30,7 @@ class Source:
     root: Path
     label: str  # what the user typed, for messages
     config: dict
-    weight_map: dict[str, str]  # tensor -> shard file name (relative)
+    weight_map: Mapping[str, str]  # tensor -> shard file name (relative)
     shard_files: list[str]  # in index order, each once
     headers: dict[str, ShardHeader] = field(default_factory=dict)
     extra_files: list[str] = field(default_factory=list)  # copied unchanged
@@ -35,6 +38,30 @@ class Source:
 
     def path(self, rel: str) -> Path:
         return self.root / rel
+
+
+class HeaderWeightMap(Mapping[str, str]):
+    """tensor name -> shard file, answered from the shard headers.
+
+    Once the index is proven to agree with the headers it says nothing they do not, and
+    keeping its 500k entries would cost ~110 MB: lookups here are rare (numerics samples).
+    """
+
+    def __init__(self, headers: dict[str, ShardHeader]) -> None:
+        self._headers = headers
+
+    def __getitem__(self, name: str) -> str:
+        for file, header in self._headers.items():
+            if name in header.tensors:
+                return file
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        for header in self._headers.values():
+            yield from header.tensors
+
+    def __len__(self) -> int:
+        return sum(len(h.tensors) for h in self._headers.values())
 
 
 def resolve_source(spec: str, revision: str | None = None) -> Path:
@@ -86,6 +113,12 @@ def _check_shard_name(root: Path, name: object) -> str | None:
 def check_weight_map(root: Path, weight_map: dict, index_name: str) -> list[Problem]:
     """Every entry names a safe shard; each distinct name is checked once (500k tensors
     share a few hundred shard names, and resolving symlinks is a system call per path)."""
+    try:
+        names = set(weight_map.values())  # a C loop over 500k entries
+    except TypeError:  # a list or object as a value: the slow loop words it
+        names = None
+    if names is not None and not any(_check_shard_name(root, n) for n in names):
+        return []
     verdicts: dict[str, str | None] = {}
     problems = []
     for tensor, shard in weight_map.items():
@@ -120,11 +153,7 @@ def read_source(root: Path, label: str | None = None) -> Source:
     index_path = root / INDEX_NAME
     index_metadata: dict = {}
     if index_path.exists():
-        index = read_json(index_path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise fail("index has no weight_map object", file=str(index_path))
-        index_metadata = index.get("metadata") or {}
+        weight_map, index_metadata = _read_index(index_path)
         problems.extend(check_weight_map(root, weight_map, INDEX_NAME))
         if problems:
             raise ConvertError(problems)
@@ -151,12 +180,11 @@ def read_source(root: Path, label: str | None = None) -> Source:
     if problems:
         raise ConvertError(problems)
 
-    if not weight_map:  # single file: the header is the map
-        weight_map = {name: SINGLE_NAME for name in headers[SINGLE_NAME].tensors}
-    else:
+    if weight_map:
         problems.extend(check_index_against_headers(weight_map, headers, INDEX_NAME))
         if problems:
             raise ConvertError(problems)
+    del weight_map  # the headers say the same from here on (single file: the header is the map)
 
     weight_files = set(shard_files) | {INDEX_NAME, CONFIG_NAME}
     extra = sorted(
@@ -175,13 +203,29 @@ def read_source(root: Path, label: str | None = None) -> Source:
             [Problem("file is a symlink that points outside the source directory", file=rel)
              for rel in escaping]
         )  # fmt: skip
-    return Source(root, label, config, weight_map, shard_files, headers, extra, index_metadata)
+    return Source(root, label, config, HeaderWeightMap(headers), shard_files, headers, extra,
+                  index_metadata)  # fmt: skip
+
+
+def _read_index(path: Path) -> tuple[dict, dict]:
+    """The index's weight_map and metadata (nothing else of it is kept in memory)."""
+    index = read_json(path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise fail("index has no weight_map object", file=str(path))
+    return weight_map, index.get("metadata") or {}
 
 
 def check_index_against_headers(
     weight_map: dict[str, str], headers: dict[str, ShardHeader], index_name: str
 ) -> list[Problem]:
     """Each tensor exactly once: in the index and in the shard the index names."""
+    # Fast proof, in C loops: if every header tensor maps to its own shard and the counts
+    # agree, no name is in two shards and the index holds nothing else.
+    if sum(len(h.tensors) for h in headers.values()) == len(weight_map) and all(
+        all(map(eq, repeat(shard), map(weight_map.get, h.tensors))) for shard, h in headers.items()
+    ):
+        return []
     problems: list[Problem] = []
     for tensor, shard in weight_map.items():
         header = headers.get(shard)

@@ -133,8 +133,8 @@ def check_structure(root: Path, manifest_name: str | None, report: VerifyReport)
     detail = "skipped: no usable manifest"
     if manifest is not None:
         dims, dim_problems = resolve_dims(manifest, config)
-        table = {t.name: (f, t) for f, h in headers.items() for t in h.tensors.values()}
-        layers, expert_problems = check_expert_tensors(manifest, dims, table, converted=True)
+        tensors = ((f, t) for f, h in headers.items() for t in h.tensors.values())
+        layers, expert_problems = check_expert_tensors(manifest, dims, tensors, converted=True)
         expert_problems = dim_problems + expert_problems
         if not layers:
             expert_problems.append(Problem("no routed-expert (w31) tensors found"))
