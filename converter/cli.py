@@ -6,6 +6,7 @@ Exit codes scripts can rely on: 0 success, 1 invalid input or a failed check,
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -226,6 +227,7 @@ def convert_cmd(source, output, manifest, revision, max_shard_size, workers, dry
         opts.backend = make_backend(**backend_opts)
         reporter = RichReporter(quiet or as_json)
         result = convert(opts, reporter)
+        keep_until_exit(result)
         summary = result.summary()
         if opts.backend:
             summary.update(opts.backend.plan_summary(result.source, result.plan))
@@ -323,6 +325,41 @@ def synth(output, layers, experts, top_k, shards, real_dims, k, n, seed) -> None
                   f"(K={kk}, N={nn}, {experts} experts x {layers} layers)")  # fmt: skip
 
     run_guarded(body)
+
+
+_kept: list[object] = []
+_exiting_fast = False
+
+
+def keep_until_exit(obj: object) -> None:
+    """Under the console command, never free `obj`: see `run`."""
+    if _exiting_fast:
+        _kept.append(obj)
+
+
+def run() -> None:
+    """The `kimi-convert` console command: `main`, then a quick exit.
+
+    A plan of the real model is ~2M small Python objects, and freeing them one by one when
+    the process ends anyway takes ~0.25 s. The command keeps its result alive, runs the exit
+    handlers, flushes its output and leaves with os._exit. (`main` itself, as used in-process,
+    frees everything as usual.)
+    """
+    global _exiting_fast
+    _exiting_fast = True
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    if not isinstance(code, int):  # sys.exit("message") or sys.exit(None)
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _register_optional_commands() -> None:

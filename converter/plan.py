@@ -13,6 +13,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from .errors import ConvertError, Problem
@@ -49,8 +50,8 @@ class OutputShard:
     tensors: list[OutputTensor]
     header: bytes = b""
 
-    @property
-    def data_size(self) -> int:
+    @cached_property
+    def data_size(self) -> int:  # cached: asked for several times of 300k-tensor plans
         return sum(t.nbytes for t in self.tensors)
 
     @property

@@ -29,25 +29,54 @@ class NoSituActivationType(enum.IntEnum):
     Swiglu = 3
 
 
-def _cutlass_with_situ(input, token_selected_experts, token_final_scales, fc1_expert_weights,  # noqa: A002
-                       fc2_expert_weights, output_dtype, quant_scales, fc1_expert_biases=None,
-                       fc2_expert_biases=None, input_sf=None, swiglu_alpha=None,
-                       swiglu_beta=None, swiglu_limit=None, tp_size=1, tp_rank=0, ep_size=1,
-                       ep_rank=0, output=None, use_w4_group_scaling=False,
-                       use_mxfp8_act_scaling=False, tune_max_num_tokens=8192,
-                       activation_type=FakeActivationType.Swiglu, use_fused_finalize=True,
-                       workspace_buffer=None, *, situ_beta=None, situ_linear_beta=None):
+def _cutlass_with_situ(
+    input,
+    token_selected_experts,
+    token_final_scales,
+    fc1_expert_weights,  # noqa: A002
+    fc2_expert_weights,
+    output_dtype,
+    quant_scales,
+    fc1_expert_biases=None,
+    fc2_expert_biases=None,
+    input_sf=None,
+    swiglu_alpha=None,
+    swiglu_beta=None,
+    swiglu_limit=None,
+    tp_size=1,
+    tp_rank=0,
+    ep_size=1,
+    ep_rank=0,
+    output=None,
+    use_w4_group_scaling=False,
+    use_mxfp8_act_scaling=False,
+    tune_max_num_tokens=8192,
+    activation_type=FakeActivationType.Swiglu,
+    use_fused_finalize=True,
+    workspace_buffer=None,
+    *,
+    situ_beta=None,
+    situ_linear_beta=None,
+):
     raise AssertionError("replaced per test")
 
 
-def _cutlass_without_situ(input, token_selected_experts, token_final_scales,  # noqa: A002
-                          fc1_expert_weights, fc2_expert_weights, output_dtype, quant_scales,
-                          activation_type=FakeActivationType.Swiglu):
+def _cutlass_without_situ(
+    input,
+    token_selected_experts,
+    token_final_scales,  # noqa: A002
+    fc1_expert_weights,
+    fc2_expert_weights,
+    output_dtype,
+    quant_scales,
+    activation_type=FakeActivationType.Swiglu,
+):
     raise AssertionError("never called")
 
 
-def _install_fake(monkeypatch, version: str, cutlass, activation_type=FakeActivationType,
-                  **extra) -> types.SimpleNamespace:
+def _install_fake(
+    monkeypatch, version: str, cutlass, activation_type=FakeActivationType, **extra
+) -> types.SimpleNamespace:
     root = types.ModuleType("flashinfer")
     root.__version__ = version
     fused = types.ModuleType("flashinfer.fused_moe")
@@ -138,8 +167,12 @@ def test_situ_params_rejects(args) -> None:
 
 def _tensors(e=E, k=K, n=N):
     u8 = torch.uint8
-    return (torch.zeros(e, 2 * n, k // 2, dtype=u8), torch.zeros(e, 2 * n, k // 32, dtype=u8),
-            torch.zeros(e, k, n // 2, dtype=u8), torch.zeros(e, k, n // 32, dtype=u8))
+    return (
+        torch.zeros(e, 2 * n, k // 2, dtype=u8),
+        torch.zeros(e, 2 * n, k // 32, dtype=u8),
+        torch.zeros(e, k, n // 2, dtype=u8),
+        torch.zeros(e, k, n // 32, dtype=u8),
+    )
 
 
 def test_moe_dims() -> None:
@@ -174,13 +207,21 @@ def test_prepare_sm90_calls_the_mixed_gemm_interleaves(monkeypatch) -> None:
         calls.append(("s", tuple(s.shape), group_size))
         return s.reshape(s.shape[0], -1)  # some other layout, same bytes count
 
-    _install_fake(monkeypatch, "0.7.2", _cutlass_with_situ,
-                  interleave_moe_weights_for_sm90_mixed_gemm=weights,
-                  interleave_moe_scales_for_sm90_mixed_gemm=scales)
+    _install_fake(
+        monkeypatch,
+        "0.7.2",
+        _cutlass_with_situ,
+        interleave_moe_weights_for_sm90_mixed_gemm=weights,
+        interleave_moe_scales_for_sm90_mixed_gemm=scales,
+    )
     w31p, w31s, w2p, w2s = _tensors()
     p = fm.prepare_sm90(w31p, w31s, w2p, w2s)
-    assert calls == [("w", (E, 2 * N, K // 2), "fp4"), ("w", (E, K, N // 2), "fp4"),
-                     ("s", (E, 2 * N, K // 32), 32), ("s", (E, K, N // 32), 32)]
+    assert calls == [
+        ("w", (E, 2 * N, K // 2), "fp4"),
+        ("w", (E, K, N // 2), "fp4"),
+        ("s", (E, 2 * N, K // 32), 32),
+        ("s", (E, K, N // 32), 32),
+    ]
     assert p.arch == "sm90" and p.dims == fm.MoeDims(E, K, N)
     assert torch.all(p.fc1 == 1) and torch.all(p.fc2 == 1)  # the interleaved tensors are used
     assert [s.dtype for s in p.quant_scales] == [torch.int32, torch.int32]
@@ -194,8 +235,9 @@ def test_prepare_sm120_swizzles_scales_only(monkeypatch) -> None:
         seen.append(tuple(s.shape))
         return (s.flatten() + 7).contiguous()  # FlashInfer returns a flat buffer
 
-    _install_fake(monkeypatch, "0.7.2", _cutlass_with_situ,
-                  block_scale_interleave=block_scale_interleave)
+    _install_fake(
+        monkeypatch, "0.7.2", _cutlass_with_situ, block_scale_interleave=block_scale_interleave
+    )
     w31p, w31s, w2p, w2s = _tensors()
     w31p[0, 0, 0] = 0x21
     p = fm.prepare_sm120(w31p, w31s, w2p, w2s)
@@ -227,17 +269,32 @@ def _prepared(arch: fm.Arch = "sm90", e: int = E) -> fm.PreparedMoeWeights:
 
 
 def _routing(m: int = 3, top_k: int = 2):
-    return (torch.zeros(m, K, dtype=torch.bfloat16), torch.zeros(m, top_k, dtype=torch.int32),
-            torch.full((m, top_k), 0.5))
+    return (
+        torch.zeros(m, K, dtype=torch.bfloat16),
+        torch.zeros(m, top_k, dtype=torch.int32),
+        torch.full((m, top_k), 0.5),
+    )
 
 
 def test_kwargs_sm90_situ() -> None:
     x, ids, w = _routing()
     beta, linear = fm.situ_params(E)
     out = torch.empty(3, K, dtype=torch.bfloat16)
-    kw = fm.build_moe_kwargs(x, ids, w, _prepared(), FakeActivationType.Situ, situ_beta=beta,
-                             situ_linear_beta=linear, output=out, tp_size=2, tp_rank=1,
-                             ep_size=4, ep_rank=3, use_fused_finalize=False)
+    kw = fm.build_moe_kwargs(
+        x,
+        ids,
+        w,
+        _prepared(),
+        FakeActivationType.Situ,
+        situ_beta=beta,
+        situ_linear_beta=linear,
+        output=out,
+        tp_size=2,
+        tp_rank=1,
+        ep_size=4,
+        ep_rank=3,
+        use_fused_finalize=False,
+    )
     assert kw["activation_type"] is FakeActivationType.Situ
     assert kw["situ_beta"] is beta and kw["situ_linear_beta"] is linear
     assert kw["swiglu_alpha"] is kw["swiglu_beta"] is kw["swiglu_limit"] is None
@@ -253,13 +310,30 @@ def test_kwargs_sm90_situ() -> None:
 def test_kwargs_sm120_uses_mxfp8_activations() -> None:
     x, ids, w = _routing()
     sf = torch.zeros(16, dtype=torch.uint8)
-    kw = fm.build_moe_kwargs(x, ids, w, _prepared("sm120"), FakeActivationType.Situ,
-                             situ_beta=None, situ_linear_beta=None, output=None, input_sf=sf)
+    kw = fm.build_moe_kwargs(
+        x,
+        ids,
+        w,
+        _prepared("sm120"),
+        FakeActivationType.Situ,
+        situ_beta=None,
+        situ_linear_beta=None,
+        output=None,
+        input_sf=sf,
+    )
     assert kw["use_mxfp8_act_scaling"] is True and kw["use_w4_group_scaling"] is False
     assert kw["input_sf"] is sf and len(kw["quant_scales"]) == 4
     with pytest.raises(ValueError, match="input_sf"):
-        fm.build_moe_kwargs(x, ids, w, _prepared("sm120"), FakeActivationType.Situ,
-                            situ_beta=None, situ_linear_beta=None, output=None)
+        fm.build_moe_kwargs(
+            x,
+            ids,
+            w,
+            _prepared("sm120"),
+            FakeActivationType.Situ,
+            situ_beta=None,
+            situ_linear_beta=None,
+            output=None,
+        )
 
 
 @pytest.mark.parametrize(
@@ -279,10 +353,19 @@ def test_kwargs_reject(change, match) -> None:
     x, ids, w = _routing()
     args = {"x": x, "ids": ids, "w": w, "beta": None, "ep_rank": 0, "input_sf": None, **change}
     with pytest.raises(ValueError, match=match):
-        fm.build_moe_kwargs(args["x"], args["ids"], args["w"], _prepared(),
-                            FakeActivationType.Situ, situ_beta=args["beta"],
-                            situ_linear_beta=None, output=None, ep_size=2,
-                            ep_rank=args["ep_rank"], input_sf=args["input_sf"])
+        fm.build_moe_kwargs(
+            args["x"],
+            args["ids"],
+            args["w"],
+            _prepared(),
+            FakeActivationType.Situ,
+            situ_beta=args["beta"],
+            situ_linear_beta=None,
+            output=None,
+            ep_size=2,
+            ep_rank=args["ep_rank"],
+            input_sf=args["input_sf"],
+        )
 
 
 def test_run_situ_moe_passes_situ_and_returns_the_output(monkeypatch) -> None:
@@ -330,6 +413,14 @@ def test_kwargs_bind_to_the_real_signature() -> None:
     import inspect
 
     x, ids, w = _routing()
-    kw = fm.build_moe_kwargs(x, ids, w, _prepared(), flashinfer_moe.ActivationType.Situ,
-                             situ_beta=None, situ_linear_beta=None, output=None)
+    kw = fm.build_moe_kwargs(
+        x,
+        ids,
+        w,
+        _prepared(),
+        flashinfer_moe.ActivationType.Situ,
+        situ_beta=None,
+        situ_linear_beta=None,
+        output=None,
+    )
     inspect.signature(flashinfer_moe.cutlass_fused_moe).bind(**kw)

@@ -103,8 +103,14 @@ def test_swap_fc1_halves() -> None:
 
 @pytest.mark.parametrize(
     "cos, nrmse, ok",
-    [(0.99999, 0.005, True), (0.9999946, 0.0033, True), (0.999989, 0.001, False),
-     (1.0, 0.00501, False), (float("nan"), 0.0, False), (1.0, float("nan"), False)],
+    [
+        (0.99999, 0.005, True),
+        (0.9999946, 0.0033, True),
+        (0.999989, 0.001, False),
+        (1.0, 0.00501, False),
+        (float("nan"), 0.0, False),
+        (1.0, float("nan"), False),
+    ],
 )
 def test_gate_thresholds(cos, nrmse, ok) -> None:
     assert C.gate(cos, nrmse) is ok
@@ -145,8 +151,10 @@ def test_compare_and_bitwise() -> None:
 
 
 def test_report_and_table(tmp_path) -> None:
-    cases = [C.CaseResult("situ-M1-uniform", "situ", 1, "uniform", 0.9999947, 0.00326, 0.41),
-             C.CaseResult("neg-x", "negative", 32, "uniform", 0.45, 1.04, 133.8, expect="fail")]
+    cases = [
+        C.CaseResult("situ-M1-uniform", "situ", 1, "uniform", 0.9999947, 0.00326, 0.41),
+        C.CaseResult("neg-x", "negative", 32, "uniform", 0.45, 1.04, 133.8, expect="fail"),
+    ]
     report = {"cases": cases, "verdict": C.verdict(cases, {}), "path": tmp_path, "nan": math.nan}
     C.write_report(tmp_path / "r.json", report)
     back = json.loads((tmp_path / "r.json").read_text())
@@ -159,9 +167,13 @@ def test_report_and_table(tmp_path) -> None:
 
 
 def test_expert_index_and_layer_pick() -> None:
-    wm = {f"model.layers.{L}.mlp.experts.{e}.{p}.{part}": "x"
-          for L in (1, 2) for e in range(3) for p in ("w31", "w2")
-          for part in ("weight_packed", "weight_scale")}
+    wm = {
+        f"model.layers.{L}.mlp.experts.{e}.{p}.{part}": "x"
+        for L in (1, 2)
+        for e in range(3)
+        for p in ("w31", "w2")
+        for part in ("weight_packed", "weight_scale")
+    }
     wm["model.layers.1.self_attn.q_proj.weight"] = "x"
     idx = C.expert_index(wm)
     assert set(idx) == {"model.layers.1.mlp.experts", "model.layers.2.mlp.experts"}
@@ -200,11 +212,15 @@ def _harness(pair, backend) -> H.Harness:
 
 def test_load_layer_reads_converted_and_source(checkpoint_pair) -> None:
     layer = H.load_layer(*checkpoint_pair, 8, torch.device("cpu"))
-    assert layer.num_experts == 8 and layer.w31[0].shape == (8, 2 * layer.intermediate,
-                                                             layer.hidden // 2)
+    assert layer.num_experts == 8 and layer.w31[0].shape == (
+        8,
+        2 * layer.intermediate,
+        layer.hidden // 2,
+    )
     # the converted fc1 really is [up; gate] of the source experts (bit-exact)
-    conv = ref.dequant_converted_expert((layer.w31[0][5], layer.w31[1][5]),
-                                        (layer.w2[0][5], layer.w2[1][5]))
+    conv = ref.dequant_converted_expert(
+        (layer.w31[0][5], layer.w31[1][5]), (layer.w2[0][5], layer.w2[1][5])
+    )
     assert torch.equal(conv.gate, layer.reference[5].gate)
     assert torch.equal(conv.up, layer.reference[5].up)
 
@@ -215,9 +231,15 @@ def test_all_cases_on_cpu_stand_in(checkpoint_pair) -> None:
     names = [c.name for c in report["cases"]]
     for m in H.SITU_MS:
         assert f"situ-M{m}-uniform" in names and f"situ-M{m}-skewed" in names
-    assert {"situ-M32-empty-experts", "ep2-M8-uniform", "swiglu-M8-uniform",
-            "neg-fc1-halves-swapped", "neg-betas-swapped", "neg-nibble-order",
-            "situ-M32-masked-slot"} <= set(names)
+    assert {
+        "situ-M32-empty-experts",
+        "ep2-M8-uniform",
+        "swiglu-M8-uniform",
+        "neg-fc1-halves-swapped",
+        "neg-betas-swapped",
+        "neg-nibble-order",
+        "situ-M32-masked-slot",
+    } <= set(names)
     assert report["verdict"]["overall"], C.markdown_table(report["cases"])
     negatives = [c for c in report["cases"] if c.kind == "negative"]
     assert len(negatives) == 3 and all(c.cosine < 0.95 for c in negatives)
@@ -229,8 +251,9 @@ class _GateUpSwappedBackend(H.ReferenceBackend):
 
     def prepare(self, w31, w2):
         return [
-            ref.dequant_converted_expert((w31[0][i], w31[1][i]), (w2[0][i], w2[1][i]),
-                                         fc1_order=("gate", "up"))
+            ref.dequant_converted_expert(
+                (w31[0][i], w31[1][i]), (w2[0][i], w2[1][i]), fc1_order=("gate", "up")
+            )
             for i in range(w31[0].shape[0])
         ]
 
@@ -244,8 +267,22 @@ def test_harness_fails_a_broken_adapter(checkpoint_pair) -> None:
 
 def test_cli_reference_backend_writes_report(checkpoint_pair, tmp_path) -> None:
     src, conv = checkpoint_pair
-    rc = H.main(["--source", str(src), "--converted", str(conv), "--out", str(tmp_path),
-                 "--experts", "8", "--top-k", "4", "--backend", "reference"])
+    rc = H.main(
+        [
+            "--source",
+            str(src),
+            "--converted",
+            str(conv),
+            "--out",
+            str(tmp_path),
+            "--experts",
+            "8",
+            "--top-k",
+            "4",
+            "--backend",
+            "reference",
+        ]
+    )
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["verdict"]["overall"] and report["dims"]["experts"] == 8
@@ -259,8 +296,21 @@ def test_harness_on_gpu(checkpoint_pair, tmp_path) -> None:
         pytest.skip("needs a CUDA GPU (the H200 evidence is in docs/gpu-validation.md)")
     pytest.importorskip("flashinfer", reason="needs flashinfer-python >= 0.7.0")
     src, conv = checkpoint_pair
-    rc = H.main(["--source", str(src), "--converted", str(conv), "--out", str(tmp_path),
-                 "--experts", "8", "--top-k", "4", "--no-timing"])
+    rc = H.main(
+        [
+            "--source",
+            str(src),
+            "--converted",
+            str(conv),
+            "--out",
+            str(tmp_path),
+            "--experts",
+            "8",
+            "--top-k",
+            "4",
+            "--no-timing",
+        ]
+    )
     assert rc == 0
 
 
@@ -319,8 +369,12 @@ def test_select_generated_and_source_order(tmp_path) -> None:
         return p
 
     bf16 = "template void f<__nv_bfloat16, SafeFP4, __nv_bfloat16>();"
-    files = [gen(64, 1, bf16), gen(256, 2, bf16), gen(128, 3, bf16),
-             gen(128, 4, "template void f<half, SafeFP4, half>();")]
+    files = [
+        gen(64, 1, bf16),
+        gen(256, 2, bf16),
+        gen(128, 3, bf16),
+        gen(128, 4, "template void f<half, SafeFP4, half>();"),
+    ]
     sm80 = tmp_path / "gemm_grouped" / "80" / "k_sm80.generated.cu"
     sm80.parent.mkdir(parents=True)
     sm80.write_text(bf16)
@@ -328,8 +382,14 @@ def test_select_generated_and_source_order(tmp_path) -> None:
     assert [p.name for p in picked] == [files[1].name, files[2].name, files[0].name]
 
     d = Path("/csrc")
-    stock = [d / "moe_gemm_kernels_fp8_fp8.cu", d / "moe_gemm_kernels_bf16_fp4.cu",
-             d / T.BINDING, d / T.INSTANTIATION, *files, d / "logger.cpp"]
+    stock = [
+        d / "moe_gemm_kernels_fp8_fp8.cu",
+        d / "moe_gemm_kernels_bf16_fp4.cu",
+        d / T.BINDING,
+        d / T.INSTANTIATION,
+        *files,
+        d / "logger.cpp",
+    ]
     src = T.trimmed_sources(stock, picked, d / "trim_binding.cu", d / "trim_inst.cu")
     assert src[:3] == picked  # biggest M tile first: it compiles longest
     assert src[3:5] == [d / "trim_inst.cu", d / "trim_binding.cu"]

@@ -131,9 +131,11 @@ def test_moe_forward_matches_explicit_sum() -> None:
     w = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
     out = ref.moe_forward(x, ids, w, experts, 4.0, 25.0)
     for t in range(2):
-        want = sum(w[t, j] * ref.expert_forward(x[t:t + 1], experts[int(ids[t, j])], 4.0, 25.0)
-                   for j in range(2))
-        assert torch.allclose(out[t:t + 1], want, rtol=1e-5, atol=1e-4)
+        want = sum(
+            w[t, j] * ref.expert_forward(x[t : t + 1], experts[int(ids[t, j])], 4.0, 25.0)
+            for j in range(2)
+        )
+        assert torch.allclose(out[t : t + 1], want, rtol=1e-5, atol=1e-4)
 
 
 def test_moe_forward_negative_slot_contributes_nothing() -> None:
