@@ -342,8 +342,8 @@ def run() -> None:
 
     A plan of the real model is ~2M small Python objects, and freeing them one by one when
     the process ends anyway takes ~0.25 s. The command keeps its result alive, runs the exit
-    handlers, flushes its output and leaves with os._exit. (`main` itself, as used in-process,
-    frees everything as usual.)
+    handlers, flushes its output and leaves with os._exit, unless a thread is still running.
+    (`main` itself, as used in-process, frees everything as usual.)
     """
     global _exiting_fast
     _exiting_fast = True
@@ -352,6 +352,8 @@ def run() -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code
+    if threading.active_count() > 1:  # someone's thread still runs: the ordinary way out
+        sys.exit(code)
     if not isinstance(code, int):  # sys.exit("message") or sys.exit(None)
         if code is not None:
             print(code, file=sys.stderr)
