@@ -23,6 +23,7 @@ from .manifest import (
     check_expert_tensors,
     parse_expert,
     resolve_dims,
+    split_expert_name,
 )
 from .safetensors_format import TensorInfo, build_header
 from .source import Source
@@ -183,9 +184,10 @@ def output_tensors(source: Source, manifest: Manifest) -> list[OutputTensor]:
     for file in source.shard_files:  # _source_tensors inlined: this body runs 500k times
         for info in source.headers[file].tensors.values():
             name = info.name
-            head, sep, tail = name.rpartition("experts.")
+            split = split_expert_name(name)
             role = None
-            if sep and (not head or head[-1] == "."):
+            if split is not None:
+                head, tail = split
                 role = fusion.get(tail, _UNSEEN)
                 if role is _UNSEEN:
                     role = fusion[tail] = _fusion_role(manifest, tail)
@@ -194,7 +196,7 @@ def output_tensors(source: Source, manifest: Manifest) -> list[OutputTensor]:
                 piece = new(piece_cls, (file, info.begin, length))
                 outputs.append(new(tensor_cls, (name, info.dtype, info.shape, (piece,), length)))
                 continue
-            w31 = head + sep + role[0]
+            w31 = head + "experts." + role[0]
             first = waiting.pop(w31, None)
             if first is None:
                 waiting[w31] = (len(outputs), file, info, role[1])
