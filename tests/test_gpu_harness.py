@@ -265,24 +265,15 @@ def test_harness_fails_a_broken_adapter(checkpoint_pair) -> None:
     assert not report["verdict"]["expected_pass_cases_pass"]
 
 
+def _cli_args(src, conv, out, *extra: str) -> list[str]:
+    """The harness command line on the small pair: 8 experts, top-k 4."""
+    return ["--source", str(src), "--converted", str(conv), "--out", str(out),
+            "--experts", "8", "--top-k", "4", *extra]  # fmt: skip
+
+
 def test_cli_reference_backend_writes_report(checkpoint_pair, tmp_path) -> None:
     src, conv = checkpoint_pair
-    rc = H.main(
-        [
-            "--source",
-            str(src),
-            "--converted",
-            str(conv),
-            "--out",
-            str(tmp_path),
-            "--experts",
-            "8",
-            "--top-k",
-            "4",
-            "--backend",
-            "reference",
-        ]
-    )
+    rc = H.main(_cli_args(src, conv, tmp_path, "--backend", "reference"))
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["verdict"]["overall"] and report["dims"]["experts"] == 8
@@ -296,21 +287,7 @@ def test_harness_on_gpu(checkpoint_pair, tmp_path) -> None:
         pytest.skip("needs a CUDA GPU (the H200 evidence is in docs/gpu-validation.md)")
     pytest.importorskip("flashinfer", reason="needs flashinfer-python >= 0.7.0")
     src, conv = checkpoint_pair
-    rc = H.main(
-        [
-            "--source",
-            str(src),
-            "--converted",
-            str(conv),
-            "--out",
-            str(tmp_path),
-            "--experts",
-            "8",
-            "--top-k",
-            "4",
-            "--no-timing",
-        ]
-    )
+    rc = H.main(_cli_args(src, conv, tmp_path, "--no-timing"))
     assert rc == 0
 
 
