@@ -18,15 +18,8 @@ from pathlib import Path
 
 import click
 
-from .layout import (
-    BLOCK_KEY,
-    OPT_IN_ENV,
-    WRAPPER_METHOD,
-    LayoutError,
-    find_block,
-    load_layout,
-    text_config,
-)
+from ..converter import contract
+from .layout import OPT_IN_ENV, find_block, text_config
 
 SGLANG_PIN = "0.5.23"
 FLASHINFER_MIN = (0, 7, 0)
@@ -103,6 +96,20 @@ def check_stack(
     return problems
 
 
+def _flag_value(args: Sequence[str], *flags: str) -> str | None:
+    """The value of the last of `flags` in `args` (`--flag V` or `--flag=V`), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        for flag in flags:
+            if arg == flag and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+    if value is not None and flags[0] in ("--tp-size", "--ep-size") and not value.isdigit():
+        raise ServeError(f"{flags[0]} {value!r} after -- is not a positive integer")
+    return value
+
+
 def _flag_given(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
@@ -118,22 +125,19 @@ def check_checkpoint(
         raise ServeError(f"{cfg_path}: cannot read the model config ({exc})") from exc
     converted = find_block(cfg) is not None
     if converted:
-        try:
-            load_layout(cfg)
-        except LayoutError as exc:
-            raise ServeError(f"{cfg_path}: {exc}") from exc
-        qc = cfg.get("quantization_config") or text_config(cfg).get("quantization_config")
-        if not (isinstance(qc, dict) and qc.get("quant_method") == WRAPPER_METHOD):
+        problems = contract.check_block(cfg) + contract.check_wrapped(cfg)
+        if problems:
             raise ServeError(
-                f"{cfg_path}: has a '{BLOCK_KEY}' block but its quantization_config is not "
-                f"wrapped as '{WRAPPER_METHOD}', so a server without the adapter would not "
-                "refuse it. Convert the checkpoint again."
+                f"{cfg_path}: not a usable converted checkpoint (a server without the adapter "
+                "must refuse it, and the adapter must agree with its block):\n  - "
+                + "\n  - ".join(p.render() for p in problems)
+                + "\nConvert it again from the source."
             )
     elif not unconverted:
         raise ServeError(
-            f"{root} is not a converted checkpoint (no '{BLOCK_KEY}' block in config.json). "
-            f"Convert it with `kimi-convert SRC OUT`, or pass --unconverted to serve the "
-            f"original with the adapter's SiTU method ({OPT_IN_ENV}=1)."
+            f"{root} is not a converted checkpoint (no '{contract.BLOCK_KEY}' block in "
+            "config.json). Convert it with `kimi-convert SRC OUT`, or pass --unconverted to "
+            f"serve the original with the adapter's SiTU method ({OPT_IN_ENV}=1)."
         )
     text = text_config(cfg)
     if text.get("hidden_act") != "situ":
@@ -163,11 +167,10 @@ def plan_serve(
     python: str = sys.executable,
 ) -> ServePlan:
     """The server command for `root`: config checks, no structure verify, no stack checks."""
-    for arg in extra:
-        if arg.startswith("--moe-runner-backend="):
-            backend = arg.split("=", 1)[1]
-    if "--moe-runner-backend" in extra[:-1]:
-        backend = extra[list(extra).index("--moe-runner-backend") + 1]
+    # SGLang's own flags after `--` win over ours: check the layout SGLang will really use.
+    backend = _flag_value(extra, "--moe-runner-backend") or backend
+    tp = int(_flag_value(extra, "--tp-size", "--tp") or tp)
+    ep = int(_flag_value(extra, "--ep-size", "--ep") or ep)
     _, converted = check_checkpoint(root, unconverted=unconverted, tp=tp, ep=ep, backend=backend)
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(root)]
     if not _flag_given(extra, "--moe-runner-backend"):

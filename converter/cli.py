@@ -1,134 +1,64 @@
-"""The `kimi-convert` command line: click for parsing, rich for progress and reports.
+"""The converter's commands: `convert` (the default) and `synth`.
 
-Exit codes scripts can rely on: 0 success, 1 invalid input or a failed check,
-2 usage error, 130 interrupted (rerun the same command to resume).
+click parses, `pipeline.convert` works, `console` renders. Exit codes: 0 ok, 1 invalid
+input or a failed check, 2 usage error, 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
-import os
-import re
-import sys
 import threading
 import time
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from kimi_w31 import __version__
 
-from .backends import hub_and_cluster_options, make_backend
-from .convert import ConvertOptions, Reporter, convert, default_workers
-from .errors import ConvertError
+from . import console
+from .console import err, human, out, parse_size, run_guarded
+from .errors import EXIT_USAGE, Code, fail
+from .execute.local import LocalExecutor, default_workers
+from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
-from .plan import DEFAULT_MAX_SHARD_SIZE
+from .outdir import Mode
+from .pipeline import ConvertOptions, ConvertResult, Reporter, convert
 
-err = Console(stderr=True, soft_wrap=True)  # no hard wraps: messages stay greppable
-out = Console()
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+RESUME_HINT = "rerun the same command to resume: finished shards are kept"
 
 
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m[2].upper() not in _UNITS:
-        raise click.BadParameter(
-            f"size {text!r} not understood; use a number with a unit such as 500MB, 5GB or 4GiB"
-        )
-    return int(float(m[1]) * _UNITS[m[2].upper()])
+class ProgressReporter(Reporter):
+    """Conversion progress: bytes written (shards kept from an earlier run count as done,
+    not as speed), shards done, and what was kept."""
 
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
-
-
-def render_error(exc: ConvertError, as_json: bool) -> None:
-    if as_json:
-        out.print_json(json.dumps({"ok": False, "problems": [p.as_dict() for p in exc.problems],
-                                   "hint": exc.hint}))  # fmt: skip
-        return
-    shown = exc.problems[:50]
-    err.print(f"[bold red]error:[/] {escape(exc.summary())}")
-    if len(exc.problems) > 1 or exc.problems[0].expected is not None:
-        for p in shown:
-            err.print(f"  [red]-[/] {escape(p.render())}", highlight=False, soft_wrap=True)
-        if len(exc.problems) > len(shown):
-            err.print(f"  ... and {len(exc.problems) - len(shown)} more")
-    if exc.hint:
-        err.print(f"[yellow]hint:[/] {escape(exc.hint)}")
-
-
-def run_guarded(fn, as_json: bool = False) -> None:
-    """Run a command body; turn errors into messages and exit codes, never tracebacks."""
-    try:
-        fn()
-    except ConvertError as exc:
-        render_error(exc, as_json)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted.[/] Rerun the same command to resume: finished shards "
-                  "are kept.")  # fmt: skip
-        sys.exit(130)
-    except click.exceptions.Exit:
-        raise
-    except Exception as exc:  # a bug or an unexpected OS error: say what, not a traceback
-        if os.environ.get("KIMI_W31_DEBUG"):
-            raise
-        err.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}")
-        err.print("set KIMI_W31_DEBUG=1 for the full traceback")
-        sys.exit(1)
-
-
-class RichReporter(Reporter):
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-        self.progress: Progress | None = None
-        self.task = None
-        self.shards_total = 0
-        self.shards_done = 0
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.progress: console.Progress | None = None
+        self.shards = 0
+        self.done = self.kept = 0
         self.lock = threading.Lock()
 
     def start(self, total_bytes: int, shards: int) -> None:
-        self.shards_total = shards
-        if self.quiet:
-            return
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=False,
-        )  # fmt: skip
-        self.progress.start()
-        self.task = self.progress.add_task(self._label(), total=total_bytes)
-
-    def _label(self) -> str:
-        return f"shards {self.shards_done}/{self.shards_total}"
+        self.shards = shards
+        self.progress = console.Progress(self.mode, "convert", total_bytes)
+        self.progress.note(shards=f"0/{shards}")
 
     def advance(self, nbytes: int) -> None:
         if self.progress is not None:
-            self.progress.update(self.task, advance=nbytes)
+            self.progress.advance(nbytes)
 
-    def shard_done(self, name: str, reused: bool) -> None:
+    def shard_done(self, result: ShardOutcome) -> None:
         with self.lock:
-            self.shards_done += 1
+            self.done += 1
+            if result.outcome is Outcome.KEPT:
+                self.kept += 1
+            note = f"{self.done}/{self.shards}" + (f" ({self.kept} kept)" if self.kept else "")
         if self.progress is not None:
-            self.progress.update(self.task, description=self._label())
+            if result.outcome is Outcome.KEPT and result.record is not None:
+                self.progress.advance(result.record.size, moved=False)
+            self.progress.note(shards=note)
 
     def warn(self, message: str) -> None:
         err.print(f"[yellow]warning:[/] {escape(message)}")
@@ -141,13 +71,9 @@ class RichReporter(Reporter):
 class DefaultConvert(click.Group):
     """`kimi-convert SRC OUT` means `kimi-convert convert SRC OUT`."""
 
-    def resolve_command(self, ctx, args):
-        if args and args[0] not in self.commands and not args[0].startswith("-"):
-            args = ["convert", *args]
-        return super().resolve_command(ctx, args)
-
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h",
+                                                                      "--version"):
             args = ["convert", *args]
         return super().parse_args(ctx, args)
 
@@ -155,222 +81,292 @@ class DefaultConvert(click.Group):
 @click.group(cls=DefaultConvert, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kimi-convert")
 def main() -> None:
-    """Convert Kimi-K3 MXFP4 checkpoints to the fused [up; gate] (w31) expert layout.
+    """Convert Kimi-K3 MXFP4 checkpoints to the fused [up; gate] (w31) expert layout,
+    prove the result, and serve it with SGLang.
 
     \b
     Examples:
       kimi-convert /data/hf_models/Kimi-K3 out/         convert a local checkpoint
       kimi-convert moonshotai/Kimi-K3 out/              a repo already in the HF cache
+      kimi-convert moonshotai/Kimi-K3 out/ --download   stream it from the Hub
       kimi-convert SRC out/ --dry-run                   check and plan only, write nothing
-      kimi-convert SRC out/ --manifest kimi-k3-any      scaled-down checkpoints
       kimi-convert verify out/ --checksums              prove an output intact
-      kimi-convert synth src/ --layers 3 --experts 8    make a checkpoint to play with
+      kimi-convert synth src/                           make a small checkpoint to try
+      kimi-convert serve out/ --tp 8                    check, then run SGLang on it
 
-    Exit codes: 0 ok, 1 invalid input or failed check, 2 usage error, 130 interrupted.
+    Exit codes: 0 ok, 1 invalid input or failed check, 2 usage error, 130 interrupted,
+    143 terminated.
     """
+
+
+def _hub_and_cluster_options(fn):
+    """Options for streaming from the Hub (`--download`) and for Ray (`--executor ray`)."""
+    options = [
+        click.option("--download", is_flag=True,
+                     help="SOURCE is a Hub repo id: read headers over HTTP, download source "
+                     "shards as the plan needs them (token: HF_TOKEN or hf auth login)."),
+        click.option("--download-dir", type=click.Path(path_type=Path), default=None,
+                     metavar="DIR",
+                     help="With --download: put source files in DIR instead of the HF cache."),
+        click.option("--delete-source-shards", is_flag=True,
+                     help="With --download: delete each source shard once every output shard "
+                     "reading it is done (peak disk = output + window)."),
+        click.option("--max-source-window", type=click.IntRange(1), default=None, metavar="N",
+                     help="With --download: source shards live at once (downloading or "
+                     "waiting to be used) [default: 4]. --dry-run prints the smallest that "
+                     "works."),
+        click.option("--executor", type=click.Choice(["local", "ray"]), default="local",
+                     show_default=True,
+                     help="Who writes the shards: threads here, or Ray tasks on a cluster "
+                     "(source and output on storage every node sees)."),
+        click.option("--ray-address", default=None, metavar="HOST:PORT",
+                     help="With --executor ray: the cluster to join [default: RAY_ADDRESS, "
+                     "else a local Ray runtime]."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _origin_and_executor(opts: ConvertOptions, workers: int, download: bool,
+                         download_dir: Path | None, delete_source_shards: bool,
+                         max_source_window: int | None, executor: str,
+                         ray_address: str | None) -> None:
+    """Fill in where the source comes from and who writes the shards, or refuse the mix."""
+    if not download:
+        given = [name for name, v in (("--download-dir", download_dir),
+                                      ("--delete-source-shards", delete_source_shards),
+                                      ("--max-source-window", max_source_window)) if v]
+        if given:
+            raise fail(Code.USAGE, f"{', '.join(given)} only apply with --download",
+                       exit_code=EXIT_USAGE)
+    if ray_address and executor != "ray":
+        raise fail(Code.USAGE, "--ray-address only applies with --executor ray",
+                   exit_code=EXIT_USAGE)
+    if executor == "ray":
+        if download:
+            raise fail(Code.USAGE, "--download and --executor ray do not combine: download "
+                       "first (hf download ... --local-dir on shared storage), then convert on "
+                       "Ray", exit_code=EXIT_USAGE)
+        from .execute.ray import RayExecutor, import_ray
+
+        import_ray()  # say so before anything else happens
+        opts.executor = RayExecutor(address=ray_address)
+    elif download:
+        from .execute.hub import DEFAULT_WINDOW, HubExecutor
+        from .source.hub import HubOrigin
+
+        origin = HubOrigin(download_dir=download_dir.expanduser().resolve()
+                           if download_dir else None)
+        opts.origin = origin
+        opts.executor = HubExecutor(origin, window=max_source_window or DEFAULT_WINDOW,
+                                    delete_source_shards=delete_source_shards,
+                                    workers=workers or default_workers())
+    else:
+        opts.executor = LocalExecutor(workers)
 
 
 @main.command("convert")
-@click.argument("source")
-@click.argument("output", type=click.Path(path_type=Path))
-@click.option(
-    "--manifest",
-    default=DEFAULT_MANIFEST,
-    show_default=True,
-    help="Manifest name (kimi-k3: official dims pinned; kimi-k3-any: dims from the "
-    "config) or a path to a manifest JSON.",
-)
-@click.option("--revision", default=None, help="Revision of a Hugging Face repo id source.")
-@click.option(
-    "--max-shard-size",
-    default="5GB",
-    show_default=True,
-    callback=lambda c, p, v: parse_size(v),
-    help="Largest output shard (e.g. 500MB, 5GB, 4GiB).",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(0),
-    default=0,
-    help=f"Shards written at once [default: {default_workers()} here].",
-)
-@click.option("--dry-run", is_flag=True, help="Check and plan only; print what would be written.")
-@click.option(
-    "--force",
-    is_flag=True,
-    help="Replace a previous, different conversion in OUTPUT (only files it wrote).",
-)
-@click.option(
-    "--check-scales",
-    is_flag=True,
-    help="Also scan every E8M0 scale byte for 0xFF (NaN) while copying.",
-)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary table.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary.")
-@hub_and_cluster_options
+@click.argument("source", metavar="SRC_DIR_OR_REPO_ID")
+@click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
+@click.option("--manifest", default=DEFAULT_MANIFEST, show_default=True,
+              metavar="NAME_OR_PATH",
+              help="What the checkpoint must look like: kimi-k3 (the official model, dims "
+              "pinned), kimi-k3-any (dims from the config; scaled-down checkpoints such as "
+              "synth's) or a path to a manifest JSON.")
+@click.option("--revision", default=None, metavar="REV",
+              help="Branch, tag or commit of a Hugging Face repo id source.")
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
+              callback=lambda c, p, v: parse_size(v),
+              help="Largest output shard (e.g. 500MB, 5GB, 4GiB); must be more than 0.")
+@click.option("--workers", type=click.IntRange(0), default=0, metavar="N",
+              help=f"Shards written at once; 0 means one per two CPU cores, up to 8 "
+              f"[default: 0, which is {default_workers()} here].")
+@click.option("--dry-run", is_flag=True,
+              help="Check and plan only; show what would be written, kept or redone.")
+@click.option("--force", is_flag=True,
+              help="Replace a different, earlier conversion in OUT_DIR: removes only the files "
+              "kimi-convert's own records say it wrote there; refuses anything else.")
+@click.option("--rehash", is_flag=True,
+              help="Before keeping a shard an earlier run finished, re-read it and compare "
+              "every tensor's checksum [default: size, header and source identity only].")
+@click.option("--check-scales", is_flag=True,
+              help="Also scan every E8M0 scale byte for 0xFF (NaN) while copying.")
+@click.option("--progress", "progress_mode", type=click.Choice(console.PROGRESS_MODES),
+              default="auto", show_default=True,
+              help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
+              "bar on a terminal, lines otherwise.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no summary (errors only).")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@_hub_and_cluster_options
 def convert_cmd(source, output, manifest, revision, max_shard_size, workers, dry_run, force,
-                check_scales, quiet, as_json, **backend_opts) -> None:  # fmt: skip
-    """Convert SOURCE (a directory or a cached HF repo id) into OUTPUT.
+                rehash, check_scales, progress_mode, quiet, as_json, **where) -> None:
+    """Convert SRC_DIR_OR_REPO_ID (a directory, or a repo id in the HF cache or, with
+    --download, on the Hub) into OUT_DIR.
 
     Every expert tensor is checked against the manifest from headers alone before anything
     is written. Each expert's w1 (gate) and w3 (up) become one w31 = [up; gate] tensor by
-    byte concatenation; everything else is copied unchanged. Interrupted runs resume when
-    the same command is run again.
+    byte concatenation; everything else is copied unchanged; the index is written last.
+
+    Rerun the same command after any interruption: finished shards are kept once proven.
+    On a finished output it proves every shard again and repairs what fails.
+
+    \b
+    Examples:
+      kimi-convert /data/Kimi-K3 /data/Kimi-K3-w31
+      kimi-convert /data/Kimi-K3 out/ --dry-run              plan; what a rerun would keep
+      kimi-convert moonshotai/Kimi-K3 out/ --download --delete-source-shards
+      kimi-convert /shared/Kimi-K3 /shared/out --executor ray --ray-address HEAD:6379
+      nohup kimi-convert SRC out/ --progress lines > convert.log 2>&1 &
     """
-    opts = ConvertOptions(
-        source=source, out=output, manifest=manifest, revision=revision,
-        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE, workers=workers,
-        dry_run=dry_run, force=force, check_scales=check_scales,
-    )  # fmt: skip
+    opts = ConvertOptions(source=source, out=output, manifest=manifest, revision=revision,
+                          max_shard_size=max_shard_size, dry_run=dry_run, force=force,
+                          check_scales=check_scales, rehash=rehash)
 
     def body() -> None:
-        opts.backend = make_backend(**backend_opts)
-        reporter = RichReporter(quiet or as_json)
-        result = convert(opts, reporter)
-        keep_until_exit(result)
+        _origin_and_executor(opts, workers, **where)
+        mode = console.resolve_mode(progress_mode, quiet or as_json)
+        result = convert(opts, ProgressReporter(mode))
         summary = result.summary()
-        if opts.backend:
-            summary.update(opts.backend.plan_summary(result.source, result.plan))
+        extra = getattr(opts.executor, "summary", None)
+        if extra is not None:
+            summary.update(extra(result.plan))
         if as_json:
             out.print_json(json.dumps({"ok": True, **summary}))
+        elif quiet:
             return
-        if quiet:
-            return
-        if dry_run:
-            _print_plan(result, opts.backend.plan_rows(result.source, result.plan)
-                        if opts.backend else [])  # fmt: skip
-            return
-        if result.already_complete:
-            err.print(f"[green]already complete:[/] {result.out} holds this conversion; "
-                      "nothing to do.")  # fmt: skip
-            return
-        _print_summary(summary)
+        elif dry_run:
+            _print_plan(result, getattr(opts.executor, "plan_rows", lambda plan: [])(
+                result.plan))
+        elif result.already_complete:
+            err.print(f"[green]already complete:[/] {escape(str(result.out))} holds this "
+                      f"conversion; all {len(result.plan.shards)} shards proven (size, header, "
+                      f"source identity{', data' if rehash else ''}); nothing to do.")
+        else:
+            _print_summary(result, summary)
 
-    run_guarded(body, as_json)
+    run_guarded(body, as_json, interrupted=RESUME_HINT)
 
 
-def _print_plan(result, extra_rows: list[tuple[str, str]] = ()) -> None:
-    plan = result.plan
+def _print_plan(result: ConvertResult, extra_rows: list[tuple[str, str]]) -> None:
+    plan, preview = result.plan, result.preview
     table = Table(title="Plan (dry run: nothing written)", show_header=False)
-    table.add_row("source", result.source.label)
+    table.add_row("source", str(result.source.root))
     table.add_row("output", str(result.out))
     table.add_row("source shards", str(len(result.source.shard_files)))
     table.add_row("MoE layers", str(len(plan.layers)))
     table.add_row("experts fused (w1+w3 -> w31)", str(plan.experts_fused))
-    table.add_row("output tensors", str(plan.tensors_copied))
+    table.add_row("output tensors", str(plan.tensors))
     table.add_row("output shards", str(len(plan.shards)))
     table.add_row("space needed", human(plan.output_bytes))
     table.add_row("dims", ", ".join(f"{k}={v}" for k, v in plan.dims.values.items()))
+    if preview is not None and preview.mode is not Mode.FRESH:
+        what = "an interrupted run" if preview.mode is Mode.RESUME else "a finished output"
+        table.add_row("earlier run", f"{what}: {len(preview.keep)} shards would be kept, "
+                      f"{len(preview.redo)} written")
     for label, value in extra_rows:
         table.add_row(label, value)
     out.print(table)
-    for shard in plan.shards[:5]:
-        out.print(f"  {shard.name}: {len(shard.tensors)} tensors, {human(shard.file_size)}")
-    if len(plan.shards) > 5:
-        out.print(f"  ... {len(plan.shards) - 5} more shards")
+    shown = 0
+    for shard in plan.shards:
+        if shown == 5:
+            out.print(f"  ... {len(plan.shards) - 5} more shards")
+            break
+        fate = ""
+        if preview is not None and preview.mode is not Mode.FRESH:
+            reason = preview.redo.get(shard.name)
+            fate = " - keep" if reason is None else f" - write ({reason})"
+        out.print(f"  {shard.name}: {len(shard.tensors)} tensors, "
+                  f"{human(shard.file_size)}{fate}")
+        shown += 1
 
 
-def _print_summary(summary: dict) -> None:
-    table = Table(title="Conversion complete", show_header=False)
+def _print_summary(result: ConvertResult, summary: dict) -> None:
+    repaired = result.mode is Mode.RECHECK
+    table = Table(title="Output repaired" if repaired else "Conversion complete",
+                  show_header=False)
     table.add_row("output", summary["output"])
     table.add_row("shards written / kept", f"{summary['shards_written']} / "
-                  f"{summary['shards_reused']}")  # fmt: skip
-    table.add_row("tensors", str(summary["tensors"]))
-    table.add_row("experts fused", str(summary["experts_fused"]))
-    table.add_row("bytes", human(summary["output_bytes"]))
+                  f"{summary['shards_kept']}")
+    table.add_row("bytes written this run", human(summary["bytes_written"]))
+    if summary["bytes_kept"]:
+        table.add_row("bytes kept from earlier runs", human(summary["bytes_kept"]))
+    for shard, reason in list(summary["redone"].items())[:5]:
+        table.add_row(f"redone {shard}", reason)
+    table.add_row("tensors / experts fused", f"{summary['tensors']} / "
+                  f"{summary['experts_fused']}")
+    table.add_row("output size", human(summary["output_bytes"]))
     table.add_row("time", f"{summary['seconds']:.2f} s")
     if summary["throughput_mb_s"]:
-        table.add_row("throughput", f"{summary['throughput_mb_s']} MB/s")
+        table.add_row("throughput (this run)", f"{summary['throughput_mb_s']} MB/s")
     out.print(table)
-    out.print("next: [bold]kimi-convert verify " + summary["output"] + "[/]")
+    out.print("next: [bold]kimi-convert verify " + escape(summary["output"]) + "[/]")
 
 
-@main.command()
-@click.argument("output", type=click.Path(path_type=Path))
-@click.option("--layers", default=3, show_default=True, type=click.IntRange(1))
-@click.option("--experts", default=8, show_default=True, type=click.IntRange(1))
-@click.option("--top-k", default=2, show_default=True, type=click.IntRange(1))
-@click.option("--shards", default=3, show_default=True, type=click.IntRange(1))
+@click.command()
+@click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
+@click.option("--layers", default=3, show_default=True, type=click.IntRange(1),
+              help="num_hidden_layers.")
+@click.option("--dense-layers", default=None, type=click.IntRange(0),
+              help="first_k_dense_replace: leading layers with a dense MLP and no experts "
+              "[default: 1, or 0 with --layers 1].")
+@click.option("--moe-every", default=1, show_default=True, type=click.IntRange(1),
+              help="moe_layer_freq: after the dense prefix, layer i is a MoE layer when "
+              "i %% N == 0.")
+@click.option("--experts", default=8, show_default=True, type=click.IntRange(1),
+              help="Routed experts per MoE layer (num_experts).")
+@click.option("--top-k", default=2, show_default=True, type=click.IntRange(1),
+              help="num_experts_per_token.")
+@click.option("--shards", default=3, show_default=True, type=click.IntRange(1),
+              help="Source shards to spread the tensors over.")
 @click.option("--real-dims", is_flag=True, help="True per-expert shapes (K 3584, N 3072).")
-@click.option(
-    "--k",
-    "k",
-    type=click.IntRange(32),
-    default=None,
-    help="routed_expert_hidden_size (multiple of 32) [default: 128, 3584 with --real-dims].",
-)
-@click.option(
-    "--n",
-    "n",
-    type=click.IntRange(32),
-    default=None,
-    help="moe_intermediate_size (multiple of 32) [default: 64, 3072 with --real-dims].",
-)
-@click.option("--seed", default=0, show_default=True)
-def synth(output, layers, experts, top_k, shards, real_dims, k, n, seed) -> None:
-    """Write a synthetic Kimi-K3-format source checkpoint to OUTPUT."""
+@click.option("--k", "k", type=click.IntRange(32), default=None,
+              help="routed_expert_hidden_size, a multiple of 32 [default: 128, 3584 with "
+              "--real-dims].")
+@click.option("--n", "n", type=click.IntRange(32), default=None,
+              help="moe_intermediate_size, a multiple of 32 [default: 64, 3072 with "
+              "--real-dims].")
+@click.option("--seed", default=0, show_default=True,
+              help="Seed of the random weights: the same seed writes the same bytes.")
+def synth(output, layers, dense_layers, moe_every, experts, top_k, shards, real_dims, k, n,
+          seed) -> None:
+    """Write a synthetic Kimi-K3-format source checkpoint to OUT_DIR (which must be empty
+    or absent): the real tensor names, dtypes, config and layout, random weights.
+
+    Its dimensions are not the official model's, so convert it with
+    --manifest kimi-k3-any (the default manifest pins the real dims).
+
+    \b
+    Examples:
+      kimi-convert synth src/ && kimi-convert src/ out/ --manifest kimi-k3-any
+      kimi-convert synth src/ --layers 4 --dense-layers 1 --experts 16 --k 256 --n 128
+      kimi-convert synth big/ --real-dims --layers 2 --experts 28
+    """
     from .synth import REAL_K, REAL_N, SynthSpec, synth_checkpoint
 
     def body() -> None:
+        if output.exists() and (not output.is_dir() or any(output.iterdir())):
+            raise fail(Code.OUTPUT_NOT_EMPTY, "synth writes into an empty or new directory",
+                       file=str(output.resolve()), exit_code=EXIT_USAGE,
+                       hint="choose another directory or remove this one first")
         kk = k or (REAL_K if real_dims else 128)
         nn = n or (REAL_N if real_dims else 64)
         if kk % 32 or nn % 32:
-            raise click.UsageError("--k and --n must be multiples of 32 (the MXFP4 group size)")
-        spec = SynthSpec(layers=layers, experts=experts, k=kk, n=nn, top_k=min(top_k, experts),
-                         shards=shards, seed=seed, hidden=1024 if real_dims else 256)  # fmt: skip
+            raise fail(Code.USAGE, "--k and --n must be multiples of 32 (the MXFP4 group "
+                       "size)", exit_code=EXIT_USAGE)
+        dense = min(1, layers - 1) if dense_layers is None else dense_layers
+        spec = SynthSpec(layers=layers, dense_layers=dense, moe_every=moe_every,
+                         experts=experts, k=kk, n=nn, top_k=min(top_k, experts), shards=shards,
+                         seed=seed, hidden=1024 if real_dims else 256)
+        if not spec.moe_layers():
+            raise fail(Code.USAGE, "no MoE layer: raise --layers or lower --dense-layers / "
+                       "--moe-every", exit_code=EXIT_USAGE)
         started = time.perf_counter()
         info = synth_checkpoint(output, spec)
-        err.print(f"wrote {output}: {info['tensors']} tensors in {info['shards']} shards, "
-                  f"{human(info['bytes'])} in {time.perf_counter() - started:.1f} s "
-                  f"(K={kk}, N={nn}, {experts} experts x {layers} layers)")  # fmt: skip
+        err.print(f"wrote {escape(str(output.resolve()))}: {info['tensors']} tensors in "
+                  f"{info['shards']} shards, {human(info['bytes'])} in "
+                  f"{time.perf_counter() - started:.1f} s (K={kk}, N={nn}, {experts} experts x "
+                  f"{len(spec.moe_layers())} MoE layers of {layers}); convert it with "
+                  "--manifest kimi-k3-any")
 
     run_guarded(body)
-
-
-_kept: list[object] = []
-_exiting_fast = False
-
-
-def keep_until_exit(obj: object) -> None:
-    """Under the console command, never free `obj`: see `run`."""
-    if _exiting_fast:
-        _kept.append(obj)
-
-
-def run() -> None:
-    """The `kimi-convert` console command: `main`, then a quick exit.
-
-    A plan of the real model is ~2M small Python objects, and freeing them one by one when
-    the process ends anyway takes ~0.25 s. The command keeps its result alive, runs the exit
-    handlers, flushes its output and leaves with os._exit, unless a thread is still running.
-    (`main` itself, as used in-process, frees everything as usual.)
-    """
-    global _exiting_fast
-    _exiting_fast = True
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    if threading.active_count() > 1:  # someone's thread still runs: the ordinary way out
-        sys.exit(code)
-    if not isinstance(code, int):  # sys.exit("message") or sys.exit(None)
-        if code is not None:
-            print(code, file=sys.stderr)
-        code = 0 if code is None else 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _register_optional_commands() -> None:
-    from kimi_w31.adapter.launch import serve  # metadata checks only: never imports SGLang
-
-    from .verify_cli import verify
-
-    main.add_command(verify)
-    main.add_command(serve)
-
-
-_register_optional_commands()

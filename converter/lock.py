@@ -17,7 +17,7 @@ import socket
 import time
 from pathlib import Path
 
-from .errors import ConvertError, fail
+from .errors import Code, Fatal, fail
 
 
 def _alive(pid: int) -> bool:
@@ -63,7 +63,7 @@ class OutputLock:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             self._hold(fd, me)
             return
-        raise fail("could not take the output lock", file=str(self.path))
+        raise fail(Code.OUTPUT_LOCKED, "could not take the output lock", file=str(self.path))
 
     def _take_over_stale(self, me: dict) -> bool:
         """True if we now hold the lock, False if it vanished; raises if someone holds it."""
@@ -101,9 +101,10 @@ class OutputLock:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self._fd = fd
 
-    def _busy(self, owner: dict | None) -> ConvertError:
+    def _busy(self, owner: dict | None) -> Fatal:
         who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
         return fail(
+            Code.OUTPUT_LOCKED,
             f"another conversion is writing this output directory ({who}); wait for "
             f"it, or remove {self.path} if you are sure it is gone",
             file=str(self.path.parent.parent),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
-from .errors import ConvertError, Problem
+from .errors import Code, Fatal, Problem, fail
 
 MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGN = 8
@@ -93,9 +93,9 @@ def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConvertError([Problem(f"header is not UTF-8 ({exc.reason})", file=file)]) from None
+        raise fail(Code.HEADER_NOT_UTF8, f"header is not UTF-8 ({exc.reason})", file=file) from None
     if not text.lstrip().startswith("{"):
-        raise ConvertError([Problem("header is not a JSON object", file=file)])
+        raise fail(Code.HEADER_NOT_JSON, "header is not a JSON object", file=file)
     data_start = 8 + len(raw)
     parsed = _parse_common_header(text, data_start)
     if parsed is None:  # anything unusual: the strict path finds and words every problem
@@ -172,17 +172,17 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
     """Every rule checked field by field, with one message per problem found."""
     problems: list[Problem] = []
 
-    def bad(what: str, tensor: str | None = None, **kw: str) -> None:
-        problems.append(Problem(what, file=file, tensor=tensor, **kw))
+    def bad(code: Code, what: str, tensor: str | None = None, **kw: str) -> None:
+        problems.append(Problem(code, what, file=file, tensor=tensor, **kw))
 
     try:
         doc = json.loads(text, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as exc:
-        raise ConvertError([Problem(f"header has duplicate key {exc.key!r}", file=file)]) from None
+        raise fail(Code.HEADER_DUPLICATE_KEY, f"header has duplicate key {exc.key!r}", file=file) from None
     except (ValueError, RecursionError) as exc:  # also ints beyond Python's digit limit
-        raise ConvertError([Problem(f"header is not valid JSON ({exc})", file=file)]) from None
+        raise fail(Code.HEADER_NOT_JSON, f"header is not valid JSON ({exc})", file=file) from None
     if not isinstance(doc, dict):
-        raise ConvertError([Problem("header is not a JSON object", file=file)])
+        raise fail(Code.HEADER_NOT_JSON, "header is not a JSON object", file=file)
 
     metadata: dict[str, str] = {}
     raw_meta = doc.pop("__metadata__", None)
@@ -190,36 +190,37 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
         if not isinstance(raw_meta, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
         ):
-            bad("__metadata__ must map strings to strings")
+            bad(Code.HEADER_METADATA, "__metadata__ must map strings to strings")
         else:
             metadata = raw_meta
 
     tensors: dict[str, TensorInfo] = {}
     for name, entry in doc.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            bad("entry must have exactly dtype, shape and data_offsets", name)
+            bad(Code.HEADER_ENTRY, "entry must have exactly dtype, shape and data_offsets", name)
             continue
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-            bad("unknown dtype", name, expected="a safetensors dtype", found=repr(dtype))
+            bad(Code.HEADER_DTYPE, "unknown dtype", name, expected="a safetensors dtype", found=repr(dtype))
             continue
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            bad("shape must be a list of non-negative integers", name, found=repr(shape))
+            bad(Code.HEADER_SHAPE, "shape must be a list of non-negative integers", name, found=repr(shape))
             continue
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
             or not all(type(o) is int for o in offsets)
         ):
-            bad("data_offsets must be two integers", name, found=repr(offsets))
+            bad(Code.HEADER_OFFSETS, "data_offsets must be two integers", name, found=repr(offsets))
             continue
         begin, end = offsets
         if begin < 0 or end < begin:
-            bad("data_offsets out of order or negative", name, found=repr(offsets))
+            bad(Code.HEADER_OFFSETS, "data_offsets out of order or negative", name, found=repr(offsets))
             continue
         want = tensor_nbytes(dtype, shape)
         if end - begin != want:
             bad(
+                Code.HEADER_SIZE_MISMATCH,
                 "byte size disagrees with dtype and shape",
                 name,
                 expected=f"{want} bytes for {dtype}{shape}",
@@ -228,7 +229,7 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
             continue
         tensors[name] = TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
     if problems:
-        raise ConvertError(problems)
+        raise Fatal(problems)
     return tensors, metadata
 
 
@@ -255,19 +256,21 @@ def _check_tiling(
     cursor = data_start
     for info in ordered:
         if info.begin != cursor:
-            kind = "overlaps the previous tensor" if info.begin < cursor else "leaves a gap"
+            overlap = info.begin < cursor
+            kind = "overlaps the previous tensor" if overlap else "leaves a gap"
             problems.append(Problem(
-                f"data_offsets {kind}", file=file, tensor=info.name,
+                Code.HEADER_OVERLAP if overlap else Code.HEADER_GAP, f"data_offsets {kind}", file=file, tensor=info.name,
                 expected=f"start at {cursor - data_start}", found=str(info.begin - data_start),
             ))  # fmt: skip
         cursor = max(cursor, info.end)
     if cursor != file_size and not problems:
-        what = "file is truncated" if cursor > file_size else "file has trailing bytes"
+        code, what = ((Code.FILE_TRUNCATED, "file is truncated") if cursor > file_size
+                      else (Code.FILE_TRAILING_BYTES, "file has trailing bytes"))
         problems.append(
-            Problem(what, file=file, expected=f"{cursor} bytes", found=f"{file_size} bytes")
+            Problem(code, what, file=file, expected=f"{cursor} bytes", found=f"{file_size} bytes")
         )
     if problems:
-        raise ConvertError(problems)
+        raise Fatal(problems)
     return {info.name: info for info in ordered}
 
 
@@ -286,47 +289,28 @@ def read_header_bytes(path: str | os.PathLike[str], name: str) -> tuple[bytes, i
     try:
         with open(path, "rb") as fh:
             file_size = os.fstat(fh.fileno()).st_size
-            prefix = fh.read(8)
-            if len(prefix) < 8:
-                raise ConvertError(
-                    [
-                        Problem(
-                            "file too small for a safetensors header",
-                            file=name,
-                            expected="at least 8 bytes",
-                            found=f"{file_size} bytes",
-                        )
-                    ]
-                )
-            (length,) = struct.unpack("<Q", prefix)
-            if length == 0:
-                raise ConvertError([Problem("header length is 0", file=name)])
-            if length > MAX_HEADER_BYTES:
-                raise ConvertError(
-                    [
-                        Problem(
-                            "header length exceeds the 100 MB limit",
-                            file=name,
-                            expected=f"<= {MAX_HEADER_BYTES}",
-                            found=str(length),
-                        )
-                    ]
-                )
-            if 8 + length > file_size:
-                raise ConvertError(
-                    [
-                        Problem(
-                            "header length is larger than the file",
-                            file=name,
-                            expected=f"<= {file_size - 8}",
-                            found=str(length),
-                        )
-                    ]
-                )
+            length = check_header_length(name, fh.read(8), file_size)
             raw = fh.read(length)
     except OSError as exc:
-        raise ConvertError([Problem(f"cannot read ({exc.strerror})", file=name)]) from None
+        raise fail(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror})", file=name) from None
     return raw, file_size
+
+
+def check_header_length(name: str, prefix: bytes, file_size: int) -> int:
+    """The header length the 8-byte prefix gives, checked against the limit and the file."""
+    if len(prefix) < 8:
+        raise fail(Code.HEADER_TOO_SMALL, "file too small for a safetensors header", file=name,
+                   expected="at least 8 bytes", found=f"{file_size} bytes")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length == 0:
+        raise fail(Code.HEADER_LENGTH_ZERO, "header length is 0", file=name)
+    if length > MAX_HEADER_BYTES:
+        raise fail(Code.HEADER_TOO_LARGE, "header length exceeds the 100 MB limit", file=name,
+                   expected=f"<= {MAX_HEADER_BYTES}", found=str(length))
+    if 8 + length > file_size:
+        raise fail(Code.HEADER_BEYOND_FILE, "header length is larger than the file", file=name,
+                   expected=f"<= {file_size - 8}", found=str(length))
+    return length
 
 
 @dataclass(frozen=True, slots=True)

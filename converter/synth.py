@@ -28,7 +28,9 @@ PREFIX = "language_model.model.layers"
 
 @dataclass(frozen=True)
 class SynthSpec:
-    layers: int = 3
+    layers: int = 3  # num_hidden_layers
+    dense_layers: int = 1  # first_k_dense_replace: a dense prefix, as the real model has
+    moe_every: int = 1  # moe_layer_freq
     experts: int = 8
     hidden: int = 256  # model hidden size (attention, embeddings)
     k: int = 128  # routed_expert_hidden_size
@@ -40,6 +42,11 @@ class SynthSpec:
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
     routed_scaling_factor: float = 2.5
+
+    def moe_layers(self) -> list[int]:
+        """The contract's MoE-layer rule applied to this spec."""
+        return [i for i in range(self.layers)
+                if i >= self.dense_layers and i % self.moe_every == 0]
 
 
 def quantization_config() -> dict:
@@ -81,6 +88,8 @@ def make_config(spec: SynthSpec) -> dict:
         "num_experts_per_token": spec.top_k,
         "num_shared_experts": 1,
         "num_hidden_layers": spec.layers,
+        "first_k_dense_replace": spec.dense_layers,
+        "moe_layer_freq": spec.moe_every,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "head_dim": spec.hidden // 4,
@@ -153,12 +162,19 @@ def tensor_specs(spec: SynthSpec) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of every tensor, in checkpoint order; no data."""
     h, n, k = spec.hidden, spec.n, spec.k
     out = [("language_model.model.embed_tokens.weight", "BF16", (spec.vocab, h))]
+    moe = set(spec.moe_layers())
     for layer in range(spec.layers):
         p = f"{PREFIX}.{layer}"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             out.append((f"{p}.self_attn.{proj}.weight", "BF16", (h, h)))
         out.append((f"{p}.input_layernorm.weight", "BF16", (h,)))
         out.append((f"{p}.post_attention_layernorm.weight", "BF16", (h,)))
+        if layer not in moe:  # a dense MLP (gate_proj/up_proj/down_proj), no experts
+            inter = spec.hidden * 2
+            for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)),
+                                ("down_proj", (h, inter))):
+                out.append((f"{p}.mlp.{proj}.weight", "BF16", shape))
+            continue
         out.append((f"{p}.mlp.gate.weight", "F32", (spec.experts, h)))
         out.append((f"{p}.mlp.gate.e_score_correction_bias", "F32", (spec.experts,)))
         # Shared experts use w1/w3 names too, but are not routed experts: copied as-is.
@@ -199,7 +215,8 @@ def synth_checkpoint(out: Path, spec: SynthSpec) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     specs = tensor_specs(spec)
     # Move one expert's w3 to the last shard so partners are certainly split across shards.
-    moved = [t for t in specs if t[0].startswith(f"{PREFIX}.0.mlp.experts.0.w3.")]
+    first = spec.moe_layers()[0]
+    moved = [t for t in specs if t[0].startswith(f"{PREFIX}.{first}.mlp.experts.0.w3.")]
     rest = [t for t in specs if t not in moved]
     sizes = {t[0]: tensor_nbytes(t[1], t[2]) for t in specs}
     per_shard = math.ceil(sum(sizes[t[0]] for t in rest) / spec.shards)

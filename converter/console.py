@@ -1,0 +1,235 @@
+"""How the commands talk to people: errors, sizes, progress, exit codes.
+
+Exit codes scripts can rely on: 0 success, 1 invalid input or a failed check, 2 usage
+error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Progress goes to stderr as a
+live bar on a terminal and as a plain line at a steady interval anywhere else (`nohup`, CI,
+`| tee`, a scheduler's log), so a log shows where a multi-hour job is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+
+from .errors import EXIT_USAGE, Fatal
+
+err = Console(stderr=True, soft_wrap=True, highlight=False)  # no hard wraps: greppable
+out = Console(soft_wrap=True, highlight=False)
+
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
+LINE_INTERVAL_ENV = "KIMI_W31_PROGRESS_INTERVAL"  # seconds between plain progress lines
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'500MB', '5GB', '4GiB' -> bytes; a positive size or a usage error."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m[2].upper() not in _UNITS:
+        raise click.BadParameter(
+            f"size {text!r} not understood; use a number with a unit such as 500MB, 5GB or 4GiB"
+        )
+    value = int(float(m[1]) * _UNITS[m[2].upper()])
+    if value <= 0:
+        raise click.BadParameter(f"size {text!r} must be more than 0 bytes")
+    return value
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def render_error(exc: Fatal, as_json: bool) -> None:
+    if as_json:
+        out.print_json(json.dumps({"ok": False, "problems": [p.as_dict() for p in exc.problems],
+                                   "hint": exc.hint}))
+        return
+    err.print(f"[bold red]error:[/] {escape(exc.summary())}")
+    shown = exc.problems[:50]
+    if len(exc.problems) > 1 or exc.problems[0].expected is not None:
+        for p in shown:
+            err.print(f"  [red]-[/] {escape(p.render())}")
+        if len(exc.problems) > len(shown):
+            err.print(f"  ... and {len(exc.problems) - len(shown)} more")
+    if exc.hint:
+        err.print(f"[yellow]hint:[/] {escape(exc.hint)}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: every worker stops at its next chunk, state is kept."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def run_guarded(fn: Callable[[], None], as_json: bool = False,
+                interrupted: str = "interrupted.") -> None:
+    """Run a command body; turn errors into messages and exit codes, never tracebacks.
+
+    `interrupted` is what Ctrl-C or SIGTERM leaves behind, in the command's own words.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        fn()
+    except Fatal as exc:
+        render_error(exc, as_json)
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:
+        exc.show()
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt as exc:
+        code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+        what = "terminated (SIGTERM)" if code == EXIT_TERMINATED else "interrupted"
+        err.print(f"[yellow]{what}:[/] {escape(interrupted)}")
+        sys.exit(code)
+    except click.exceptions.Exit:
+        raise
+    except Exception as exc:  # a bug or an unexpected OS error: say what, not a traceback
+        if os.environ.get("KIMI_W31_DEBUG"):
+            raise
+        err.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}")
+        err.print("set KIMI_W31_DEBUG=1 for the full traceback")
+        sys.exit(1)
+
+
+def resolve_mode(mode: str, quiet: bool = False) -> str:
+    if quiet:
+        return "none"
+    if mode == "auto":
+        return "bar" if err.is_terminal else "lines"
+    return mode
+
+
+class Progress:
+    """One measured quantity (bytes, or items) with a total, an ETA and a few counters.
+
+    `bar`: a live bar on the terminal. `lines`: a plain line every interval (default 30 s)
+    and at each tenth of the work, then a final line. `none`: nothing. Thread-safe.
+    """
+
+    def __init__(self, mode: str, label: str, total: int | None, unit: str = "bytes",
+                 interval: float | None = None) -> None:
+        self.mode = mode
+        self.label = label
+        self.total = total
+        self.unit = unit
+        self.done = 0
+        self.moved = 0  # what this run read or wrote (for the rate); `done` may include kept
+        self.notes: dict[str, str] = {}
+        self.started = time.monotonic()
+        self.interval = interval if interval is not None else float(
+            os.environ.get(LINE_INTERVAL_ENV, "30"))
+        self._lock = threading.Lock()
+        self._next_tenth = 1
+        self._last_line = self.started
+        self._bar = None
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if mode == "bar":
+            from rich.progress import BarColumn, TextColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(TextColumn(f"[bold]{escape(label)}"), BarColumn(),
+                                     TextColumn("{task.fields[status]}"), console=err,
+                                     transient=False)
+            self._task = self._bar.add_task(label, total=total, status="")
+            self._bar.start()
+        elif mode == "lines":
+            self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
+            self._ticker.start()
+
+    def advance(self, n: int, moved: bool = True) -> None:
+        with self._lock:
+            self.done += n
+            if moved:
+                self.moved += n
+        self._refresh()
+
+    def set_total(self, total: int | None) -> None:
+        with self._lock:
+            self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+        self._refresh()
+
+    def note(self, **notes: str) -> None:
+        with self._lock:
+            self.notes.update(notes)
+        self._refresh()
+
+    def status(self) -> str:
+        with self._lock:
+            done, total, moved = self.done, self.total, self.moved
+            notes = "; ".join(f"{k} {v}" for k, v in self.notes.items())
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        fmt = human if self.unit == "bytes" else str
+        parts = [f"{fmt(done)}/{fmt(total) if total is not None else '?'}"]
+        if total:
+            parts[0] += f" ({100 * done / total:.0f}%)"
+        rate = moved / elapsed
+        if self.unit == "bytes":
+            parts.append(f"{human(rate)}/s")
+        if total and rate > 0 and done < total:
+            parts.append(f"ETA {duration((total - done) / rate)}")
+        parts.append(f"elapsed {duration(elapsed)}")
+        return ", ".join(parts) + (f"; {notes}" if notes else "")
+
+    def _refresh(self) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, status=self.status())
+        elif self.mode == "lines" and self.total:
+            with self._lock:
+                due = self.done * 10 >= self.total * self._next_tenth and self.done < self.total
+                if due:
+                    self._next_tenth = self.done * 10 // self.total + 1
+            if due:
+                self._line()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(min(self.interval, 1.0)):
+            if time.monotonic() - self._last_line >= self.interval:
+                self._line()
+
+    def _line(self) -> None:
+        self._last_line = time.monotonic()
+        err.print(f"{self.label}: {self.status()}", markup=False)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, status=self.status())
+            self._bar.stop()
+        elif self.mode == "lines":
+            self._line()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,351 @@
+"""The w31 data contract: what a converted checkpoint is, in one place.
+
+Everything the converter writes and everything `verify`, the SGLang adapter and `serve`
+check against is defined here, free of SGLang, torch and FlashInfer:
+
+- the expert-name grammar (`<prefix>experts.<E>.<w1|w2|w3|w31>.<weight_packed|weight_scale>`,
+  matched in full, ASCII digits only, no leading zeros) and `w31 = w3 ++ w1` by name;
+- which layers are MoE layers (SGLang 0.5.23's Kimi-K3 rule);
+- the `kimi_w31` config block and the fail-closed `quantization_config` wrapper.
+
+Configs may be plain dicts (config.json) or transformers config objects: every read goes
+through `get`, so the adapter and the converter share the same rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from .errors import Code, Problem
+
+# -- the config block and the wrapper -----------------------------------------------------
+
+BLOCK_KEY = "kimi_w31"
+WRAPPER_METHOD = "kimi_w31"
+FORMAT_VERSION = 1
+FORMAT_VERSIONS = (1,)
+GROUP_SIZE = 32
+SITU_CONFIG_KEYS = {"situ_beta": "activation_situ_beta",
+                    "situ_linear_beta": "activation_situ_linear_beta"}
+# The fields every consumer relies on, with their only allowed values (betas: from config).
+FIXED_FIELDS: dict[str, Any] = {
+    "fc1_layout": "w31",
+    "fc1_order": ["up", "gate"],
+    "activation": "situ",
+    "weight_format": "mxfp4",
+    "group_size": GROUP_SIZE,
+}
+REQUIRED_FIELDS = ("format_version", *FIXED_FIELDS, *SITU_CONFIG_KEYS)
+# File names of a converted checkpoint (a Hugging Face-style repo).
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CHECKSUMS_NAME = "kimi_w31.checksums.json"
+
+
+def get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def _set(cfg: Any, key: str, value: Any) -> None:
+    if isinstance(cfg, dict):
+        cfg[key] = value
+    else:
+        setattr(cfg, key, value)
+
+
+def text_config(cfg: Any) -> Any:
+    """The (sub-)config holding the language model's hyper-parameters (VL models nest it)."""
+    inner = get(cfg, "text_config")
+    if inner is None or (isinstance(cfg, Mapping) and not isinstance(inner, Mapping)):
+        return cfg
+    return inner
+
+
+def config_value(cfg: Any, key: str) -> Any:
+    """A hyper-parameter: from `text_config` if it has the key, else from the top level."""
+    inner = text_config(cfg)
+    value = get(inner, key, _ABSENT)
+    return get(cfg, key) if value is _ABSENT else value
+
+
+_ABSENT = object()
+
+
+def _holders(cfg: Any) -> list[Any]:
+    """The config and its text config (once if they are the same object)."""
+    inner = text_config(cfg)
+    return [cfg] if inner is cfg else [cfg, inner]
+
+
+def make_block(situ_beta: float, situ_linear_beta: float, **extra: Any) -> dict:
+    """The `kimi_w31` block: the contract's fields, then informational ones (`extra`)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        **copy.deepcopy(FIXED_FIELDS),
+        "situ_beta": float(situ_beta),
+        "situ_linear_beta": float(situ_linear_beta),
+        **extra,
+    }
+
+
+def converted_config(source_config: dict, block: dict) -> dict:
+    """The source config with exactly two changes: every quantization_config wrapped, the
+    block added at the top level."""
+    config = copy.deepcopy(source_config)
+    for holder in _holders(config):
+        original = holder.get("quantization_config")
+        if isinstance(original, dict):
+            holder["quantization_config"] = {"quant_method": WRAPPER_METHOD, "base": original}
+    config[BLOCK_KEY] = block
+    return config
+
+
+def unwrap_config(converted: dict) -> dict:
+    """What the source config must have been, given a converted one (a copy)."""
+    config = copy.deepcopy(converted)
+    config.pop(BLOCK_KEY, None)
+    unwrap_quantization_config(config)
+    return config
+
+
+def unwrap_quantization_config(cfg: Any) -> int:
+    """Replace each `{"quant_method": "kimi_w31", "base": X}` by X, in place; count them.
+
+    Raises ValueError for a wrapper without a usable base (or wrapped twice).
+    """
+    count = 0
+    for holder in _holders(cfg):
+        qc = get(holder, "quantization_config")
+        if isinstance(qc, Mapping) and qc.get("quant_method") == WRAPPER_METHOD:
+            _set(holder, "quantization_config", unwrap_one(qc))
+            count += 1
+    return count
+
+
+def unwrap_one(qc: Mapping) -> dict:
+    """`{"quant_method": "kimi_w31", "base": X}` -> X; ValueError if X is not usable."""
+    problems = _wrapper_problems(qc)
+    if problems:
+        raise ValueError(problems[0].what)
+    return dict(qc["base"])
+
+
+def _wrapper_problems(qc: Mapping) -> list[Problem]:
+    base = qc.get("base")
+    if not isinstance(base, Mapping) or not isinstance(base.get("quant_method"), str):
+        return [Problem(Code.NOT_WRAPPED, f"quantization_config with quant_method "
+                        f"'{WRAPPER_METHOD}' must hold the original config under 'base' (an "
+                        "object with a 'quant_method')", file=CONFIG_NAME, found=repr(base))]
+    if base["quant_method"] == WRAPPER_METHOD:
+        return [Problem(Code.NOT_WRAPPED, f"quantization_config is wrapped twice in "
+                        f"'{WRAPPER_METHOD}'", file=CONFIG_NAME)]
+    return []
+
+
+def marks(cfg: Any) -> list[str]:
+    """Where a config already carries this contract's markers (a converted or tampered one)."""
+    found = []
+    for where, holder in zip(("", "text_config."), _holders(cfg), strict=False):
+        if get(holder, BLOCK_KEY) is not None:
+            found.append(f"{where}{BLOCK_KEY}")
+        qc = get(holder, "quantization_config")
+        if isinstance(qc, Mapping) and qc.get("quant_method") == WRAPPER_METHOD:
+            found.append(f"{where}quantization_config.quant_method = {WRAPPER_METHOD!r}")
+    return found
+
+
+def find_block(*configs: Any) -> Any:
+    """The first `kimi_w31` block on the given configs or their text configs, or None."""
+    for cfg in configs:
+        if cfg is None:
+            continue
+        for holder in _holders(cfg):
+            block = get(holder, BLOCK_KEY)
+            if block is not None:
+                return block
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_block(cfg: Any) -> list[Problem]:
+    """Every problem with the `kimi_w31` block and its agreement with the model config."""
+    block = find_block(cfg)
+
+    def bad(code: Code, what: str, expected: Any = None, found: Any = None) -> Problem:
+        return Problem(code, what, file=CONFIG_NAME, expected=expected, found=found)
+
+    if block is None:
+        return [bad(Code.BLOCK_MISSING, f"config has no '{BLOCK_KEY}' block: not a converted "
+                    "checkpoint")]
+    if not isinstance(block, Mapping):
+        return [bad(Code.BLOCK_FIELD, f"'{BLOCK_KEY}' must be an object", "an object",
+                    type(block).__name__)]
+    problems = []
+    version = block.get("format_version")
+    if type(version) is not int or version not in FORMAT_VERSIONS:
+        problems.append(bad(Code.BLOCK_FIELD, f"{BLOCK_KEY}.format_version is not one this "
+                            "tool knows (a newer converter wrote it: upgrade kimi-w31)",
+                            " or ".join(map(str, FORMAT_VERSIONS)), repr(version)))
+    for key, want in FIXED_FIELDS.items():
+        found = block.get(key)
+        if found != want or type(found) is not type(want):
+            problems.append(bad(Code.BLOCK_FIELD, f"{BLOCK_KEY}.{key} is wrong", repr(want),
+                                repr(found)))
+    for key, config_key in SITU_CONFIG_KEYS.items():
+        value = block.get(key)
+        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            problems.append(bad(Code.BLOCK_FIELD, f"{BLOCK_KEY}.{key} is not a positive number",
+                                "a positive finite number", repr(value)))
+            continue
+        in_config = config_value(cfg, config_key)
+        if not _is_number(in_config) or float(in_config) != float(value):
+            problems.append(bad(Code.BLOCK_MISMATCH, f"{BLOCK_KEY}.{key} disagrees with the "
+                                f"model config's {config_key}", repr(in_config), repr(value)))
+    act = config_value(cfg, "hidden_act")
+    if act != FIXED_FIELDS["activation"]:
+        problems.append(bad(Code.BLOCK_MISMATCH, f"{BLOCK_KEY}.activation is 'situ' but the "
+                            "model config's hidden_act is not", "'situ'", repr(act)))
+    return problems
+
+
+def check_wrapped(cfg: Any) -> list[Problem]:
+    """Every quantization_config is wrapped (so loaders without the adapter refuse it)."""
+    problems, seen = [], 0
+    for holder in _holders(cfg):
+        qc = get(holder, "quantization_config")
+        if qc is None:
+            continue
+        seen += 1
+        if not isinstance(qc, Mapping) or qc.get("quant_method") != WRAPPER_METHOD:
+            found = qc.get("quant_method") if isinstance(qc, Mapping) else qc
+            problems.append(Problem(Code.NOT_WRAPPED, "quantization_config is not wrapped: a "
+                                    "loader without the adapter would not refuse it",
+                                    file=CONFIG_NAME, expected=repr(WRAPPER_METHOD),
+                                    found=repr(found)))
+        else:
+            problems.extend(_wrapper_problems(qc))
+    if not seen:
+        problems.append(Problem(Code.NO_QUANTIZATION_CONFIG, "config has no "
+                                "quantization_config", file=CONFIG_NAME))
+    return problems
+
+
+# -- the expert-name grammar --------------------------------------------------------------
+
+GATE, UP, DOWN, FUSED = "w1", "w3", "w2", "w31"
+SUFFIXES = ("weight_packed", "weight_scale")
+# A routed-expert tensor name's tail after "experts.": matched in full, ASCII only, expert
+# ids without leading zeros (so "01" cannot alias "1"). Nothing else under an `experts`
+# path component is accepted (see `split_expert_name`).
+_TAIL = re.compile(r"(0|[1-9][0-9]*)\.(w1|w2|w3|w31)\.(weight_packed|weight_scale)", re.ASCII)
+_LAYER = re.compile(r"(?:^|\.)layers\.([^.]*)\.", re.ASCII)
+_DECIMAL = re.compile(r"0|[1-9][0-9]*", re.ASCII)
+
+
+class ExpertTail(NamedTuple):
+    """A routed-expert name's tail "E.proj.suffix" taken apart."""
+
+    expert: int
+    proj: str
+    suffix: str
+
+
+class ExpertName(NamedTuple):
+    prefix: str  # everything before "experts." ("" or ending with ".")
+    expert: int
+    proj: str
+    suffix: str
+
+    def with_proj(self, proj: str) -> str:
+        return expert_name(self.prefix, self.expert, proj, self.suffix)
+
+
+def expert_name(prefix: str, expert: int, proj: str, suffix: str) -> str:
+    return f"{prefix}experts.{expert}.{proj}.{suffix}"
+
+
+def split_expert_name(name: str) -> tuple[str, str] | None:
+    """(prefix, tail) for a name with an `experts` path component followed by more, else None.
+
+    Every such name must be a routed-expert tensor (`parse_expert_tail(tail)` not None);
+    the split is on the last `experts` component, so a prefix may itself contain one.
+    """
+    i = name.rfind(".experts.")
+    if i >= 0:
+        return name[: i + 1], name[i + 9 :]
+    if name.startswith("experts."):
+        return "", name[8:]
+    return None
+
+
+def parse_expert_tail(tail: str) -> ExpertTail | None:
+    m = _TAIL.fullmatch(tail)
+    return None if m is None else ExpertTail(int(m[1]), m[2], m[3])
+
+
+def parse_expert_name(name: str) -> ExpertName | None:
+    """The name taken apart if it is a routed-expert tensor under the grammar, else None."""
+    split = split_expert_name(name)
+    parsed = split and parse_expert_tail(split[1])
+    return ExpertName(split[0], *parsed) if parsed else None
+
+
+def layer_of(prefix: str) -> int | None:
+    """The layer index in an expert prefix (the first `layers.<i>.` component, as SGLang's
+    loader reads it); None if there is none or it is not a plain decimal."""
+    m = _LAYER.search(prefix)
+    if m is None or not _DECIMAL.fullmatch(m[1]):
+        return None
+    return int(m[1])
+
+
+def source_halves(name: str) -> tuple[str, str] | None:
+    """For an output `w31` tensor name: the (up = w3, gate = w1) source names it concatenates."""
+    parsed = parse_expert_name(name)
+    if parsed is None or parsed.proj != FUSED:
+        return None
+    return parsed.with_proj(UP), parsed.with_proj(GATE)
+
+
+# -- which layers are MoE layers ------------------------------------------------------------
+
+# SGLang 0.5.23 (models/kimi_k3.py `_is_moe_layer`, configs/kimi_linear.py defaults): layer i
+# of num_hidden_layers is a MoE layer when the model has experts (num_experts set),
+# i >= first_k_dense_replace (default 0) and i % moe_layer_freq == 0 (default 1).
+MOE_RULE_DEFAULTS = {"first_k_dense_replace": 0, "moe_layer_freq": 1}
+
+
+def moe_layer_ids(cfg: Any) -> tuple[list[int], list[Problem]]:
+    """The MoE layer indices the config describes, and any problem reading the fields."""
+    problems = []
+
+    def field(key: str, minimum: int, default: Any = _ABSENT) -> int | None:
+        inner = text_config(cfg)
+        value = get(inner, key, _ABSENT)
+        if value is _ABSENT:
+            value = get(cfg, key, default)
+        if type(value) is not int or value < minimum:
+            problems.append(Problem(Code.CONFIG_FIELD, f"config field {key} must be an integer "
+                                    f">= {minimum}", file=CONFIG_NAME, found=repr(
+                                        None if value is _ABSENT else value)))
+            return None
+        return value
+
+    layers = field("num_hidden_layers", 1)
+    experts = field("num_experts", 1)
+    dense = field("first_k_dense_replace", 0, MOE_RULE_DEFAULTS["first_k_dense_replace"])
+    freq = field("moe_layer_freq", 1, MOE_RULE_DEFAULTS["moe_layer_freq"])
+    if problems:
+        return [], problems
+    assert layers is not None and experts is not None and dense is not None and freq
+    return [i for i in range(layers) if i >= dense and i % freq == 0], []

@@ -1,0 +1,168 @@
+"""`--executor ray`: each output shard is a Ray task; the driver keeps the books.
+
+The driver plans, holds the output lock, records every finished shard in the ledger and
+finalizes (checksums, config, index last) exactly as a local run does. A task runs the same
+`settle` as the local executor (prove a recorded shard, or write it) on whichever node has
+a free CPU, reading the source and writing the output
+through a filesystem every node mounts at the same path. Since the ledger and the shard
+files are the same as a local run's, a run started locally can be finished on Ray and the
+other way round.
+
+Tasks return plain data, never exceptions: our errors carry fields that do not survive
+pickling through Ray, so a task reports what went wrong and the driver raises it here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import EXIT_USAGE, Code, Fatal, fail
+from ..hashing import Interrupted
+from ..outdir import Ledger, ShardRecord
+from ..plan import OutputShard
+from . import OnDone
+from .shard import Hooks, Job, Outcome, ShardOutcome, SourceChanged, SourceFiles, commit, settle
+
+RAY_MISSING = (
+    "--executor ray needs Ray, an optional dependency: pip install ray (or install kimi-w31 "
+    "with its 'ray' extra) on the driver and on every node of the cluster"
+)
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise fail(Code.USAGE, RAY_MISSING, exit_code=EXIT_USAGE) from None
+    return ray
+
+
+def shard_task(
+    shard: OutputShard,
+    root: str,
+    identity: dict[str, list[int]],
+    headers: dict[str, str],
+    out_dir: str,
+    tmp_dir: str,
+    record: dict | None,
+    check_scales: bool,
+    rehash: bool,
+    version: str,
+) -> dict:
+    """Runs on a Ray worker: settle one shard. Returns plain data, never raises."""
+    from kimi_w31 import __version__
+
+    try:
+        if version != __version__:  # the plan fingerprint is only valid for one tool version
+            raise fail(Code.USAGE, "kimi-w31 on this node differs from the driver's",
+                       expected=version, found=__version__)
+        sources = SourceFiles(Path(root), shard.source_files, header_sha256=headers)
+        for f in shard.source_files:  # the same file as the driver saw, or nothing
+            if list(sources.identity[f]) != list(identity[f]):
+                raise SourceChanged(f, "differs on this node from the driver's view (is the "
+                                    "source on one shared filesystem at the same path?)")
+        nan: list = []
+        job = Job(sources, Path(out_dir), Path(tmp_dir), hooks=Hooks(on_scale_nan=nan.append),
+                  check_scales=check_scales, rehash=rehash)
+        try:
+            result = settle(shard, ShardRecord.from_json(record), job)
+        finally:
+            sources.close()
+        return {"status": result.outcome.value, "nan": nan, "reason": result.redo_reason,
+                "record": result.record.to_json() if result.record else None}
+    except Fatal as exc:
+        return {"status": "error", "kind": "fatal", "problems": exc.problems, "hint": exc.hint,
+                "exit_code": exc.exit_code}
+    except SourceChanged as exc:
+        return {"status": "error", "kind": "source", "file": exc.file, "detail": exc.detail}
+    except OSError as exc:
+        return {"status": "error", "kind": "os", "errno": exc.errno, "strerror": exc.strerror,
+                "filename": None if exc.filename is None else os.fsdecode(exc.filename)}
+
+
+def _raise(result: dict) -> None:
+    kind = result["kind"]
+    if kind == "fatal":
+        raise Fatal(result["problems"], result["exit_code"], result["hint"])
+    if kind == "source":
+        raise SourceChanged(result["file"], result["detail"])
+    raise OSError(result["errno"] or errno.EIO, result["strerror"], result["filename"])
+
+
+@dataclass
+class RayExecutor:
+    address: str | None = None  # None: RAY_ADDRESS, else a local runtime on this machine
+    num_cpus: int | None = None  # only for a local runtime
+
+    def run(self, shards: list[OutputShard], job: Job, ledger: Ledger,
+            on_done: OnDone) -> list[ShardOutcome]:
+        """Submit every shard; record results as they come. Ray places one task per free CPU
+        across the cluster (`--workers` does not apply)."""
+        ray = import_ray()
+        from kimi_w31 import __version__
+
+        started_here = not ray.is_initialized()
+        if started_here:
+            address = self.address or os.environ.get("RAY_ADDRESS") or None
+            ray.init(address=address, num_cpus=None if address else self.num_cpus,
+                     include_dashboard=False, log_to_driver=False, logging_level="warning")
+        # A crashed worker is retried (a rewrite of the same shard is idempotent); an error
+        # our code reports is not.
+        task = ray.remote(num_cpus=1, max_retries=2)(shard_task)
+        # Temporaries of this driver's tasks only: a task of a killed earlier driver that Ray
+        # has not reaped yet can never write into, or rename from, the files of this run.
+        run_tmp = job.tmp_dir / f"ray-{uuid.uuid4().hex[:12]}"
+        run_tmp.mkdir()
+        # Tasks cannot reach the driver's directory state: the output stops looking complete
+        # before any task may change it.
+        if job.hooks.before_write:
+            job.hooks.before_write()
+        sources = job.sources
+        pending: dict = {}
+        results: list[ShardOutcome] = []
+        try:
+            for shard in sorted(shards, key=lambda s: -s.file_size):  # largest first
+                record = ledger.done.get(shard.name)
+                identity = sources.fingerprint(shard.source_files)
+                headers = {f: sources.header_sha256[f] for f in shard.source_files
+                           if f in sources.header_sha256}
+                ref = task.remote(shard, str(sources.root), identity, headers,
+                                  str(job.out_dir), str(run_tmp),
+                                  record.to_json() if record else None, job.check_scales,
+                                  job.rehash, __version__)
+                pending[ref] = shard
+            while pending:
+                if job.stop.is_set():
+                    raise Interrupted()
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+                for ref in ready:
+                    shard = pending.pop(ref)
+                    data = ray.get(ref)
+                    if data["status"] == "error":
+                        _raise(data)
+                    for problem in data["nan"]:
+                        if job.hooks.on_scale_nan:
+                            job.hooks.on_scale_nan(problem)
+                    outcome = Outcome(data["status"])
+                    result = ShardOutcome(shard.name, outcome,
+                                          ShardRecord.from_json(data["record"]),
+                                          shard.file_size if outcome is Outcome.WRITTEN else 0,
+                                          data["reason"])
+                    commit(result, ledger)
+                    if job.hooks.on_bytes and outcome is Outcome.WRITTEN:
+                        job.hooks.on_bytes(shard.file_size)
+                    results.append(result)
+                    on_done(result)
+        except BaseException:
+            job.stop.set()
+            for ref in pending:
+                ray.cancel(ref, force=False)
+            raise
+        finally:
+            if started_here:
+                ray.shutdown()
+        return results

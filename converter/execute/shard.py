@@ -1,0 +1,313 @@
+"""One output shard: keep it (after proof) or write it. The core every executor shares.
+
+`settle` is the one place that decides. A shard an earlier run recorded is kept only if it
+is proven: the file is there with the recorded size and header bytes, its source files are
+the very files it was copied from, and (with `--rehash`) every tensor still has its recorded
+checksum. Anything else is written: to a temporary name under the state folder, space
+reserved up front, streamed (header, then each tensor's source byte ranges) with a CRC-32 of
+every tensor computed beside the copy, fsynced, checked against the source identities taken
+before the run, and renamed into place. The caller records the outcome in the ledger
+(`commit`): local, Hub and Ray executors only schedule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from .. import faults
+from ..errors import Code, Problem
+from ..hashing import Crc32, ScaleScan, ShortRead, crc32_of_ranges
+from ..outdir import SPACE_ERRNOS, Ledger, ShardRecord, fsync_dir
+from ..plan import OutputShard
+from .streaming import RangeHasher, copy_range, write_all
+
+
+class SourceChanged(Exception):
+    def __init__(self, file: str, detail: str) -> None:
+        super().__init__(f"{file}: {detail}")
+        self.file = file
+        self.detail = detail
+
+
+def file_identity(path: Path) -> list[int]:
+    """What a source file is, cheaply: size, mtime, ctime and inode (nanoseconds).
+
+    ctime cannot be set back by a user (utime sets only mtime/atime): any write through the
+    filesystem, even one whose author restores the mtime, changes it. The device number is
+    left out on purpose: it differs between the nodes that mount one shared filesystem.
+    """
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+class SourceFiles:
+    """Source shards opened once, shared by all workers (pread is positional, thread-safe)."""
+
+    def __init__(self, root: Path, files: list[str],
+                 header_sha256: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.identity = {f: file_identity(root / f) for f in files}
+        # The headers the plan was made from: a file rewritten between planning and this
+        # snapshot (same size, new layout) would otherwise be copied with stale offsets.
+        self.header_sha256 = header_sha256 or {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, file: str) -> int:
+        with self._lock:
+            if file not in self._fds:
+                fd = os.open(self.root / file, os.O_RDONLY)
+                if os.fstat(fd).st_ino != self.identity[file][3]:
+                    os.close(fd)
+                    raise SourceChanged(file, "was replaced since the run started")
+                want = self.header_sha256.get(file)
+                if want and _header_sha256(fd) != want:
+                    os.close(fd)
+                    raise SourceChanged(file, "changed since it was planned (header differs)")
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                self._fds[file] = fd
+            return self._fds[file]
+
+    def check_unchanged(self, files: list[str]) -> None:
+        for file in files:
+            try:
+                now = file_identity(self.root / file)
+            except OSError:
+                raise SourceChanged(file, "disappeared during the run") from None
+            if now != self.identity[file]:
+                raise SourceChanged(file, "changed during the run (size, modification or "
+                                    "change time, or inode differ)")
+
+    def fingerprint(self, files: list[str]) -> dict[str, list]:
+        """What a record says about the source files a shard was copied from."""
+        return {f: list(self.identity[f]) for f in files}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _header_sha256(fd: int) -> str:
+    """sha256 of a safetensors header as `read_header` hashes it (bytes after the length)."""
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8:
+        return ""
+    length = min(int.from_bytes(prefix, "little"), 100_000_000)
+    return hashlib.sha256(os.pread(fd, length, 8)).hexdigest()
+
+
+@dataclass
+class Hooks:
+    """Callbacks for progress; all optional and called from worker threads."""
+
+    on_bytes: Callable[[int], None] | None = None  # bytes written (or re-read to prove)
+    on_scale_nan: Callable[[Problem], None] | None = None
+    before_write: Callable[[], None] | None = None  # the first change to the output dir
+
+
+@dataclass
+class Job:
+    """What every shard of one run shares."""
+
+    sources: SourceFiles
+    out_dir: Path
+    tmp_dir: Path
+    stop: threading.Event = field(default_factory=threading.Event)
+    hooks: Hooks = field(default_factory=Hooks)
+    check_scales: bool = False
+    rehash: bool = False  # prove kept shards by re-hashing their data too
+
+
+class Outcome(Enum):
+    WRITTEN = "written"
+    KEPT = "kept"
+    REJECTED = "rejected"  # NaN scales with --check-scales: neither kept nor recorded
+
+
+@dataclass
+class ShardOutcome:
+    shard: str
+    outcome: Outcome
+    record: ShardRecord | None = None
+    bytes_written: int = 0
+    redo_reason: str | None = None  # why an earlier run's shard was not kept
+
+
+def settle(shard: OutputShard, record: ShardRecord | None, job: Job) -> ShardOutcome:
+    """Keep the shard if `record` is proven for it, else write it."""
+    reason = why_not_kept(shard, record, job)
+    if reason is None:
+        return ShardOutcome(shard.name, Outcome.KEPT, record)
+    return write(shard, job, reason if record is not None else None)
+
+
+def why_not_kept(shard: OutputShard, record: ShardRecord | None, job: Job) -> str | None:
+    """None if an earlier run's shard may be kept; else the reason it must be written. (The
+    Hub executor asks this before it downloads, and writes once the sources are there.)"""
+    if record is None:
+        return "not written yet"
+    return prove(shard, record, job)
+
+
+def write(shard: OutputShard, job: Job, reason: str | None = None) -> ShardOutcome:
+    """Write the shard (it was not kept: `reason` says why, None if it never existed)."""
+    if job.hooks.before_write:
+        job.hooks.before_write()
+    new = write_shard(shard, job)
+    if new is None:
+        return ShardOutcome(shard.name, Outcome.REJECTED, redo_reason=reason)
+    return ShardOutcome(shard.name, Outcome.WRITTEN, new, shard.file_size, reason)
+
+
+def commit(result: ShardOutcome, ledger: Ledger) -> None:
+    """Record an outcome (driver side): a written shard's record, a rejected shard forgotten."""
+    if result.outcome is Outcome.WRITTEN:
+        assert result.record is not None
+        ledger.record(result.record)
+    elif result.outcome is Outcome.REJECTED:
+        ledger.forget(result.shard)
+
+
+def prove(shard: OutputShard, record: ShardRecord, job: Job) -> str | None:
+    """None if the recorded shard is proven to be this plan's shard; else why not."""
+    path = job.out_dir / shard.name
+    if record.sources != job.sources.fingerprint(shard.source_files):
+        return "its source files changed since it was written"
+    try:
+        if path.is_symlink() or not path.is_file():
+            return "the file is missing"
+        if path.stat().st_size != shard.file_size or record.size != shard.file_size:
+            return "the file has the wrong size"
+        with open(path, "rb") as fh:
+            if fh.read(len(shard.header)) != shard.header:
+                return "its header differs"
+    except OSError:
+        return "the file cannot be read"
+    if record.header_sha256 != hashlib.sha256(shard.header).hexdigest():
+        return "its record belongs to another layout"
+    if not job.rehash:
+        return None
+    ranges, offset = [], len(shard.header)
+    for t in shard.tensors:
+        ranges.append((t.name, offset, offset + t.nbytes))
+        offset += t.nbytes
+    try:
+        hashes, _ = crc32_of_ranges(path, ranges, job.stop, job.hooks.on_bytes)
+    except ShortRead:
+        return "the file is truncated"
+    return None if hashes == record.tensors else "its data differ from the recorded checksums"
+
+
+class _Either(threading.Event):
+    """A stop flag for one shard's hasher: set by the run's flag or by the shard's failure."""
+
+    def __init__(self, run_stop: threading.Event) -> None:
+        super().__init__()
+        self.run_stop = run_stop
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.run_stop.is_set()
+
+
+def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
+    """Write one shard; None if its scales hold NaN (then it is neither kept nor recorded)."""
+    sources, hooks = job.sources, job.hooks
+    tmp = job.tmp_dir / f"{shard.name}.partial"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    hashes: dict[str, Crc32] = {}
+    scans: dict[str, ScaleScan] = {}
+    try:
+        os.fchmod(fd, 0o644)
+        _reserve(fd, shard.file_size)
+        write_all(fd, memoryview(shard.header))
+        faults.fault_point("shard.header")
+        if hooks.on_bytes:
+            hooks.on_bytes(len(shard.header))
+        jobs = []
+        for tensor in shard.tensors:
+            h = hashes[tensor.name] = Crc32()
+            targets: tuple = (h,)
+            if job.check_scales and tensor.name.endswith("weight_scale"):
+                scans[tensor.name] = ScaleScan()
+                targets = (h, scans[tensor.name])
+            ranges = [(sources.fd(p.file), p.offset, p.length, p.file) for p in tensor.pieces]
+            jobs.append((targets, ranges))
+        stop_hasher = _Either(job.stop)
+        hasher = RangeHasher(jobs, stop_hasher)  # checksums computed beside the copy
+        try:
+            for tensor in shard.tensors:
+                for piece in tensor.pieces:
+                    copy_range(sources.fd(piece.file), piece.offset, piece.length, fd, job.stop,
+                               hooks.on_bytes, piece.file)
+                    faults.fault_point("shard.piece")  # between the w3 and w1 halves of a w31
+        except BaseException:
+            stop_hasher.set()
+            hasher.join()  # not finish(): its Interrupted must not mask the copy's own error
+            raise
+        hasher.finish()
+        os.fsync(fd)
+        faults.fault_point("shard.fsynced")
+    except ShortRead as exc:
+        tmp.unlink(missing_ok=True)
+        raise SourceChanged(exc.file, f"ended early at byte {exc.offset} (truncated?)") from None
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is None:  # write(2) and fsync(2) errors name no file: this one
+            exc.filename = str(job.out_dir / shard.name)
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    nan = [_nan_problem(name, shard.name, scan) for name, scan in scans.items() if scan.count]
+    if nan:
+        # Not marked done: a rerun with --check-scales must find the NaN scales again.
+        tmp.unlink(missing_ok=True)
+        for problem in nan:
+            if hooks.on_scale_nan:
+                hooks.on_scale_nan(problem)
+        return None
+    # Nothing derived from a source file that changed under us may be marked done.
+    try:
+        sources.check_unchanged(shard.source_files)
+    except SourceChanged:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, job.out_dir / shard.name)
+    fsync_dir(job.out_dir)
+    faults.fault_point("shard.renamed")
+    return ShardRecord(
+        shard=shard.name,
+        size=shard.file_size,
+        header_sha256=hashlib.sha256(shard.header).hexdigest(),
+        tensors={name: h.hexdigest() for name, h in hashes.items()},
+        sources=sources.fingerprint(shard.source_files),
+    )
+
+
+def _nan_problem(tensor: str, file: str, scan: ScaleScan) -> Problem:
+    return Problem(Code.SCALE_NAN, f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at "
+                   f"byte {scan.first} of the tensor", file=file, tensor=tensor,
+                   expected="no 0xFF scale bytes", found=f"{scan.count}")
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Reserve the shard's space so a full disk fails before any data is written."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in SPACE_ERRNOS:
+            raise
+        # EINVAL/EOPNOTSUPP: the filesystem cannot preallocate; writing still works.
+

@@ -1,0 +1,495 @@
+"""The output directory: its layout, who may write in it, and when it is complete.
+
+Only this module spells the names inside an output directory. While a run is in progress
+the directory holds a state folder `.kimi_w31/`: the lock, the ledger (one fsynced line per
+finished shard), a journal of every other file the run writes, and the temporaries. A
+complete output holds the shards, the source's other files, `kimi_w31.checksums.json`
+(the ledger of record: every file and every tensor checksum, and each shard's source
+identity), `config.json` and, written last, the index; the state folder is then removed.
+
+Rules that keep the promise "never a wrong, stale or incomplete output that looks complete":
+- the index is removed before anything in the directory changes, and written last;
+- "complete" is proven, never remembered: a rerun seeds its ledger from the checksums file
+  and every shard is proven again before it is kept (`execute.shard.settle`);
+- files "we wrote" are the files this tool's own records name, with the size they had; a
+  directory holding anything else is never cleared (`--force` refuses) and never finalized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from . import faults
+from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
+from .errors import Code, Fatal, Problem, fail
+from .hashing import CHUNK_SIZE, TENSOR_HASH, sha256_file, shard_header_sha256
+from .lock import OutputLock
+
+STATE_DIR = ".kimi_w31"
+_LOCK, _LEDGER, _JOURNAL, _TMP = "lock", "ledger.jsonl", "journal.jsonl", "tmp"
+CHECKSUMS_FORMAT = 1
+_FAULT_LABELS = {CHECKSUMS_NAME: "finalize.checksums", CONFIG_NAME: "finalize.config",
+                 INDEX_NAME: "finalize.index"}
+SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """What a finished shard was: written after it is fsynced and renamed into place."""
+
+    shard: str
+    size: int
+    header_sha256: str
+    tensors: dict[str, str]  # tensor -> CRC-32 of its bytes
+    sources: dict[str, list]  # source file -> identity when it was copied (see SourceFiles)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object) -> ShardRecord | None:
+        """None for anything that is not a well-formed record (a torn or edited line)."""
+        if not isinstance(data, dict):
+            return None
+        try:
+            record = cls(data["shard"], data["size"], data["header_sha256"], data["tensors"],
+                         data["sources"])
+        except (KeyError, TypeError):
+            return None
+        ok = (isinstance(record.shard, str) and type(record.size) is int
+              and isinstance(record.header_sha256, str) and isinstance(record.tensors, dict)
+              and isinstance(record.sources, dict))
+        return record if ok else None
+
+
+class Mode(Enum):
+    FRESH = "fresh"  # nothing of this plan was there
+    RESUME = "resume"  # an interrupted run of this plan
+    RECHECK = "recheck"  # a complete output of this plan: prove it again, repair what fails
+
+
+class Ledger:
+    """Append-only, fsynced record of finished shards; line 1 names the plan fingerprint."""
+
+    def __init__(self, path: Path, fingerprint: str) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+        self.done: dict[str, ShardRecord] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def read(path: Path) -> tuple[str | None, dict[str, ShardRecord]]:
+        """(fingerprint, records) of a ledger file; a torn last line is ignored."""
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            head = json.loads(lines[0])
+        except (OSError, ValueError, IndexError):
+            return None, {}
+        records = {}
+        for line in lines[1:]:
+            with contextlib.suppress(ValueError):
+                record = ShardRecord.from_json(json.loads(line))
+                if record is not None:
+                    records[record.shard] = record
+        return (head.get("fingerprint") if isinstance(head, dict) else None), records
+
+    def start(self, records: Iterable[ShardRecord] = ()) -> None:
+        """A fresh ledger for this fingerprint, seeded with `records` (atomic)."""
+        self.done = {r.shard: r for r in records}
+        lines = [json.dumps({"fingerprint": self.fingerprint})]
+        lines += [json.dumps(r.to_json(), separators=(",", ":")) for r in self.done.values()]
+        write_atomic(self.path, ("\n".join(lines) + "\n").encode(), self.path.parent)
+
+    def load(self) -> None:
+        data = self.path.read_bytes()
+        if not data.endswith(b"\n"):  # a torn last line: drop it, or the next append
+            os.truncate(self.path, data.rfind(b"\n") + 1)  # would be glued onto it
+        _, self.done = self.read(self.path)
+
+    def record(self, record: ShardRecord) -> None:
+        with self._lock:
+            faults.fault_point("ledger.append")
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            faults.fault_point("ledger.appended")
+            self.done[record.shard] = record
+
+    def forget(self, shard: str) -> None:
+        self.done.pop(shard, None)
+
+
+@dataclass(frozen=True)
+class FinalFile:
+    """A file written at finalization: bytes computed in memory, or a source file copied."""
+
+    name: str
+    size: int
+    sha256: str
+    data: bytes | None = None
+    copy_from: Path | None = None
+
+
+class OutputDir:
+    def __init__(self, root: Path) -> None:
+        self.root = root.expanduser().resolve()
+        self.state = self.root / STATE_DIR
+        self.tmp = self.state / _TMP
+        self.index = self.root / INDEX_NAME
+        self.checksums = self.root / CHECKSUMS_NAME
+        self.ledger: Ledger | None = None
+        self._lock: OutputLock | None = None
+        self._created: list[Path] = []
+        self._writing = False
+        self._write_lock = threading.Lock()
+
+    # -- reading, no lock needed ---------------------------------------------------------
+    def is_complete_looking(self) -> bool:
+        return self.index.exists()
+
+    def in_progress(self) -> bool:
+        return self.state.is_dir()
+
+    def previous_records(self, fingerprint: str) -> tuple[Mode, dict[str, ShardRecord]]:
+        """What an earlier run of this plan left: its mode and shard records."""
+        ledger_fp, records = Ledger.read(self.state / _LEDGER)
+        if ledger_fp == fingerprint:
+            return Mode.RESUME, records
+        recorded = self._checksums_file()
+        if recorded.get("plan_fingerprint") == fingerprint and self.index.exists():
+            return Mode.RECHECK, _records_of(recorded)
+        return Mode.FRESH, {}
+
+    def _checksums_file(self) -> dict:
+        try:
+            data = json.loads(self.checksums.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    # -- claiming --------------------------------------------------------------------------
+    def claim(self, fingerprint: str, force: bool) -> Mode:
+        """Take the lock, then make the directory this run's (or refuse). Returns the mode;
+        `self.ledger` holds the records of shards an earlier run finished."""
+        if self.root.exists() and not self.root.is_dir():
+            raise fail(Code.OUTPUT_NOT_DIRECTORY, "output path exists and is not a directory",
+                       file=str(self.root))
+        self._make_dir(self.root)
+        self._make_dir(self.state)
+        self._lock = OutputLock(self.state / _LOCK)
+        try:
+            self._lock.acquire()
+            faults.fault_point("lock.acquired")
+            mode, records = self.previous_records(fingerprint)
+            if mode is Mode.FRESH:
+                self._make_room(force)
+            self.ledger = Ledger(self.state / _LEDGER, fingerprint)
+            if mode is Mode.RESUME:
+                self.ledger.load()
+            else:
+                self.ledger.start(records.values())
+            shutil.rmtree(self.tmp, ignore_errors=True)  # temporaries of a crashed run
+            self.tmp.mkdir(mode=0o755)
+        except BaseException:
+            self.abandon()
+            raise
+        faults.fault_point("ledger.opened")
+        return mode
+
+    def _make_room(self, force: bool) -> None:
+        """A fresh run: the directory must be empty, or hold only files we recorded writing
+        (removed with --force). The state folder of another plan is reset."""
+        entries = [p for p in self.root.iterdir() if p.name != STATE_DIR]
+        if entries:
+            foreign = self._foreign(entries)
+            if not force:
+                hint = ("pass --force to replace the files kimi-convert wrote there, or choose "
+                        "another directory" if not foreign else "choose another directory: "
+                        "this one holds files kimi-convert has no record of writing")
+                raise fail(Code.OUTPUT_NOT_EMPTY, "output directory is not empty and is not "
+                           "a resumable run of this conversion", file=str(self.root), hint=hint)
+            if foreign:
+                shown = ", ".join(str(p.relative_to(self.root)) for p in foreign[:5])
+                more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+                raise fail(Code.FOREIGN_OUTPUT, "--force only removes files kimi-convert's own "
+                           "records (its ledger, journal or checksums file in this directory) "
+                           "say it wrote, unchanged since; these are not: " + shown + more,
+                           file=str(self.root), hint="move them out or choose another "
+                           "output directory; nothing was deleted")
+            self.index.unlink(missing_ok=True)  # first: it marks an output complete
+            self._remove_ours(entries)
+        for path in self.state.iterdir():  # another plan's ledger and temporaries
+            if path.name != _LOCK:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+    def _recorded(self) -> dict[str, tuple[int, str | None]]:
+        """name -> (size, header sha256 for shards) of every file our records say we wrote."""
+        names: dict[str, tuple[int, str | None]] = {}
+        recorded = self._checksums_file()
+        files = recorded.get("files") if recorded.get("format_version") else None
+        if isinstance(files, dict):
+            for name, entry in files.items():
+                if isinstance(entry, dict) and type(entry.get("size")) is int:
+                    names[name] = (entry["size"], entry.get("header_sha256"))
+            if self.checksums.is_file():
+                names[CHECKSUMS_NAME] = (self.checksums.stat().st_size, None)
+        for record in Ledger.read(self.state / _LEDGER)[1].values():
+            names[record.shard] = (record.size, record.header_sha256)
+        for entry in _read_lines(self.state / _JOURNAL):
+            if isinstance(entry.get("file"), str) and type(entry.get("size")) is int:
+                names[entry["file"]] = (entry["size"], None)
+        return names
+
+    def _foreign(self, entries: list[Path]) -> list[Path]:
+        """The files under `entries` that our records do not name with their current size."""
+        recorded = self._recorded()
+        foreign = []
+        for entry in entries:
+            paths = [entry] if entry.is_symlink() or not entry.is_dir() else sorted(
+                p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir())
+            for path in paths:
+                rel = str(path.relative_to(self.root))
+                want = recorded.get(rel)
+                if want is None or path.is_symlink() or not path.is_file():
+                    foreign.append(path)
+                elif path.stat().st_size != want[0] or (
+                        want[1] is not None and shard_header_sha256(path) != want[1]):
+                    foreign.append(path)
+        return foreign
+
+    def _remove_ours(self, entries: list[Path]) -> None:
+        for entry in entries:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)  # proven to hold only our files
+            else:
+                entry.unlink()
+
+    def _make_dir(self, path: Path) -> None:
+        """mkdir -p, 0755 whatever the umask (others must read it); remember what we made."""
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(parents=True, exist_ok=True)
+        for p in reversed(missing):
+            os.chmod(p, 0o755)
+            self._created.append(p)
+
+    def begin_writes(self) -> None:
+        """Called before the first change to the directory: it stops looking complete."""
+        with self._write_lock:
+            if not self._writing:
+                self.index.unlink(missing_ok=True)
+                fsync_dir(self.root)
+                self._writing = True
+
+    def check_free_space(self, needed: int) -> None:
+        free = shutil.disk_usage(self.root).free
+        if needed > free:
+            raise fail(Code.NO_SPACE, "not enough free space for the output",
+                       file=str(self.root), expected=f"{needed} bytes free",
+                       found=f"{free} bytes free", hint="free space or choose another output "
+                       "directory; --dry-run shows the size")
+
+    # -- finishing -------------------------------------------------------------------------
+    def finalize(self, files: list[FinalFile]) -> int:
+        """Make every final file what it must be, the index last; returns how many were
+        (re)written. Refuses while anything else lies in the directory."""
+        expected = {f.name for f in files} | set(self.ledger.done if self.ledger else ())
+        entries = [p for p in self.root.iterdir() if p.name != STATE_DIR]
+        strays = [p for p in self._all_files(entries)
+                  if str(p.relative_to(self.root)) not in expected]
+        if strays:
+            raise Fatal([Problem(Code.FOREIGN_OUTPUT, "file in the output directory that this "
+                                 "conversion did not write; the output is not finalized while "
+                                 "it is there", file=str(p)) for p in strays[:20]],
+                        hint="move it out of the output directory, then rerun the same "
+                        "command: finished shards are kept")
+        rewritten = 0
+        index = [f for f in files if f.name == INDEX_NAME]
+        for group in ([f for f in files if f.name != INDEX_NAME], index):
+            for f in group:
+                path = self.root / f.name
+                if _same_file(path, f):
+                    continue
+                self.begin_writes()
+                self._journal(f)
+                self._write_final(path, f)
+                rewritten += 1
+                faults.fault_point(_FAULT_LABELS.get(f.name, "finalize.extra"))
+            fsync_dir(self.root)  # everything else is durable before the index appears
+        return rewritten
+
+    def _all_files(self, entries: list[Path]) -> list[Path]:
+        out = []
+        for entry in entries:
+            if entry.is_dir() and not entry.is_symlink():
+                out += [p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir()]
+            else:
+                out.append(entry)
+        return out
+
+    def _journal(self, f: FinalFile) -> None:
+        """Record a file before writing it, so --force may remove it after a crash."""
+        with open(self.state / _JOURNAL, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"file": f.name, "size": f.size}) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _write_final(self, path: Path, f: FinalFile) -> None:
+        if not _inside(self.root, path):  # a symlinked folder must not lead writes elsewhere
+            raise fail(Code.LINK_ESCAPES, "output path leads outside the output directory (a "
+                       "symlink?)", file=str(path))
+        self._make_dir(path.parent)
+        tmp = self.tmp / (path.name + ".partial")
+        try:
+            with open(tmp, "wb") as out:
+                if f.data is not None:
+                    out.write(f.data)
+                else:
+                    assert f.copy_from is not None
+                    digest = hashlib.sha256()
+                    with open(f.copy_from, "rb") as src:  # streamed: bounded memory
+                        while chunk := src.read(CHUNK_SIZE):
+                            digest.update(chunk)
+                            out.write(chunk)
+                    if digest.hexdigest() != f.sha256:
+                        raise fail(Code.SOURCE_CHANGED, "source file changed while it was "
+                                   "being copied", file=str(f.copy_from),
+                                   hint=self.resume_hint("make sure nothing writes to the "
+                                                         "source"))
+                out.flush()
+                os.fsync(out.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self.io_error(exc, path) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def io_error(self, exc: OSError, path: Path | str | None = None) -> Fatal:
+        """An OS error as a problem naming its file, with a hint true in the state it leaves."""
+        name = path if path is not None else exc.filename
+        file = None if name is None else os.fsdecode(name)
+        if not self.state.is_dir():
+            return fail(Code.STATE_LOST, f"the state folder {self.state} was removed during the "
+                        "run: there is no longer a record of what this run wrote", file=file,
+                        hint="remove the output directory's contents yourself (or choose "
+                        "another directory), then run the conversion again")
+        if exc.errno in SPACE_ERRNOS:
+            return fail(Code.NO_SPACE, "no space left on the device (or file size limit "
+                        "reached)", file=file, found=os.strerror(exc.errno),
+                        hint=self.resume_hint("free some space"))
+        return fail(Code.IO_ERROR, f"I/O error: {exc.strerror or exc}", file=file,
+                    hint=self.resume_hint("fix the cause"))
+
+    def resume_hint(self, first: str) -> str:
+        done = len(self.ledger.done) if self.ledger else 0
+        kept = f"the {done} finished shard(s) are kept" if done else "it starts where it stopped"
+        return f"{first}, then rerun the same command: {kept}"
+
+    def release(self, finished: bool) -> None:
+        """Let go of the lock; a finished run also removes its state folder."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if finished:
+            shutil.rmtree(self.state, ignore_errors=True)
+
+    def abandon(self) -> None:
+        """After a failure before anything was written: release, and remove only the folders
+        this run created (an empty state folder must not look like a run in progress)."""
+        self.release(finished=False)
+        nothing_done = not (self.ledger and self.ledger.done) and not self._writing
+        if nothing_done and self.state in self._created:
+            shutil.rmtree(self.state, ignore_errors=True)
+            for path in reversed(self._created):
+                if path != self.state:
+                    with contextlib.suppress(OSError):
+                        path.rmdir()  # only if empty
+
+
+def checksums_document(fingerprint: str, records: list[ShardRecord],
+                       others: list[FinalFile]) -> bytes:
+    """`kimi_w31.checksums.json`: every shard's record, and size + sha256 of every other file."""
+    files: dict[str, dict] = {}
+    for r in records:
+        files[r.shard] = {"size": r.size, "header_sha256": r.header_sha256,
+                          "tensors": r.tensors, "sources": r.sources}
+    for f in others:
+        files[f.name] = {"size": f.size, "sha256": f.sha256}
+    doc = {"format_version": CHECKSUMS_FORMAT, "tensor_checksum": TENSOR_HASH,
+           "plan_fingerprint": fingerprint, "files": files}
+    return (json.dumps(doc) + "\n").encode()
+
+
+def _records_of(checksums: dict) -> dict[str, ShardRecord]:
+    files = checksums.get("files")
+    if not isinstance(files, dict):
+        return {}
+    records = {}
+    for name, entry in files.items():
+        if isinstance(entry, dict) and "header_sha256" in entry:
+            record = ShardRecord.from_json({"shard": name, **entry})
+            if record is not None:
+                records[name] = record
+    return records
+
+
+def _read_lines(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            value = json.loads(line)
+            if isinstance(value, dict):
+                out.append(value)
+    return out
+
+
+def _same_file(path: Path, f: FinalFile) -> bool:
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size != f.size:
+            return False
+        return sha256_file(path) == f.sha256
+    except OSError:
+        return False
+
+
+def _inside(root: Path, path: Path) -> bool:
+    try:
+        parent = path.parent.resolve()
+    except OSError:
+        return False
+    return parent == root or root in parent.parents
+
+
+def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
+    tmp = tmp_dir / (path.name + ".partial")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,216 @@
+"""Read a source checkpoint: everything but its tensor data.
+
+`read_source` is the one reading path, whatever the source's origin: a local directory or a
+repo in the Hugging Face cache (`local.py`), or a Hub repo read over HTTP (`hub.py`). The
+origin gives only what differs, the shard headers and the list of other files; the config,
+the index and every cross-check are read here. The index's `weight_map` is untrusted input:
+entries must be plain relative names of `.safetensors` files that stay inside the source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import eq
+from pathlib import Path
+from typing import Protocol
+
+from ..contract import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from ..errors import Code, Fatal, Problem, fail
+from ..safetensors_format import ShardHeader
+
+
+class Origin(Protocol):
+    """Where a source's files come from (local disk, the Hub)."""
+
+    header_workers: int  # headers read at once (1 on disk; network reads overlap)
+
+    def resolve(self, spec: str, revision: str | None) -> Path: ...
+
+    def has_file(self, root: Path, name: str) -> bool: ...
+
+    def read_header(self, root: Path, file: str) -> ShardHeader: ...
+
+    def extra_files(self, root: Path, weight_files: set[str]) -> list[str]: ...
+
+
+@dataclass
+class Source:
+    root: Path
+    label: str  # what the user typed, for messages
+    config: dict
+    shard_files: list[str]  # in index order, each once
+    headers: dict[str, ShardHeader] = field(default_factory=dict)
+    extra_files: list[str] = field(default_factory=list)  # copied unchanged
+    index_metadata: dict = field(default_factory=dict)
+
+    @property
+    def weight_map(self) -> Mapping[str, str]:
+        return HeaderWeightMap(self.headers)
+
+
+class HeaderWeightMap(Mapping[str, str]):
+    """tensor name -> shard file, answered from the shard headers.
+
+    Once the index is proven to agree with the headers it says nothing they do not, and
+    keeping its 500k entries would cost ~110 MB: lookups here are rare.
+    """
+
+    def __init__(self, headers: dict[str, ShardHeader]) -> None:
+        self._headers = headers
+
+    def __getitem__(self, name: str) -> str:
+        for file, header in self._headers.items():
+            if name in header.tensors:
+                return file
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        for header in self._headers.values():
+            yield from header.tensors
+
+    def __len__(self) -> int:
+        return sum(len(h.tensors) for h in self._headers.values())
+
+
+def read_source(root: Path, label: str, origin: Origin) -> Source:
+    """Config, index and every shard header, all cross-checked; every problem before failing."""
+    config = read_json(root / CONFIG_NAME)
+    if not isinstance(config, dict):
+        raise fail(Code.JSON_INVALID, "config.json is not a JSON object",
+                   file=str(root / CONFIG_NAME))
+    index_metadata: dict = {}
+    if origin.has_file(root, INDEX_NAME):
+        weight_map, index_metadata = read_index(root / INDEX_NAME)
+        problems = check_weight_map(root, weight_map, INDEX_NAME)
+        if problems:
+            raise Fatal(problems)
+        shard_files = list(dict.fromkeys(weight_map.values()))
+    elif origin.has_file(root, SINGLE_NAME):
+        shard_files, weight_map = [SINGLE_NAME], {}
+    else:
+        raise fail(Code.FILE_MISSING, f"no {INDEX_NAME} or {SINGLE_NAME} in the source "
+                   "directory", file=str(root))
+
+    headers: dict[str, ShardHeader] = {}
+    problems = []
+    with ThreadPoolExecutor(max_workers=origin.header_workers) as pool:
+        futures = {f: pool.submit(origin.read_header, root, f) for f in shard_files}
+        for f, fut in futures.items():
+            try:
+                headers[f] = fut.result()
+            except Fatal as exc:
+                problems.extend(exc.problems)
+    if problems:
+        raise Fatal(problems)
+    if weight_map:
+        problems = check_index_against_headers(weight_map, headers, INDEX_NAME)
+        if problems:
+            raise Fatal(problems)
+    del weight_map  # the headers say the same from here on (single file: the header is the map)
+    extra = origin.extra_files(root, set(shard_files) | {INDEX_NAME, CONFIG_NAME})
+    return Source(root, label, config, shard_files, headers, extra, index_metadata)
+
+
+def read_index(path: Path) -> tuple[dict, dict]:
+    """The index's weight_map and metadata (nothing else of it is kept in memory)."""
+    index = read_json(path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise fail(Code.INDEX_INVALID, "index has no weight_map object", file=str(path))
+    metadata = index.get("metadata")
+    return weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+def check_shard_name(root: Path, name: object) -> str | None:
+    """Why a weight_map entry is unsafe or unusable, or None if it is fine."""
+    if not isinstance(name, str) or not name or "\x00" in name:  # NUL: no OS takes it
+        return "is not a file name"
+    if os.path.isabs(name) or name.startswith(("/", "\\")):
+        return "is an absolute path"
+    if ".." in Path(name).parts:
+        return "contains '..'"
+    if not name.endswith(".safetensors"):
+        return "does not name a .safetensors file"
+    if not stays_inside(root, root / name):
+        return "points outside the source directory"
+    return None
+
+
+def check_weight_map(root: Path, weight_map: dict, index_name: str) -> list[Problem]:
+    """Every entry names a safe shard; each distinct name is checked once (500k tensors
+    share a few hundred shard names, and resolving symlinks is a system call per path)."""
+    try:
+        names = set(weight_map.values())  # a C loop over 500k entries
+    except TypeError:  # a list or object as a value: the slow loop words it
+        names = None
+    if names is not None and not any(check_shard_name(root, n) for n in names):
+        return []
+    verdicts: dict[str, str | None] = {}
+    problems = []
+    for tensor, shard in weight_map.items():
+        key = shard if isinstance(shard, str) else repr(shard)
+        if key not in verdicts:
+            verdicts[key] = check_shard_name(root, shard)
+        if verdicts[key]:
+            problems.append(Problem(Code.WEIGHT_MAP_ENTRY_UNSAFE, f"weight_map entry "
+                                    f"{verdicts[key]}", file=index_name, tensor=tensor,
+                                    found=repr(shard)))
+    return problems
+
+
+def stays_inside(root: Path, path: Path) -> bool:
+    """Whether `path`, symlinks resolved, is inside the source (or its Hub blob store)."""
+    target = path.resolve()
+    real_root = root.resolve()
+    # Hub snapshots link files into ../../blobs of the same repo cache folder.
+    allowed = [real_root]
+    if real_root.parent.name == "snapshots":
+        allowed.append(real_root.parent.parent / "blobs")
+    return any(target == a or a in target.parents for a in allowed)
+
+
+def check_index_against_headers(
+    weight_map: dict[str, str], headers: dict[str, ShardHeader], index_name: str
+) -> list[Problem]:
+    """Each tensor exactly once: in the index and in the shard the index names."""
+    # Fast proof, in C loops: if every header tensor maps to its own shard and the counts
+    # agree, no name is in two shards and the index holds nothing else.
+    if sum(len(h.tensors) for h in headers.values()) == len(weight_map) and all(
+        all(map(eq, repeat(shard), map(weight_map.get, h.tensors))) for shard, h in headers.items()
+    ):
+        return []
+    problems: list[Problem] = []
+    for tensor, shard in weight_map.items():
+        header = headers.get(shard)
+        if header is not None and tensor not in header.tensors:
+            problems.append(Problem(Code.INDEX_TENSOR_NOT_IN_SHARD, "index names a tensor its "
+                                    "shard does not hold", file=shard, tensor=tensor))
+    for shard, header in headers.items():
+        for tensor in header.tensors:
+            owner = weight_map.get(tensor)
+            if owner is None:
+                problems.append(Problem(Code.INDEX_TENSOR_MISSING, f"tensor is missing from "
+                                        f"{index_name}", file=shard, tensor=tensor))
+            elif owner != shard:
+                problems.append(Problem(Code.INDEX_WRONG_SHARD, "tensor is in a different "
+                                        "shard than the index says", file=shard,
+                                        tensor=tensor, expected=owner, found=shard))
+    return problems
+
+
+def read_json(path: Path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise fail(Code.FILE_MISSING, "file is missing", file=str(path)) from None
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd numbers/nesting
+        raise fail(Code.JSON_INVALID, f"not valid JSON ({exc})", file=str(path)) from None
+    except OSError as exc:
+        raise fail(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror})",
+                   file=str(path)) from None
