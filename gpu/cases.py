@@ -212,7 +212,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
 
     if actual.shape != expected.shape:
         raise ValueError(f"shape mismatch {tuple(actual.shape)} vs {tuple(expected.shape)}")
-    return ref_compare(actual.float().cpu(), expected.float().cpu())
+    return ref_compare(actual.float().cpu().numpy(), expected.float().cpu().numpy())
 
 
 def bitwise_equal(tensors: list[torch.Tensor]) -> bool:

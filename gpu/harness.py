@@ -5,7 +5,8 @@ Flow (see gpu/README.md for the full procedure on a fresh H200 machine):
 1. load the converted checkpoint's `w31`/`w2` for E experts of one MoE layer and prepare
    them through `kimi_w31.adapter.flashinfer_moe` (the module the SGLang method calls);
 2. load the SOURCE checkpoint's `w1`/`w3`/`w2` and build the fp32 reference
-   (`kimi_w31.converter.reference`: dequant, routing, GEMM1, SiTU, GEMM2, weighted sum);
+   (`kimi_w31.converter.reference`, numpy on the host: dequant, routing, GEMM1, SiTU,
+   GEMM2, weighted sum);
 3. run every case through the kernel and compare; run the negative controls, the
    CUDA-graph and determinism checks, and the SiTU vs SwiGLU timing;
 4. write the JSON report (and a markdown table) to --out.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from kimi_w31.converter import reference as ref
 
@@ -40,6 +42,16 @@ SITU_MS = (1, 2, 8, 32, 128)
 TIMING_MS = (1, 8, 32, 128, 512)
 TUNE_BUCKETS = (1, 2, 8, 32, 128, 512)  # every M the harness uses
 _DEFAULT: Any = object()  # "use the harness's own situ tensors"
+
+
+def np_u8(t: torch.Tensor) -> np.ndarray:
+    """A uint8 (or integer) tensor on any device as a host numpy array for the reference."""
+    return t.detach().cpu().numpy()
+
+
+def np_f32(t: torch.Tensor) -> np.ndarray:
+    """A float tensor of any dtype (bf16 too) as a host fp32 numpy array."""
+    return t.detach().float().cpu().numpy()
 
 
 # --------------------------------------------------------------------------------------
@@ -123,7 +135,9 @@ class ReferenceBackend:
     def prepare(self, w31, w2):
         e = w31[0].shape[0]
         return [
-            ref.dequant_converted_expert((w31[0][i], w31[1][i]), (w2[0][i], w2[1][i]))
+            ref.dequant_converted_expert(
+                (np_u8(w31[0][i]), np_u8(w31[1][i])), (np_u8(w2[0][i]), np_u8(w2[1][i]))
+            )
             for i in range(e)
         ]
 
@@ -141,8 +155,9 @@ class ReferenceBackend:
         else:
             # One value per local expert in the kernel; the harness always passes uniform ones.
             beta, linear_beta = float(betas[0][0]), float(betas[1][0])
-        out = ref.moe_forward(x, ids, weights, experts, beta, linear_beta, activation)
-        out = out.to(torch.bfloat16)
+        out = ref.moe_forward(np_f32(x), ids.detach().cpu().numpy(), np_f32(weights), experts,
+                              beta, linear_beta, activation)
+        out = torch.from_numpy(out).to(torch.bfloat16)
         if output is not None:
             output.copy_(out)
             return output
@@ -168,14 +183,14 @@ class LayerData:
     converted_prefix: str
 
 
-def load_layer(source: Path, converted: Path, num_experts: int, ref_device: torch.device) -> LayerData:  # noqa: E501
+def load_layer(source: Path, converted: Path, num_experts: int) -> LayerData:
     """Converted w31/w2 for the kernel; the source's w1/w3/w2 dequantized for the reference."""
     cprefix, conv = C.load_experts(converted, ("w31", "w2"), num_experts)
     sprefix, src = C.load_experts(source, ("w1", "w3", "w2"), num_experts)
     reference = {}
     for e in range(num_experts):
-        def pick(proj: str, e: int = e) -> tuple[torch.Tensor, torch.Tensor]:
-            return src[proj][0][e].to(ref_device), src[proj][1][e].to(ref_device)
+        def pick(proj: str, e: int = e) -> tuple[np.ndarray, np.ndarray]:
+            return np_u8(src[proj][0][e]), np_u8(src[proj][1][e])
 
         reference[e] = ref.dequant_expert(pick("w1"), pick("w3"), pick("w2"))
     e_, two_n, k_half = conv["w31"][0].shape
@@ -195,7 +210,6 @@ def load_layer(source: Path, converted: Path, num_experts: int, ref_device: torc
 class Harness:
     backend: Backend
     layer: LayerData
-    ref_device: torch.device
     x_scale: float = 1.0
     top_k: int = TOP_K
     seed: int = 1234
@@ -219,24 +233,24 @@ class Harness:
 
     def reference(self, x, r: C.RoutingTable, activation: str = "situ",
                   beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> torch.Tensor:
-        d = self.ref_device
-        return ref.moe_forward(x.to(d), r.ids.to(d), r.weights.to(d), self.layer.reference,
-                               beta, linear_beta, activation).cpu()
+        return torch.from_numpy(ref.moe_forward(
+            np_f32(x), r.ids.numpy(), r.weights.numpy(), self.layer.reference,
+            beta, linear_beta, activation))
 
     def gate_stats(self, m: int = 128) -> dict[str, float]:
         """Std of the gate/up pre-activations on the harness's inputs (realism check)."""
         x, r = self.inputs(m, "uniform")
-        xf = x.float().to(self.ref_device)
+        xf = np_f32(x)
         gates, ups = [], []
         for e in sorted(set(r.ids.flatten().tolist()))[:8]:
             w = self.layer.reference[e]
             gates.append(xf @ w.gate.T)
             ups.append(xf @ w.up.T)
-        g, u = torch.cat(gates), torch.cat(ups)
+        g, u = np.concatenate(gates), np.concatenate(ups)
         return {
-            "gate_std": g.std().item(),
-            "up_std": u.std().item(),
-            "gate_frac_abs_gt_beta": (g.abs() > SITU_BETA).float().mean().item(),
+            "gate_std": float(g.std(ddof=1)),
+            "up_std": float(u.std(ddof=1)),
+            "gate_frac_abs_gt_beta": float((np.abs(g) > SITU_BETA).mean()),
         }
 
     def case(self, name: str, kind: str, m: int, routing: C.Routing, *, expect: C.Expect = "pass",  # noqa: E501
@@ -555,17 +569,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         log(f"flashinfer SiTU support: {check_situ_support()}")
         backend: Backend = FlashInferBackend(torch.device("cuda", 0))
-        ref_device = torch.device("cuda", 0)
     else:
         backend = ReferenceBackend()
-        ref_device = torch.device("cpu")
     env = environment()
     log(f"environment: {env}")
     t = time.time()
-    layer = load_layer(args.source, args.converted, args.experts, ref_device)
+    layer = load_layer(args.source, args.converted, args.experts)
     log(f"loaded {layer.num_experts} experts (K {layer.hidden}, N {layer.intermediate}) "
         f"from {layer.converted_prefix} in {time.time() - t:.1f} s")
-    h = Harness(backend, layer, ref_device, x_scale=args.x_scale, top_k=args.top_k, log=log)
+    h = Harness(backend, layer, x_scale=args.x_scale, top_k=args.top_k, log=log)
     meta = {
         "environment": env,
         "command": " ".join(["python -m gpu.harness", *(sys.argv[1:] if argv is None else argv)]),

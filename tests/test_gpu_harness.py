@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from kimi_w31.converter import reference as ref
@@ -86,7 +87,9 @@ def test_swap_nibbles_reads_high_nibble_first() -> None:
     swapped = C.swap_nibbles(packed)
     assert swapped.dtype == torch.uint8
     assert torch.equal(C.swap_nibbles(swapped), packed)
-    assert torch.equal(ref.unpack_fp4(swapped), ref.unpack_fp4(packed, low_nibble_first=False))
+    assert np.array_equal(
+        ref.unpack_fp4(swapped.numpy()), ref.unpack_fp4(packed.numpy(), low_nibble_first=False)
+    )
     assert C.swap_nibbles(torch.tensor([0x21], dtype=torch.uint8)).item() == 0x12
 
 
@@ -206,12 +209,12 @@ def checkpoint_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _harness(pair, backend) -> H.Harness:
-    layer = H.load_layer(pair[0], pair[1], 8, torch.device("cpu"))
-    return H.Harness(backend, layer, torch.device("cpu"), top_k=4, log=lambda _msg: None)
+    layer = H.load_layer(pair[0], pair[1], 8)
+    return H.Harness(backend, layer, top_k=4, log=lambda _msg: None)
 
 
 def test_load_layer_reads_converted_and_source(checkpoint_pair) -> None:
-    layer = H.load_layer(*checkpoint_pair, 8, torch.device("cpu"))
+    layer = H.load_layer(*checkpoint_pair, 8)
     assert layer.num_experts == 8 and layer.w31[0].shape == (
         8,
         2 * layer.intermediate,
@@ -219,10 +222,11 @@ def test_load_layer_reads_converted_and_source(checkpoint_pair) -> None:
     )
     # the converted fc1 really is [up; gate] of the source experts (bit-exact)
     conv = ref.dequant_converted_expert(
-        (layer.w31[0][5], layer.w31[1][5]), (layer.w2[0][5], layer.w2[1][5])
+        (H.np_u8(layer.w31[0][5]), H.np_u8(layer.w31[1][5])),
+        (H.np_u8(layer.w2[0][5]), H.np_u8(layer.w2[1][5])),
     )
-    assert torch.equal(conv.gate, layer.reference[5].gate)
-    assert torch.equal(conv.up, layer.reference[5].up)
+    assert np.array_equal(conv.gate, layer.reference[5].gate)
+    assert np.array_equal(conv.up, layer.reference[5].up)
 
 
 def test_all_cases_on_cpu_stand_in(checkpoint_pair) -> None:
@@ -252,7 +256,9 @@ class _GateUpSwappedBackend(H.ReferenceBackend):
     def prepare(self, w31, w2):
         return [
             ref.dequant_converted_expert(
-                (w31[0][i], w31[1][i]), (w2[0][i], w2[1][i]), fc1_order=("gate", "up")
+                (H.np_u8(w31[0][i]), H.np_u8(w31[1][i])),
+                (H.np_u8(w2[0][i]), H.np_u8(w2[1][i])),
+                fc1_order=("gate", "up"),
             )
             for i in range(w31[0].shape[0])
         ]

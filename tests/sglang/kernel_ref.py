@@ -17,6 +17,10 @@ import torch
 from kimi_w31.converter.reference import dequant_mxfp4, situ
 
 
+def _dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(dequant_mxfp4(packed.numpy(), scale.numpy()))
+
+
 class RefCutlassFusedMoe:
     def __init__(self) -> None:
         from flashinfer.fused_moe import cutlass_fused_moe
@@ -44,10 +48,11 @@ class RefCutlassFusedMoe:
             rows, slots = torch.nonzero(ids == first + lid, as_tuple=True)
             if rows.numel() == 0:
                 continue
-            h = x[rows] @ dequant_mxfp4(fc1[lid], s1[lid].reshape(two_n, -1)).T
+            h = x[rows] @ _dequant(fc1[lid], s1[lid].reshape(two_n, -1)).T
             up, gate = h[:, :n], h[:, n:]
-            act = situ(gate, up, kw["situ_beta"][lid].item(), kw["situ_linear_beta"][lid].item())
-            y = act @ dequant_mxfp4(fc2[lid], s2[lid].reshape(fc2.shape[1], -1)).T
+            beta, linear_beta = kw["situ_beta"][lid].item(), kw["situ_linear_beta"][lid].item()
+            act = torch.from_numpy(situ(gate.numpy(), up.numpy(), beta, linear_beta))
+            y = act @ _dequant(fc2[lid], s2[lid].reshape(fc2.shape[1], -1)).T
             out.index_add_(0, rows, y * weights[rows, slots].unsqueeze(1))
         result = kw["output"]
         result.copy_(out.to(result.dtype))

@@ -109,12 +109,18 @@ def test_converted_checkpoint_serves_the_sources_moe(plugins, pair, monkeypatch,
                 p = f"model.layers.{layer}.mlp.experts.{e}."
                 p = "language_model." + p
                 experts[e] = dequant_expert(
-                    w1=(source[p + "w1.weight_packed"], source[p + "w1.weight_scale"]),
-                    w3=(source[p + "w3.weight_packed"], source[p + "w3.weight_scale"]),
-                    w2=(source[p + "w2.weight_packed"], source[p + "w2.weight_scale"]),
+                    *[
+                        (
+                            source[f"{p}{w}.weight_packed"].numpy(),
+                            source[f"{p}{w}.weight_scale"].numpy(),
+                        )
+                        for w in ("w1", "w3", "w2")
+                    ]
                 )
-            expected = moe_forward(x.float(), ids.long(), weights, experts, 4.0, 25.0)
-            m = compare(got, expected)
+            expected = moe_forward(
+                x.float().numpy(), ids.numpy(), weights.numpy(), experts, 4.0, 25.0
+            )
+            m = compare(got.float().numpy(), expected)
             assert m["cosine"] > 0.9999 and m["nrmse"] < 1e-2, (layer, m)
     assert len(kernel.calls) == LAYERS
 
