@@ -9,7 +9,7 @@ import sys
 def run_cli(*args: str, check: bool = False, **kw) -> subprocess.CompletedProcess:
     """The real console entry point in a subprocess: exit codes and output as a user sees."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31.converter", *map(str, args)],
+        [sys.executable, "-m", "kimi_w31", *map(str, args)],
         capture_output=True, text=True, **kw,
     )  # fmt: skip
     if check and proc.returncode != 0:
