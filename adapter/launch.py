@@ -130,7 +130,7 @@ def check_checkpoint(
             raise ServeError(
                 f"{cfg_path}: not a usable converted checkpoint (a server without the adapter "
                 "must refuse it, and the adapter must agree with its block):\n  - "
-                + "\n  - ".join(p.render() for p in problems)
+                + "\n  - ".join(f"[{p.code.value}] {p.render()}" for p in problems)
                 + "\nConvert it again from the source."
             )
     elif not unconverted:

@@ -70,16 +70,16 @@ def unwrap_quantization_config(cfg: Any) -> int:
     by X, in place, so SGLang sees the source's quantization exactly. Idempotent."""
     try:
         return contract.unwrap_quantization_config(cfg)
-    except ValueError as exc:
-        raise LayoutError(str(exc)) from None
+    except contract.ContractError as exc:
+        raise LayoutError(str(exc), (exc.problem.code.value,)) from None
 
 
 def unwrap_one(qc: Mapping) -> dict:
     """`{"quant_method": "kimi_w31", "base": X}` -> X (validated)."""
     try:
         return contract.unwrap_one(qc)
-    except ValueError as exc:
-        raise LayoutError(str(exc)) from None
+    except contract.ContractError as exc:
+        raise LayoutError(str(exc), (exc.problem.code.value,)) from None
 
 
 def opt_in_unconverted(environ: Mapping[str, str] | None = None) -> bool:

@@ -15,7 +15,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from kimi_w31 import __version__
+from .. import __version__
 
 from . import console
 from .console import err, human, out, parse_size, run_guarded

@@ -103,7 +103,7 @@ def converted_config(source_config: dict, block: dict) -> dict:
         original = holder.get("quantization_config")
         if isinstance(original, dict):
             holder["quantization_config"] = {"quant_method": WRAPPER_METHOD, "base": original}
-    config[BLOCK_KEY] = block
+    config[BLOCK_KEY] = copy.deepcopy(block)
     return config
 
 
@@ -118,7 +118,7 @@ def unwrap_config(converted: dict) -> dict:
 def unwrap_quantization_config(cfg: Any) -> int:
     """Replace each `{"quant_method": "kimi_w31", "base": X}` by X, in place; count them.
 
-    Raises ValueError for a wrapper without a usable base (or wrapped twice).
+    Raises ContractError for a wrapper without a usable base (or wrapped twice).
     """
     count = 0
     for holder in _holders(cfg):
@@ -129,11 +129,19 @@ def unwrap_quantization_config(cfg: Any) -> int:
     return count
 
 
+class ContractError(ValueError):
+    """A config that breaks the contract where no list of problems can be returned."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.render())
+        self.problem = problem
+
+
 def unwrap_one(qc: Mapping) -> dict:
-    """`{"quant_method": "kimi_w31", "base": X}` -> X; ValueError if X is not usable."""
+    """`{"quant_method": "kimi_w31", "base": X}` -> X; ContractError if X is not usable."""
     problems = _wrapper_problems(qc)
     if problems:
-        raise ValueError(problems[0].what)
+        raise ContractError(problems[0])
     return dict(qc["base"])
 
 

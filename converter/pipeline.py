@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_w31 import __version__
+from .. import __version__
 
 from . import contract
 from .errors import EXIT_USAGE, Code, Fatal, Problem, fail

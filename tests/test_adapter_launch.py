@@ -12,31 +12,18 @@ import pytest
 from click.testing import CliRunner
 from kimi_w31.adapter import launch
 from kimi_w31.adapter.launch import ServeError, check_stack, plan_serve, serve
+from kimi_w31.converter import contract
+from kimi_w31.converter.errors import Code
+from kimi_w31.converter.synth import SynthSpec, make_config
 
-BLOCK = {
-    "format_version": 1,
-    "fc1_layout": "w31",
-    "fc1_order": ["up", "gate"],
-    "activation": "situ",
-    "situ_beta": 4.0,
-    "situ_linear_beta": 25.0,
-    "weight_format": "mxfp4",
-    "group_size": 32,
-}
-TEXT = {
-    "hidden_act": "situ",
-    "activation_situ_beta": 4.0,
-    "activation_situ_linear_beta": 25.0,
-    "moe_intermediate_size": 3072,
-}
-QC = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+SOURCE = make_config(SynthSpec(k=3584, n=3072))
+QC = SOURCE["quantization_config"]
 
 
 def ckpt(tmp_path: Path, *, converted: bool = True, **text) -> Path:
-    cfg = {"text_config": {**TEXT, **text}, "quantization_config": QC}
-    if converted:
-        cfg["kimi_w31"] = BLOCK
-        cfg["quantization_config"] = {"quant_method": "kimi_w31", "base": QC}
+    cfg = contract.converted_config(SOURCE, contract.make_block(4.0, 25.0)) if converted \
+        else json.loads(json.dumps(SOURCE))
+    cfg["text_config"].update(text)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path
 
@@ -75,6 +62,13 @@ def test_aligned_moe_tp_is_accepted(tmp_path, tp, ep):
     plan_serve(ckpt(tmp_path), tp=tp, ep=ep)
 
 
+@pytest.mark.parametrize("extra", [["--tp-size", "5"], ["--tp-size=16"], ["--tp", "5"],
+                                   ["--tp-size", "32", "--ep-size", "2"]])
+def test_sglang_flags_after_the_dashes_are_checked_too(tmp_path, extra):
+    with pytest.raises(ServeError, match="multiple of 128"):
+        plan_serve(ckpt(tmp_path), extra, tp=8)
+
+
 def test_ep_must_divide_tp(tmp_path):
     with pytest.raises(ServeError, match="--ep must divide --tp"):
         plan_serve(ckpt(tmp_path), tp=8, ep=3)
@@ -88,7 +82,7 @@ def test_unconverted_needs_the_flag_and_sets_the_opt_in(tmp_path):
 
 
 def test_bad_block_is_refused_before_launch(tmp_path):
-    with pytest.raises(ServeError, match="situ_beta"):
+    with pytest.raises(ServeError, match=Code.BLOCK_MISMATCH.value):
         plan_serve(ckpt(tmp_path, activation_situ_beta=3.0))
 
 
@@ -97,7 +91,7 @@ def test_block_without_wrapped_quantization_is_refused(tmp_path):
     cfg = json.loads((root / "config.json").read_text())
     cfg["quantization_config"] = QC
     (root / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ServeError, match="not wrapped"):
+    with pytest.raises(ServeError, match=Code.NOT_WRAPPED.value):
         plan_serve(root)
 
 

@@ -1,111 +1,107 @@
-"""The `kimi_w31` config block: validation, cross-checks, unwrapping (no SGLang needed)."""
+"""The adapter's reading of the `kimi_w31` block: the contract's checks, raised as errors
+with their reason codes (no SGLang needed)."""
 
 from __future__ import annotations
 
 import copy
 import types
+from pathlib import Path
 
 import pytest
+from kimi_w31.adapter import launch
 from kimi_w31.adapter.layout import (
     OPT_IN_ENV,
     LayoutError,
     W31Layout,
-    check_against_model,
     find_block,
     load_layout,
     opt_in_unconverted,
-    parse_block,
     unwrap_quantization_config,
 )
+from kimi_w31.converter import contract
+from kimi_w31.converter.errors import Code
+from kimi_w31.converter.synth import SynthSpec, make_config
 
-BLOCK = {
-    "format_version": 1,
-    "fc1_layout": "w31",
-    "fc1_order": ["up", "gate"],
-    "activation": "situ",
-    "situ_beta": 4.0,
-    "situ_linear_beta": 25.0,
-    "weight_format": "mxfp4",
-    "group_size": 32,
-    "converter": "kimi-w31 0.1.0",  # extra fields are allowed
-}
-BASE_QC = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
-TEXT = {"hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0}
+SOURCE = make_config(SynthSpec())
+BLOCK = contract.make_block(4.0, 25.0, converter="kimi-w31 test")  # extra fields are allowed
 
 
-def converted(**text_overrides) -> dict:
-    return {
-        "kimi_w31": dict(BLOCK),
-        "quantization_config": {"quant_method": "kimi_w31", "base": dict(BASE_QC)},
-        "text_config": {**TEXT, **text_overrides},
-    }
+def converted_cfg(**text_overrides) -> dict:
+    config = contract.converted_config(SOURCE, BLOCK)
+    config["text_config"].update(text_overrides)
+    return config
 
 
-def test_valid_block_parses():
-    assert parse_block(BLOCK) == W31Layout(1, 4.0, 25.0, 32)
+def test_valid_block_loads():
+    assert load_layout(converted_cfg()) == W31Layout(1, 4.0, 25.0, 32)
+    assert load_layout(SOURCE) is None  # unconverted
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "fragment"),
+    ("key", "value", "code"),
     [
-        ("format_version", 2, "format_version"),
-        ("fc1_order", ["gate", "up"], "fc1_order"),
-        ("fc1_layout", "w13", "fc1_layout"),
-        ("activation", "swiglu", "activation"),
-        ("group_size", 16, "group_size"),
-        ("weight_format", "nvfp4", "weight_format"),
-        ("situ_beta", "4", "situ_beta"),
-        ("situ_linear_beta", -1.0, "situ_linear_beta"),
+        ("format_version", 2, Code.BLOCK_FIELD),
+        ("fc1_order", ["gate", "up"], Code.BLOCK_FIELD),
+        ("fc1_layout", "w13", Code.BLOCK_FIELD),
+        ("activation", "swiglu", Code.BLOCK_FIELD),
+        ("group_size", 16, Code.BLOCK_FIELD),
+        ("weight_format", "nvfp4", Code.BLOCK_FIELD),
+        ("situ_beta", "4", Code.BLOCK_FIELD),
+        ("situ_linear_beta", -1.0, Code.BLOCK_FIELD),
     ],
 )
-def test_each_bad_field_is_named(key, value, fragment):
-    with pytest.raises(LayoutError, match=fragment):
-        parse_block({**BLOCK, key: value})
+def test_each_bad_field_has_its_code(key, value, code):
+    config = converted_cfg()
+    config["kimi_w31"][key] = value
+    with pytest.raises(LayoutError) as err:
+        load_layout(config)
+    assert code.value in err.value.codes
 
 
 def test_every_problem_is_reported_at_once():
+    config = converted_cfg()
+    config["kimi_w31"].update(fc1_order=["gate", "up"], situ_beta=None)
     with pytest.raises(LayoutError) as err:
-        parse_block({**BLOCK, "fc1_order": ["gate", "up"], "situ_beta": None})
-    assert "fc1_order" in str(err.value) and "situ_beta" in str(err.value)
+        load_layout(config)
+    assert err.value.codes.count(Code.BLOCK_FIELD.value) == 2
 
 
 @pytest.mark.parametrize(
-    ("override", "fragment"),
-    [
-        ({"activation_situ_beta": 3.0}, "situ_beta"),
-        ({"activation_situ_linear_beta": 20.0}, "situ_linear_beta"),
-        ({"hidden_act": "silu"}, "hidden_act"),
-    ],
+    "override",
+    [{"activation_situ_beta": 3.0}, {"activation_situ_linear_beta": 20.0},
+     {"hidden_act": "silu"}],
 )
-def test_block_must_agree_with_the_model_config(override, fragment):
-    with pytest.raises(LayoutError, match=fragment) as err:
-        load_layout(converted(**override))
-    assert "convert it again" in str(err.value)
+def test_block_must_agree_with_the_model_config(override):
+    with pytest.raises(LayoutError) as err:
+        load_layout(converted_cfg(**override))
+    assert err.value.codes == (Code.BLOCK_MISMATCH.value,)
 
 
 def test_block_found_on_object_configs_top_level_and_text_config():
-    text = types.SimpleNamespace(**TEXT)
+    text = types.SimpleNamespace(**SOURCE["text_config"])
     top = types.SimpleNamespace(text_config=text, kimi_w31=dict(BLOCK))
     assert find_block(top) == BLOCK
-    nested = types.SimpleNamespace(text_config=types.SimpleNamespace(**TEXT, kimi_w31=BLOCK))
+    assert load_layout(top) == W31Layout(1, 4.0, 25.0, 32)
+    nested = types.SimpleNamespace(text_config=types.SimpleNamespace(**SOURCE["text_config"],
+                                                                     kimi_w31=BLOCK))
     assert find_block(nested) == BLOCK
     assert find_block(types.SimpleNamespace(text_config=text)) is None
-    check_against_model(parse_block(BLOCK), top)
 
 
 def test_unwrap_restores_the_original_everywhere_and_is_idempotent():
-    cfg = converted()
+    cfg = converted_cfg()
     cfg["text_config"]["quantization_config"] = copy.deepcopy(cfg["quantization_config"])
     assert unwrap_quantization_config(cfg) == 2
-    assert cfg["quantization_config"] == BASE_QC
-    assert cfg["text_config"]["quantization_config"] == BASE_QC
+    assert cfg["quantization_config"] == SOURCE["quantization_config"]
+    assert cfg["text_config"]["quantization_config"] == SOURCE["quantization_config"]
     assert unwrap_quantization_config(cfg) == 0
 
 
 def test_unwrap_on_transformers_like_objects():
-    obj = types.SimpleNamespace(quantization_config={"quant_method": "kimi_w31", "base": BASE_QC})
+    base = SOURCE["quantization_config"]
+    obj = types.SimpleNamespace(quantization_config={"quant_method": "kimi_w31", "base": base})
     assert unwrap_quantization_config(obj) == 1
-    assert obj.quantization_config == BASE_QC
+    assert obj.quantization_config == base
 
 
 @pytest.mark.parametrize(
@@ -113,12 +109,13 @@ def test_unwrap_on_transformers_like_objects():
     [
         {"quant_method": "kimi_w31"},
         {"quant_method": "kimi_w31", "base": {"format": "x"}},
-        {"quant_method": "kimi_w31", "base": {"quant_method": "kimi_w31", "base": BASE_QC}},
+        {"quant_method": "kimi_w31", "base": {"quant_method": "kimi_w31", "base": {}}},
     ],
 )
 def test_malformed_wrappers_are_refused(wrapper):
-    with pytest.raises(LayoutError, match="kimi_w31"):
+    with pytest.raises(LayoutError) as err:
         unwrap_quantization_config({"quantization_config": wrapper})
+    assert err.value.codes == (Code.NOT_WRAPPED.value,)
 
 
 @pytest.mark.parametrize(
@@ -129,5 +126,17 @@ def test_opt_in_values(value, expected):
 
 
 def test_opt_in_garbage_is_an_error():
-    with pytest.raises(LayoutError, match=OPT_IN_ENV):
+    with pytest.raises(LayoutError):
         opt_in_unconverted({OPT_IN_ENV: "please"})
+
+
+def test_a_converted_synthetic_checkpoint_passes_the_adapters_checks(converted: Path):
+    """synth -> convert -> the adapter's own checks (no SGLang): one contract for both."""
+    import json
+
+    config = json.loads((converted / "config.json").read_text())
+    assert load_layout(config) == W31Layout(1, 4.0, 25.0, 32)
+    assert unwrap_quantization_config(copy.deepcopy(config)) == 1
+    _, is_converted = launch.check_checkpoint(converted, unconverted=False, tp=1, ep=1,
+                                              backend="marlin")
+    assert is_converted

@@ -7,21 +7,27 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from cli_helpers import run_cli
-from kimi_w31.converter.config_rewrite import unwrap_config
-from kimi_w31.converter.synth import EXTRA_FILES
+from kimi_w31.converter.contract import unwrap_config
+from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec
 from safetensors import safe_open
-from safetensors.torch import load_file
+
+SPEC = SynthSpec()  # what the session fixtures synthesize (tests/conftest.py)
+FUSED = len(SPEC.moe_layers()) * SPEC.experts  # experts fused
 
 
 def _raw_tensors(root) -> dict[str, bytes]:
-    """Raw bytes per tensor through torch (handles bf16), as a loader would read them."""
+    """Raw bytes per tensor, read with nothing but the file format's definition (an 8-byte
+    length, a JSON header, the data), independent of the converter's own reader."""
     index = json.loads((root / "model.safetensors.index.json").read_text())
     raw = {}
     for shard in sorted(set(index["weight_map"].values())):
-        for name, t in load_file(str(root / shard)).items():
-            raw[name] = t.contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes()
+        data = (root / shard).read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        for name, entry in json.loads(data[8 : 8 + n]).items():
+            if name != "__metadata__":
+                begin, end = entry["data_offsets"]
+                raw[name] = data[8 + n + begin : 8 + n + end]
     return raw
 
 
@@ -37,7 +43,7 @@ def test_w31_is_up_then_gate_and_everything_else_identical(small_source, convert
                 fused += 1
         else:
             assert out[name] == data, name
-    assert fused == 3 * 8 * 2  # layers x experts x (packed, scale)
+    assert fused == FUSED * 2  # experts x (packed, scale)
     assert set(out) == {n for n in src if not (".experts." in n and (".w1." in n or ".w3." in n)
                         and "shared" not in n)} | {n.replace(".w3.", ".w31.") for n in src
                         if ".experts." in n and ".w3." in n and "shared" not in n}  # fmt: skip
@@ -55,7 +61,7 @@ def test_w31_shapes_and_dtypes(converted):
                 )  # [2N, K/2], [2N, K/32]
                 assert s.get_shape() == want
                 count += 1
-    assert count == 3 * 8 * 2
+    assert count == FUSED * 2
 
 
 def test_index_covers_every_tensor_once_with_right_total_size(converted):
@@ -80,9 +86,10 @@ def test_config_changed_exactly_as_the_contract_says(small_source, converted):
     src = json.loads((small_source / "config.json").read_text())
     out = json.loads((converted / "config.json").read_text())
     block = out["kimi_w31"]
+    # The contract's eight fields, spelled out here rather than taken from the code under test.
     for key, want in {"format_version": 1, "fc1_layout": "w31", "fc1_order": ["up", "gate"],
                       "activation": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0,
-                      "weight_format": "mxfp4", "group_size": 32}.items():  # fmt: skip
+                      "weight_format": "mxfp4", "group_size": 32}.items():
         assert block[key] == want, key
     assert out["quantization_config"] == {
         "quant_method": "kimi_w31",
@@ -110,10 +117,10 @@ def test_output_shards_respect_max_size_and_hf_names(converted):
 
 
 def test_single_file_source(tmp_path, small_source):
-    from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
+    from kimi_w31.converter.synth import synth_checkpoint
 
     src = tmp_path / "single"
-    synth_checkpoint(src, SynthSpec(layers=1, experts=4, shards=1))
+    synth_checkpoint(src, SynthSpec(layers=2, experts=4, shards=1))
     # turn it into a plain model.safetensors repo (no index)
     (src / "model-00001-of-00001.safetensors").rename(src / "model.safetensors")
     (src / "model.safetensors.index.json").unlink()
@@ -127,7 +134,9 @@ def test_dry_run_writes_nothing(small_source, tmp_path):
                    "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
-    assert summary["output_bytes"] > 0 and summary["experts_fused"] == 24
+    assert summary["output_bytes"] > 0 and summary["experts_fused"] == FUSED
+    assert summary["source"] == str(small_source.resolve())  # JSON paths are absolute
+    assert summary["output"] == str((tmp_path / "out").resolve())
     assert not (tmp_path / "out").exists()
 
 
@@ -147,8 +156,9 @@ def test_repo_id_from_local_hf_cache(small_source, tmp_path, monkeypatch):
     proc = run_cli("org/tiny-k3", tmp_path / "out", "--manifest", "kimi-k3-any", "-q", env=env)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
-    missing = run_cli("org/not-there", tmp_path / "o2", env=env)
-    assert missing.returncode == 1 and "local Hugging Face cache" in missing.stderr
+    missing = run_cli("org/not-there", tmp_path / "o2", "--json", env=env)
+    assert missing.returncode == 1
+    assert json.loads(missing.stdout)["problems"][0]["code"] == "source-not-in-cache"
 
 
 @pytest.mark.parametrize("workers", [1, 3])

@@ -1,34 +1,49 @@
-"""Resume: an interrupted run, rerun, gives byte-identical output; corrupt shards are redone.
+"""Resume and rerun: "complete" is proven, never remembered.
 
-These interrupt the converter in-process at chosen points; the SIGKILL-at-any-moment harness
-with many kill points lives in the fault suite.
+An interrupted run, rerun, gives a byte-identical output; finished shards are kept only
+once proven (file, size, header, source identity; data with --rehash); a rerun on a
+finished output proves it again and repairs what fails. These stop the converter
+in-process at chosen points; the SIGKILL-at-any-moment harness lives in the fault suite.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 from cli_helpers import run_cli
-from kimi_w31.converter import convert as convert_mod
-from kimi_w31.converter import execute
-from kimi_w31.converter.convert import ConvertOptions, convert
+from kimi_w31.converter.execute import shard as shard_mod
+from kimi_w31.converter.outdir import OutputDir
+from kimi_w31.converter.pipeline import ConvertOptions, convert
 
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000", "--workers", "1"]
+INDEX = "model.safetensors.index.json"
 
 
-def _opts(src, out):
-    return ConvertOptions(str(src), out, manifest="kimi-k3-any", max_shard_size=600_000, workers=1)
+def _opts(src, out, **kw):
+    return ConvertOptions(str(src), out, manifest="kimi-k3-any", max_shard_size=600_000, **kw)
 
 
 def _files(root):
     return {p.name: p.read_bytes() for p in root.iterdir() if p.is_file()}
 
 
+def _rerun(src, out, *extra) -> dict:
+    result = run_cli(src, out, *ARGS, "--json", *extra)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _shards(out) -> list:
+    return sorted(out.glob("model-*.safetensors"))
+
+
 def test_interrupt_midway_then_resume_is_byte_identical(small_source, converted, tmp_path,
-                                                        monkeypatch):  # fmt: skip
+                                                        monkeypatch):
     out = tmp_path / "out"
-    real = execute.write_shard
+    real = shard_mod.write_shard
     calls = {"n": 0}
 
     def interrupted_after_two(*args, **kwargs):
@@ -37,45 +52,157 @@ def test_interrupt_midway_then_resume_is_byte_identical(small_source, converted,
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(execute, "write_shard", interrupted_after_two)
+    monkeypatch.setattr(shard_mod, "write_shard", interrupted_after_two)
     with pytest.raises(KeyboardInterrupt):
         convert(_opts(small_source, out))
     monkeypatch.undo()
-    assert not (out / "model.safetensors.index.json").exists()  # interrupted never looks done
-    assert len(list(out.glob("*.safetensors"))) == 2
+    assert not (out / INDEX).exists()  # interrupted never looks done
+    kept = _shards(out)
+    assert len(kept) == 2
 
-    result = run_cli(small_source, out, *ARGS, "--json")
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
-    assert summary["shards_reused"] == 2 and summary["shards_written"] == 4
+    summary = _rerun(small_source, out)
+    total = len(_shards(converted))
+    assert (summary["mode"], summary["shards_kept"], summary["shards_written"]) == (
+        "resume", 2, total - 2)
+    # Honest figures: what this run wrote, what it kept, and a speed of this run's bytes only.
+    assert summary["bytes_kept"] == sum(p.stat().st_size for p in kept)
+    assert summary["bytes_written"] == summary["output_bytes"] - summary["bytes_kept"]
+    assert summary["throughput_mb_s"] == pytest.approx(
+        summary["bytes_written"] / summary["seconds"] / 1e6, rel=0.05, abs=0.2)
     assert _files(out) == _files(converted)
 
 
-def test_corrupted_finished_shard_is_detected_and_redone(small_source, converted, tmp_path,
-                                                         monkeypatch):  # fmt: skip
+def _interrupted_before_finalize(src, out, monkeypatch):
+    def crash(self, files):
+        raise KeyboardInterrupt  # as if killed right before the final files
+
+    monkeypatch.setattr(OutputDir, "finalize", crash)
+    with pytest.raises(KeyboardInterrupt):
+        convert(_opts(src, out))
+    monkeypatch.undo()
+
+
+def test_a_deleted_finished_shard_is_redone(small_source, converted, tmp_path, monkeypatch):
     out = tmp_path / "out"
-
-    def crash(*args, **kwargs):
-        raise KeyboardInterrupt  # as if killed right before the index was written
-
-    monkeypatch.setattr(convert_mod, "_finalize", crash)
-    with pytest.raises(KeyboardInterrupt):
-        convert(_opts(small_source, out))
-    monkeypatch.undo()
-    shard = out / "model-00002-of-00006.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-10] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    (out / "model-00004-of-00006.safetensors").unlink()
-
-    result = run_cli(small_source, out, *ARGS, "--json")
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
-    assert summary["shards_written"] == 2 and summary["shards_reused"] == 4
+    _interrupted_before_finalize(small_source, out, monkeypatch)
+    victim = _shards(out)[1]
+    victim.unlink()
+    summary = _rerun(small_source, out)
+    assert list(summary["redone"]) == [victim.name]
     assert _files(out) == _files(converted)
 
 
-def test_rerun_on_complete_output_is_a_no_op(small_source, converted):
-    result = run_cli(small_source, converted, *ARGS, "--json")
-    assert result.returncode == 0
-    assert json.loads(result.stdout)["already_complete"] is True
+def test_corrupt_data_is_found_with_rehash(small_source, converted, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _interrupted_before_finalize(small_source, out, monkeypatch)
+    victim = _shards(out)[1]
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    dry = json.loads(run_cli(small_source, out, *ARGS, "--json", "--dry-run", "--rehash").stdout)
+    assert dry["would_write"] == [victim.name]  # the dry run proves the same way
+    summary = _rerun(small_source, out, "--rehash")
+    assert list(summary["redone"]) == [victim.name]
+    assert _files(out) == _files(converted)
+
+
+def test_rerun_on_complete_output_proves_it_and_changes_nothing(small_source, converted):
+    before = {p.name: p.stat().st_mtime_ns for p in converted.iterdir()}
+    summary = _rerun(small_source, converted)
+    assert summary["already_complete"] is True and summary["mode"] == "recheck"
+    assert summary["bytes_written"] == 0 and summary["files_rewritten"] == 0
+    assert {p.name: p.stat().st_mtime_ns for p in converted.iterdir()} == before
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_rerun_repairs_a_complete_output_missing_a_shard(small_source, converted, output_copy,
+                                                         force):
+    victim = _shards(output_copy)[2]
+    victim.unlink()
+    summary = _rerun(small_source, output_copy, *force)
+    assert summary["already_complete"] is False
+    assert victim.name in summary["redone"] or summary["shards_written"] == len(
+        _shards(converted))
+    assert _files(output_copy) == _files(converted)
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_rerun_repairs_a_complete_output_missing_other_files(small_source, converted,
+                                                             output_copy, force):
+    (output_copy / "tokenizer.json").unlink()
+    (output_copy / "config.json").write_text("{}")
+    summary = _rerun(small_source, output_copy, *force)
+    assert summary["already_complete"] is False and summary["files_rewritten"] >= 2
+    assert _files(output_copy) == _files(converted)
+
+
+def _rewrite_in_place_keeping_mtime(path, flip_at: int) -> None:
+    """Change data bytes (not the header) through the same inode, then put the mtime back."""
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.seek(flip_at)
+        byte = fh.read(1)
+        fh.seek(flip_at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_ino == st.st_ino and os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def test_source_rewritten_in_place_under_a_complete_output(source_copy, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(source_copy, out, *ARGS, "-q").returncode == 0
+    victim = sorted(source_copy.glob("*.safetensors"))[0]
+    _rewrite_in_place_keeping_mtime(victim, victim.stat().st_size - 5)
+    summary = _rerun(source_copy, out)
+    assert summary["already_complete"] is False and summary["shards_written"] >= 1
+    fresh = tmp_path / "fresh"
+    assert run_cli(source_copy, fresh, *ARGS, "-q").returncode == 0
+    assert _files(out) == _files(fresh)  # no old bytes mixed with new
+
+
+def test_source_rewritten_in_place_between_interrupt_and_resume(source_copy, tmp_path,
+                                                                monkeypatch):
+    out = tmp_path / "out"
+    _interrupted_before_finalize(source_copy, out, monkeypatch)
+    victim = sorted(source_copy.glob("*.safetensors"))[0]
+    _rewrite_in_place_keeping_mtime(victim, victim.stat().st_size - 5)
+    summary = _rerun(source_copy, out)
+    assert summary["mode"] == "resume" and summary["redone"]
+    assert all("source" in why for why in summary["redone"].values())
+    fresh = tmp_path / "fresh"
+    assert run_cli(source_copy, fresh, *ARGS, "-q").returncode == 0
+    assert _files(out) == _files(fresh)
+
+
+def test_dry_run_on_a_half_finished_output_says_what_would_be_kept(small_source, tmp_path,
+                                                                   monkeypatch):
+    out = tmp_path / "out"
+    _interrupted_before_finalize(small_source, out, monkeypatch)
+    shards = _shards(out)
+    shards[0].unlink()
+    before = {p.name for p in out.rglob("*")}
+    dry = json.loads(run_cli(small_source, out, *ARGS, "--json", "--dry-run").stdout)
+    assert dry["would_write"] == [shards[0].name]
+    assert sorted(dry["would_keep"]) == sorted(p.name for p in shards[1:])
+    assert {p.name for p in out.rglob("*")} == before  # nothing written
+
+
+def test_state_folder_removed_mid_run_gives_a_true_message(small_source, tmp_path,
+                                                           monkeypatch):
+    out = tmp_path / "out"
+    real = shard_mod.write_shard
+    calls = {"n": 0}
+
+    def lose_state(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            shutil.rmtree(out / ".kimi_w31")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shard_mod, "write_shard", lose_state)
+    from kimi_w31.converter.errors import Code, Fatal
+
+    with pytest.raises(Fatal) as exc:
+        convert(_opts(small_source, out))
+    assert exc.value.codes == [Code.STATE_LOST]
+    assert "rerun the same command" not in exc.value.hint
