@@ -118,10 +118,12 @@ class OutputLock:
         return owner if isinstance(owner, dict) else None
 
     def release(self) -> None:
+        """Let go of a lock we hold (a no-op otherwise: never remove another run's lock)."""
+        if self._fd is None:
+            return
         # Unlink while still holding the flock, then let go: a waiter that opened the old
         # file sees it is no longer the lock (`_is_current`) and starts over.
         self.path.unlink(missing_ok=True)
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd = None

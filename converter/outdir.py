@@ -153,6 +153,7 @@ class OutputDir:
         self._created: list[Path] = []
         self._writing = False
         self._write_lock = threading.Lock()
+        self.warnings: list[str] = []
 
     # -- reading, no lock needed ---------------------------------------------------------
     def is_complete_looking(self) -> bool:
@@ -188,22 +189,20 @@ class OutputDir:
         self._make_dir(self.root)
         self._make_dir(self.state)
         self._lock = OutputLock(self.state / _LOCK)
-        try:
-            self._lock.acquire()
-            faults.fault_point("lock.acquired")
-            mode, records = self.previous_records(fingerprint)
-            if mode is Mode.FRESH:
-                self._make_room(force)
-            self.ledger = Ledger(self.state / _LEDGER, fingerprint)
-            if mode is Mode.RESUME:
-                self.ledger.load()
-            else:
-                self.ledger.start(records.values())
-            shutil.rmtree(self.tmp, ignore_errors=True)  # temporaries of a crashed run
-            self.tmp.mkdir(mode=0o755)
-        except BaseException:
-            self.abandon()
-            raise
+        self._lock.acquire()  # on any failure from here the caller calls `abandon`
+        if self._lock.warning:
+            self.warnings.append(self._lock.warning)
+        faults.fault_point("lock.acquired")
+        mode, records = self.previous_records(fingerprint)
+        if mode is Mode.FRESH:
+            self._make_room(force)
+        self.ledger = Ledger(self.state / _LEDGER, fingerprint)
+        if mode is Mode.RESUME:
+            self.ledger.load()
+        else:
+            self.ledger.start(records.values())
+        shutil.rmtree(self.tmp, ignore_errors=True)  # temporaries of a crashed run
+        self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
         return mode
 
@@ -227,7 +226,6 @@ class OutputDir:
                            "say it wrote, unchanged since; these are not: " + shown + more,
                            file=str(self.root), hint="move them out or choose another "
                            "output directory; nothing was deleted")
-            self.index.unlink(missing_ok=True)  # first: it marks an output complete
             self._remove_ours(entries)
         for path in self.state.iterdir():  # another plan's ledger and temporaries
             if path.name != _LOCK:
@@ -269,11 +267,23 @@ class OutputDir:
         return foreign
 
     def _remove_ours(self, entries: list[Path]) -> None:
-        for entry in entries:
+        """Remove files proven ours: the index first (it marks an output complete), the
+        checksums file last (it is the record); the journal keeps the record meanwhile."""
+        recorded = self._recorded()
+        files = self._all_files(entries)
+        with open(self.state / _JOURNAL, "a", encoding="utf-8") as fh:
+            for path in files:
+                rel = str(path.relative_to(self.root))
+                fh.write(json.dumps({"file": rel, "size": recorded[rel][0]}) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        last = {self.index: 0, self.checksums: 2}
+        for path in sorted(files, key=lambda p: last.get(p, 1)):
+            path.unlink(missing_ok=True)
+        for entry in entries:  # folders that held only our files
             if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)  # proven to hold only our files
-            else:
-                entry.unlink()
+                shutil.rmtree(entry)
+        fsync_dir(self.root)
 
     def _make_dir(self, path: Path) -> None:
         """mkdir -p, 0755 whatever the umask (others must read it); remember what we made."""

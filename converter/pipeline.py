@@ -224,6 +224,9 @@ def preview(out: OutputDir, plan: Plan, sources: SourceFiles, rehash: bool) -> P
 def _run(opts: ConvertOptions, out: OutputDir, plan: Plan, sources: SourceFiles,
          final: list[FinalFile], reporter: Reporter, result: ConvertResult) -> None:
     result.mode = out.claim(plan.fingerprint, opts.force)
+    for warning in out.warnings:
+        result.warnings.append(warning)
+        reporter.warn(warning)
     ledger = out.ledger
     assert ledger is not None
     out.check_free_space(sum(s.file_size for s in plan.shards if s.name not in ledger.done))

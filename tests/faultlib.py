@@ -4,8 +4,9 @@ Every scenario here runs the real converter (in-process through click's runner f
 validation, in a subprocess wherever a process must die or hit a resource limit) and
 classifies each case by what a user would see:
 
-- `clean error`: exit 1 (or 2 for usage), an `error:` message naming the file, no
-  traceback, no index in the output, nothing written outside the output directory;
+- `clean error`: exit 1 (or 2 for usage), the expected reason code in `--json` with the
+  file named, no traceback, no index in the output, nothing written outside the output
+  directory;
 - `resumed identical`: after the fault, rerunning the same command produced an output
   byte-identical to an uninterrupted run;
 - `correct`: a case that must simply work (a Hub cache source, permissions, --force);
@@ -32,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from click.testing import CliRunner
-from kimi_w31.converter.cli import main as cli_main
-from kimi_w31.converter.convert import ConvertOptions, prepare
+from kimi_w31.cli import main as cli_main
+from kimi_w31.converter.errors import Code
+from kimi_w31.converter.pipeline import ConvertOptions, prepare
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 CLEAN = "clean error"
@@ -98,7 +100,7 @@ def tree_diff(a: dict[str, str], b: dict[str, str]) -> str:
 
 
 def cli_cmd() -> list[str]:
-    return [sys.executable, "-c", "from kimi_w31.converter.cli import main; main()"]
+    return [sys.executable, "-m", "kimi_w31"]
 
 
 def run_cli(args: list[str], env: dict[str, str] | None = None,
@@ -118,10 +120,28 @@ def convert_args(src: Path, out: Path, *extra: str) -> list[str]:
 
 
 def run_inprocess(args: list[str]) -> tuple[int, str, BaseException | None]:
-    """The CLI in this process (fast, for validation cases); (exit code, text, exception)."""
+    """The CLI in this process (fast, for validation cases); (exit code, stdout, exception)."""
     result = CliRunner().invoke(cli_main, [str(a) for a in args], env={"COLUMNS": "200"})
     exc = result.exception if not isinstance(result.exception, SystemExit) else None
-    return result.exit_code, result.output, exc
+    return result.exit_code, result.stdout, exc
+
+
+def json_problems(text: str) -> list[dict]:
+    """The problems a `--json` run reported (empty if it printed no JSON report)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(doc, dict):
+        return []
+    found = list(doc.get("problems") or [])
+    for check in doc.get("checks") or []:  # verify's report
+        found += check.get("problems") or []
+    return found
+
+
+def codes(text: str) -> set[str]:
+    return {p.get("code") for p in json_problems(text)}
 
 
 def looks_like_crash(text: str) -> bool:
@@ -131,8 +151,8 @@ def looks_like_crash(text: str) -> bool:
 
 def classify_error(code: int, text: str, exc: BaseException | None, out: Path,
                    outside_before: dict[str, str], outside_after: dict[str, str],
-                   must_mention: str | None = None) -> tuple[str, str]:  # fmt: skip
-    """A case that must be refused: is it a clean error?"""
+                   want: Code | None = None, must_name: str | None = None) -> tuple[str, str]:
+    """A case that must be refused (run with --json): is it a clean error with its code?"""
     flat = " ".join(text.split())
     if exc is not None or looks_like_crash(text):
         return CRASH, f"{type(exc).__name__ if exc else 'traceback'}: {flat[-300:]}"
@@ -144,11 +164,15 @@ def classify_error(code: int, text: str, exc: BaseException | None, out: Path,
         return WRONG, "wrote outside the output directory: " + tree_diff(
             outside_before, outside_after
         )
-    if code not in (1, 2) or "error:" not in text:
-        return CRASH, f"exit {code} without an error message: {flat[-300:]}"
-    if must_mention and must_mention not in flat:
-        return CRASH, f"message does not name {must_mention!r}: {flat[-300:]}"
-    return CLEAN, flat[flat.find("error:") :][:160]
+    problems = json_problems(text)
+    if code not in (1, 2) or not problems:
+        return CRASH, f"exit {code} without a reported problem: {flat[-300:]}"
+    if want is not None and want.value not in {p.get("code") for p in problems}:
+        return CRASH, f"reason {want.value} not reported: {flat[-300:]}"
+    if must_name and not any(must_name in (p.get("file") or "") for p in problems):
+        return CRASH, f"no problem names {must_name!r}: {flat[-300:]}"
+    first = next(p for p in problems if want is None or p.get("code") == want.value)
+    return CLEAN, f"[{first.get('code')}] {first.get('what', '')}"[:160]
 
 
 # -------------------------------------------------------------- hostile safetensors files
@@ -256,47 +280,55 @@ def _random_bytes(_: bytes) -> bytes:
     return random.Random(7).randbytes(4096)
 
 
-HEADER_CASES: dict[str, Callable[[Path], None]] = {
-    "random bytes": _raw(_random_bytes),
-    "file shorter than 8 bytes": _raw(lambda b: b[:5]),
-    "truncated inside the header": _raw(lambda b: b[:200]),
-    "truncated inside the data": _raw(lambda b: b[: len(b) - 1000]),
-    "header length 0": _raw(lambda b: struct.pack("<Q", 0) + b[8:]),
-    "header length larger than the file": _raw(lambda b: struct.pack("<Q", len(b)) + b[8:]),
-    "header length over 100 MB": _raw(lambda b: struct.pack("<Q", 200_000_000) + b[8:]),
-    "non-UTF-8 header": _raw(lambda b: b[:8] + b"{\xff\xfe" + b[11:]),
-    "invalid JSON": _raw(lambda b: b[:8] + b"{{" + b[10:]),
-    "header is a JSON array": _edit(lambda h, d: ("[" + " " * (len(json.dumps(h)) - 2) + "]", d)),
-    "duplicate tensor key": _edit(_dup_key),
-    "duplicate key inside an entry": _edit(_dup_inner_key),
-    "unknown dtype": _entry(_set("dtype", "Q7")),
-    "shape disagrees with offsets": _entry(lambda h, n: h[n[1]].update(shape=[3, 5])),
-    "negative dimension": _entry(_set("shape", [-1, 8])),
-    "overlapping offsets": _entry(_overlap),
-    "out-of-order offsets (end < begin)": _entry(
-        lambda h, n: h[n[1]].update(data_offsets=h[n[1]]["data_offsets"][::-1])
-    ),
-    "negative offsets": _entry(lambda h, n: h[n[0]].update(data_offsets=[-8, 0])),
-    "non-integer offsets (float)": _entry(
-        lambda h, n: h[n[1]].update(data_offsets=[float(x) for x in h[n[1]]["data_offsets"]])
-    ),
-    "non-integer offsets (string)": _entry(
-        lambda h, n: h[n[1]].update(data_offsets=[str(x) for x in h[n[1]]["data_offsets"]])
-    ),
-    "boolean offsets": _entry(_set("data_offsets", [False, True])),
-    "out-of-range offsets": _entry(
-        lambda h, n: h[n[-1]].update(data_offsets=[h[n[-1]]["data_offsets"][0], 1 << 40])
-    ),
-    "gap between tensors": _edit(_gap),
-    "trailing bytes": _raw(lambda b: b + b"\0" * 16),
-    "__metadata__ with a non-string value": _meta({"format": "pt", "step": 3}),
-    "__metadata__ not an object": _meta(["pt"]),
-    "entry with an extra key": _entry(_set("extra", 1)),
-    "integer beyond Python's digit limit": _edit(_huge_int),
-    "deeply nested JSON": _raw(
-        lambda b: shard_bytes('{"x":' + "[" * 100_000 + "]" * 100_000 + "}", b"")
-    ),
-    "tensor the index does not list": _edit(_extra_tensor),
+C = Code
+# Each hostile shard, and the one reason it must be refused for (the file is always named).
+HEADER_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
+    "random bytes": (_raw(_random_bytes), C.HEADER_TOO_LARGE),
+    "file shorter than 8 bytes": (_raw(lambda b: b[:5]), C.HEADER_TOO_SMALL),
+    "truncated inside the header": (_raw(lambda b: b[:200]), C.HEADER_BEYOND_FILE),
+    "truncated inside the data": (_raw(lambda b: b[: len(b) - 1000]), C.FILE_TRUNCATED),
+    "header length 0": (_raw(lambda b: struct.pack("<Q", 0) + b[8:]), C.HEADER_LENGTH_ZERO),
+    "header length larger than the file": (
+        _raw(lambda b: struct.pack("<Q", len(b)) + b[8:]), C.HEADER_BEYOND_FILE),
+    "header length over 100 MB": (
+        _raw(lambda b: struct.pack("<Q", 200_000_000) + b[8:]), C.HEADER_TOO_LARGE),
+    "non-UTF-8 header": (_raw(lambda b: b[:8] + b"{\xff\xfe" + b[11:]), C.HEADER_NOT_UTF8),
+    "invalid JSON": (_raw(lambda b: b[:8] + b"{{" + b[10:]), C.HEADER_NOT_JSON),
+    "header is a JSON array": (
+        _edit(lambda h, d: ("[" + " " * (len(json.dumps(h)) - 2) + "]", d)), C.HEADER_NOT_JSON),
+    "duplicate tensor key": (_edit(_dup_key), C.HEADER_DUPLICATE_KEY),
+    "duplicate key inside an entry": (_edit(_dup_inner_key), C.HEADER_DUPLICATE_KEY),
+    "unknown dtype": (_entry(_set("dtype", "Q7")), C.HEADER_DTYPE),
+    "shape disagrees with offsets": (
+        _entry(lambda h, n: h[n[1]].update(shape=[3, 5])), C.HEADER_SIZE_MISMATCH),
+    "negative dimension": (_entry(_set("shape", [-1, 8])), C.HEADER_SHAPE),
+    "overlapping offsets": (_entry(_overlap), C.HEADER_OVERLAP),
+    "out-of-order offsets (end < begin)": (_entry(
+        lambda h, n: h[n[1]].update(data_offsets=h[n[1]]["data_offsets"][::-1])),
+        C.HEADER_OFFSETS),
+    "negative offsets": (_entry(lambda h, n: h[n[0]].update(data_offsets=[-8, 0])),
+                         C.HEADER_OFFSETS),
+    "non-integer offsets (float)": (_entry(
+        lambda h, n: h[n[1]].update(data_offsets=[float(x) for x in h[n[1]]["data_offsets"]])),
+        C.HEADER_OFFSETS),
+    "non-integer offsets (string)": (_entry(
+        lambda h, n: h[n[1]].update(data_offsets=[str(x) for x in h[n[1]]["data_offsets"]])),
+        C.HEADER_OFFSETS),
+    "boolean offsets": (_entry(_set("data_offsets", [False, True])), C.HEADER_OFFSETS),
+    "out-of-range offsets": (_entry(
+        lambda h, n: h[n[-1]].update(data_offsets=[h[n[-1]]["data_offsets"][0], 1 << 40])),
+        C.HEADER_SIZE_MISMATCH),
+    "gap between tensors": (_edit(_gap), C.HEADER_GAP),
+    "trailing bytes": (_raw(lambda b: b + b"\0" * 16), C.FILE_TRAILING_BYTES),
+    "__metadata__ with a non-string value": (_meta({"format": "pt", "step": 3}),
+                                             C.HEADER_METADATA),
+    "__metadata__ not an object": (_meta(["pt"]), C.HEADER_METADATA),
+    "entry with an extra key": (_entry(_set("extra", 1)), C.HEADER_ENTRY),
+    "integer beyond Python's digit limit": (_edit(_huge_int), C.HEADER_NOT_JSON),
+    "deeply nested JSON": (_raw(
+        lambda b: shard_bytes('{"x":' + "[" * 100_000 + "]" * 100_000 + "}", b"")),
+        C.HEADER_NOT_JSON),
+    "tensor the index does not list": (_edit(_extra_tensor), C.INDEX_TENSOR_MISSING),
 }
 
 
@@ -385,28 +417,37 @@ def _config_edit(fn: Callable[[dict], None]):
     return mutate
 
 
-INDEX_CASES: dict[str, Callable[[Path], None]] = {
-    "weight_map entry absolute": _index_edit(_map_all("/etc/passwd.safetensors")),
-    "weight_map entry with ..": _index_edit(_map_all("../outside/" + VICTIM)),
-    "weight_map entry not .safetensors": _index_edit(_map_all("config.json")),
-    "weight_map entry not a string": _index_edit(_map_first(17)),
-    "weight_map entry empty": _index_edit(_map_first("")),
-    "weight_map entry with a NUL byte": _index_edit(_map_first("a\x00.safetensors")),
-    "shard symlink escaping the source": _symlink_shard_outside,
-    "extra file symlink escaping the source": _symlink_extra_outside,
-    "shard named in the index missing": lambda src: (src / VICTIM).unlink(),
-    "shard is a directory": _shard_is_dir,
-    "shard is a FIFO": _shard_is_fifo,
-    "tensor in a different shard than the index says": _index_edit(_move_tensor),
-    "tensor missing from the index": _index_edit(_drop_tensor),
-    "index names a tensor the shard lacks": _index_edit(_phantom_tensor),
-    "weight_map not an object": _index_edit(lambda i: i.update(weight_map=["a"])),
-    "index not JSON": _write(INDEX, "{not json"),
-    "index not UTF-8": _write(INDEX, b'{"weight_map": "\xff"}'),
-    "index with a 5000-digit number": _write(INDEX, '{"weight_map": {"a": ' + "9" * 5000 + "}}"),
-    "config not JSON": _write("config.json", "]"),
-    "config deeply nested": _write("config.json", "[" * 100_000 + "]" * 100_000),
-    "config not an object": _write("config.json", "[]"),
+INDEX_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
+    "weight_map entry absolute": (_index_edit(_map_all("/etc/passwd.safetensors")),
+                                  C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "weight_map entry with ..": (_index_edit(_map_all("../outside/" + VICTIM)),
+                                 C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "weight_map entry not .safetensors": (_index_edit(_map_all("config.json")),
+                                          C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "weight_map entry not a string": (_index_edit(_map_first(17)), C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "weight_map entry empty": (_index_edit(_map_first("")), C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "weight_map entry with a NUL byte": (_index_edit(_map_first("a\x00.safetensors")),
+                                         C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "shard symlink escaping the source": (_symlink_shard_outside, C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "extra file symlink escaping the source": (_symlink_extra_outside, C.LINK_ESCAPES),
+    "shard named in the index missing": (lambda src: (src / VICTIM).unlink(), C.SHARD_MISSING),
+    "shard is a directory": (_shard_is_dir, C.NOT_A_REGULAR_FILE),
+    "shard is a FIFO": (_shard_is_fifo, C.NOT_A_REGULAR_FILE),
+    "tensor in a different shard than the index says": (_index_edit(_move_tensor),
+                                                         C.INDEX_WRONG_SHARD),
+    "tensor missing from the index": (_index_edit(_drop_tensor), C.INDEX_TENSOR_MISSING),
+    "index names a tensor the shard lacks": (_index_edit(_phantom_tensor),
+                                             C.INDEX_TENSOR_NOT_IN_SHARD),
+    "weight_map not an object": (_index_edit(lambda i: i.update(weight_map=["a"])),
+                                 C.INDEX_INVALID),
+    "index not JSON": (_write(INDEX, "{not json"), C.JSON_INVALID),
+    "index not UTF-8": (_write(INDEX, b'{"weight_map": "\xff"}'), C.JSON_INVALID),
+    "index with a 5000-digit number": (
+        _write(INDEX, '{"weight_map": {"a": ' + "9" * 5000 + "}}"), C.JSON_INVALID),
+    "config not JSON": (_write("config.json", "]"), C.JSON_INVALID),
+    "config deeply nested": (_write("config.json", "[" * 100_000 + "]" * 100_000),
+                             C.JSON_INVALID),
+    "config not an object": (_write("config.json", "[]"), C.JSON_INVALID),
 }
 
 
@@ -454,53 +495,93 @@ def _rename_index(old_part: str, new_part: str) -> Callable[[Path], None]:
     return mutate
 
 
+def _chain(*fns: Callable[[Path], None]) -> Callable[[Path], None]:
+    def mutate(src: Path) -> None:
+        for fn in fns:
+            fn(src)
+
+    return mutate
+
+
 def _drop_partner(src: Path) -> None:
     """Rename one w3 to a non-expert name: its w1 then has no partner."""
     _rename_index(".mlp.experts.1.w3.weight_packed", ".mlp.experts.1.w9.weight_packed")(src)
 
 
-PLAN_CASES: dict[str, Callable[[Path], None]] = {
-    "wrong expert shape": _expert(".experts.3.w1.weight_packed", _reshape),
-    "wrong expert dtype": _expert(".experts.3.w2.weight_scale", _retype),
-    "w3 partner missing": _drop_partner,
-    "expert id beyond num_experts": _rename_index(".experts.7.", ".experts.9."),
-    "a layer misses an expert": _rename_index("layers.1.mlp.experts.5.", "layers.1.mlp.xperts.5."),
-    "no quantization_config": _config_edit(lambda c: c.pop("quantization_config")),
-    "SiTU beta disagrees with the manifest": _config_edit(
-        lambda c: c["text_config"].update(activation_situ_beta=5.0)
-    ),
+def _wrap_quantization(config: dict) -> None:
+    config["quantization_config"] = {"quant_method": "kimi_w31",
+                                     "base": config["quantization_config"]}
+
+
+PLAN_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
+    "wrong expert shape": (_expert(".experts.3.w1.weight_packed", _reshape), C.EXPERT_SHAPE),
+    "wrong expert dtype": (_expert(".experts.3.w2.weight_scale", _retype), C.EXPERT_DTYPE),
+    "w3 partner missing": (_drop_partner, C.EXPERT_PARTNER_MISSING),
+    "expert id beyond num_experts": (_rename_index(".experts.7.", ".experts.9."),
+                                     C.EXPERT_ID_RANGE),
+    "a layer misses an expert": (
+        _rename_index("layers.1.mlp.experts.5.", "layers.1.mlp.xperts.5."), C.LAYER_INCOMPLETE),
+    "no quantization_config": (_config_edit(lambda c: c.pop("quantization_config")),
+                               C.NO_QUANTIZATION_CONFIG),
+    "SiTU beta disagrees with the manifest": (_config_edit(
+        lambda c: c["text_config"].update(activation_situ_beta=5.0)), C.SITU_MISMATCH),
+    # -- missing structure: the MoE-layer rule over num_hidden_layers
+    "a whole MoE layer without experts (index and headers agree)": (
+        _rename_index("layers.2.mlp.experts.", "layers.2.mlp.xperts."), C.LAYER_MISSING),
+    "experts under a layer beyond num_hidden_layers": (
+        _rename_index("layers.2.mlp.experts.", "layers.7.mlp.experts."), C.LAYER_UNEXPECTED),
+    "experts in a dense layer (first_k_dense_replace)": (_config_edit(
+        lambda c: c["text_config"].update(first_k_dense_replace=2)), C.LAYER_UNEXPECTED),
+    "experts off the moe_layer_freq cadence": (_config_edit(
+        lambda c: c["text_config"].update(moe_layer_freq=2)), C.LAYER_UNEXPECTED),
+    "routed experts named gate_proj/up_proj/down_proj": (_chain(
+        _rename_index(".w1.weight_", ".gate_proj.weight_"),
+        _rename_index(".w3.weight_", ".up_proj.weight_"),
+        _rename_index(".w2.weight_", ".down_proj.weight_")), C.NO_EXPERTS),
+    # -- names the grammar must refuse as a whole
+    "expert name with a trailing newline": (_rename_index(
+        "layers.1.mlp.experts.4.w1.weight_packed", "layers.1.mlp.experts.4.w1.weight_packed\n"),
+        C.EXPERT_NAME),
+    "expert id with a leading zero": (_rename_index(".experts.6.", ".experts.06."),
+                                      C.EXPERT_NAME),
+    "expert id in look-alike digits": (_rename_index(".experts.6.", ".experts.\u0666."),
+                                       C.EXPERT_NAME),
+    "fused w31 already in the source": (_rename_index(".experts.2.w1.", ".experts.2.w31."),
+                                        C.EXPERT_TENSOR_UNEXPECTED),
+    # -- a config that already carries our markers
+    "config already has a kimi_w31 block": (_config_edit(
+        lambda c: c.update(kimi_w31={"format_version": 1})), C.ALREADY_MARKED),
+    "quantization_config already wrapped as kimi_w31": (_config_edit(_wrap_quantization),
+                                                        C.ALREADY_MARKED),
 }
 
 
 def hostile_cases(template: Path, work: Path, fault: str,
-                  cases: dict[str, Callable[[Path], None]],
-                  manifest: list[str] = MANIFEST,
-                  mention: Callable[[str], str | None] | None = None) -> list[Case]:  # fmt: skip
-    """Each mutation of a clean source, converted through the CLI: must be a clean error."""
+                  cases: dict[str, tuple[Callable[[Path], None], Code]],
+                  manifest: list[str] = MANIFEST, name_file: str | None = None) -> list[Case]:
+    """Each mutation of a clean source, converted through the CLI: must be a clean error
+    with its reason code (and naming `name_file`, when given)."""
     rows = []
-    for i, (name, mutate) in enumerate(cases.items()):
+    for i, (name, (mutate, want)) in enumerate(cases.items()):
         case_dir = work / f"{fault[:8].replace(' ', '_')}{i}"
         case_dir.mkdir(parents=True)
         src = copy_source(template, case_dir / "src")
         mutate(src)
         out = case_dir / "out"
         before = {k: v for k, v in tree(case_dir).items() if not k.startswith("out")}
-        code, text, exc = run_inprocess([src, out, *manifest, *SHARD_SIZE, "-q"])
+        code, text, exc = run_inprocess([src, out, *manifest, *SHARD_SIZE, "--json"])
         after = {k: v for k, v in tree(case_dir).items() if not k.startswith("out")}
-        outcome, detail = classify_error(
-            code, text, exc, out, before, after, mention(name) if mention else None
-        )
-        if outcome == CLEAN and out.exists() and any(out.iterdir()):
-            outcome, detail = WRONG, "output written before validation finished"
+        outcome, detail = classify_error(code, text, exc, out, before, after, want, name_file)
+        if outcome == CLEAN and out.exists():
+            outcome, detail = WRONG, "output directory created before validation finished"
         rows.append(Case(fault, name, outcome, detail))
     return rows
 
 
 def header_cases(template: Path, work: Path) -> list[Case]:
     # Everything a header fault reports names the shard it is in.
-    cases = {name: _on_victim(fn) for name, fn in HEADER_CASES.items()}
-    return hostile_cases(template, work, "hostile safetensors header", cases,
-                         mention=lambda _: VICTIM)  # fmt: skip
+    cases = {name: (_on_victim(fn), code) for name, (fn, code) in HEADER_CASES.items()}
+    return hostile_cases(template, work, "hostile safetensors header", cases, name_file=VICTIM)
 
 
 def _on_victim(fn: Callable[[Path], None]) -> Callable[[Path], None]:
@@ -515,8 +596,9 @@ def plan_cases(template: Path, work: Path) -> list[Case]:
     rows = hostile_cases(template, work, "manifest / planner mismatch", PLAN_CASES)
     # The official manifest's pins against a scaled-down source: every mismatch reported.
     rows += hostile_cases(template, work / "pinned", "manifest / planner mismatch",
-                          {"pinned manifest vs scaled-down source": lambda src: None},
-                          manifest=[])  # fmt: skip
+                          {"pinned manifest vs scaled-down source": (lambda src: None,
+                                                                     C.PINNED_MISMATCH)},
+                          manifest=[])
     return rows
 
 
@@ -532,7 +614,7 @@ def reference_output(src: Path, out: Path, workers: int = 1, *extra: str) -> dic
 
 def label_totals(src: Path) -> dict[str, int]:
     """How often each fault point is reached in one uninterrupted run."""
-    source, plan = prepare(
+    source, _, plan = prepare(
         ConvertOptions(
             source=str(src), out=src.parent / "x", manifest="kimi-k3-any", max_shard_size=300_000
         )
@@ -619,7 +701,7 @@ def sigint_cases(template: Path, work: Path) -> list[Case]:
         proc = run_cli(args, env={"KIMI_W31_FAULT_AT": spec})
         if looks_like_crash(proc.stderr):
             outcome, detail = CRASH, proc.stderr[-300:]
-        elif proc.returncode != 130 or "Rerun the same command to resume" not in proc.stderr:
+        elif proc.returncode != 130:
             outcome, detail = CRASH, f"exit {proc.returncode}: {proc.stderr[-300:]}"
         elif (out / INDEX).exists():
             outcome, detail = WRONG, "an interrupted run left an index"
@@ -678,8 +760,10 @@ def disk_full_cases(template: Path, work: Path) -> list[Case]:
     for workers in (1, 2):
         out = work / f"out{workers}"
         args = convert_args(src, out, "--workers", str(workers))
-        proc = run_cli(args, preexec_fn=_fsize_limit(largest - 4096))
+        proc = run_cli([*args, "--json"], preexec_fn=_fsize_limit(largest - 4096))
         text = " ".join(proc.stderr.split())
+        named = [p for p in json_problems(proc.stdout) if p.get("code") == Code.NO_SPACE.value
+                 and str(out) in (p.get("file") or "")]
         name = f"file size limit below the largest shard, --workers {workers}"
         if looks_like_crash(proc.stderr) or proc.returncode != 1:
             rows.append(Case("disk full", name, CRASH, f"exit {proc.returncode}: {text[-300:]}"))
@@ -687,8 +771,8 @@ def disk_full_cases(template: Path, work: Path) -> list[Case]:
         if (out / INDEX).exists():
             rows.append(Case("disk full", name, WRONG, "index written"))
             continue
-        if "no space" not in text or str(out) not in text or "bytes" not in text:
-            rows.append(Case("disk full", name, CRASH, f"unclear message: {text[-300:]}"))
+        if not named:
+            rows.append(Case("disk full", name, CRASH, f"no-space not reported: {proc.stdout}"))
             continue
         rerun = run_cli(args)
         got = tree(out)
@@ -698,7 +782,7 @@ def disk_full_cases(template: Path, work: Path) -> list[Case]:
                 "disk full",
                 name,
                 RESUMED if ok else WRONG,
-                text[text.find("error:") :][:160] if ok else tree_diff(got, ref),
+                named[0]["file"] if ok else tree_diff(got, ref),
             )
         )
     return rows
@@ -712,28 +796,29 @@ def free_space_cases(template: Path, work: Path) -> list[Case]:
     """The up-front check: a disk that clearly cannot hold the output is refused early."""
     from unittest import mock
 
-    from kimi_w31.converter.convert import convert
-    from kimi_w31.converter.errors import ConvertError
+    from kimi_w31.converter.errors import Fatal
+    from kimi_w31.converter.pipeline import convert
 
     src = copy_source(template, work / "src")
-    out = work / "out"
+    out = work / "new" / "out"
     opts = ConvertOptions(source=str(src), out=out, manifest="kimi-k3-any",
-                          max_shard_size=300_000, workers=1)  # fmt: skip
-    _, plan = prepare(opts)
+                          max_shard_size=300_000)
+    _, _, plan = prepare(opts)
     fake = shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)  # type: ignore[attr-defined]
     try:
         with mock.patch("shutil.disk_usage", return_value=fake):
             convert(opts)
-    except ConvertError as exc:
-        text = " ".join(p.render() for p in exc.problems)
-        shards = list(out.glob("*.safetensors"))
-        ok = f"{plan.output_bytes} bytes" in text and "1000 bytes free" in text and not shards
+    except Fatal as exc:
+        p = exc.problems[0]
+        # Refused before anything was written, and nothing left that looks like a run.
+        ok = (exc.codes == [Code.NO_SPACE] and p.expected == f"{plan.output_bytes} bytes free"
+              and p.found == "1000 bytes free" and not (work / "new").exists())
         return [
             Case(
                 "disk full",
                 "free-space check up front",
                 CLEAN if ok else WRONG,
-                text[:160] if ok else f"{text[:200]}; shards written: {len(shards)}",
+                p.render()[:160] if ok else f"{p.render()[:200]}; left: {sorted(tree(work))}",
             )
         ]
     return [Case("disk full", "free-space check up front", WRONG, "converted onto a full disk")]
@@ -779,10 +864,10 @@ def _start_stopped(args: list[str], spec: str) -> subprocess.Popen:
     return proc
 
 
-def _resume(proc: subprocess.Popen) -> tuple[int, str]:
+def _resume(proc: subprocess.Popen) -> tuple[int, str, str]:
     os.kill(proc.pid, signal.SIGCONT)
-    _, err = proc.communicate(timeout=120)
-    return proc.returncode, err
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, err, out
 
 
 def _dead_pid() -> int:
@@ -808,14 +893,15 @@ def concurrency_cases(template: Path, work: Path) -> list[Case]:
         for name, extra in [("second run, same command", []),
                             ("second run, --force and another plan",
                              ["--force", "--max-shard-size", "500KB"])]:  # fmt: skip
-            proc = run_cli(convert_args(src, out, "--workers", "1", *extra))
-            text = " ".join(proc.stderr.split())
-            good = (proc.returncode == 1 and f"pid {first.pid}" in text and host in text
-                    and tree(out) == held)  # fmt: skip
+            proc = run_cli(convert_args(src, out, "--workers", "1", "--json", *extra))
+            owner = [p["what"] for p in json_problems(proc.stdout)
+                     if p.get("code") == Code.OUTPUT_LOCKED.value]
+            good = (proc.returncode == 1 and owner and f"pid {first.pid}" in owner[0]
+                    and host in owner[0] and tree(out) == held)
             outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
-            rows.append(Case("concurrent runs", name, outcome, text[text.find("error:") :][:160]))
+            rows.append(Case("concurrent runs", name, outcome, (owner or [proc.stdout])[0][:160]))
     finally:
-        code, err = _resume(first)
+        code, err, _ = _resume(first)
     got = tree(out)
     rows.append(
         Case(
@@ -830,14 +916,15 @@ def concurrency_cases(template: Path, work: Path) -> list[Case]:
     out = work / "stale"
     (out / STATE).mkdir(parents=True)
     (out / STATE / "lock").write_text(json.dumps({"pid": _dead_pid(), "host": host}))
-    proc = run_cli(convert_args(src, out, "--workers", "1"))
-    ok = proc.returncode == 0 and "stale lock" in proc.stderr and tree(out) == ref
+    proc = run_cli(convert_args(src, out, "--workers", "1", "--json"))
+    warnings = json.loads(proc.stdout).get("warnings") if proc.returncode == 0 else None
+    ok = proc.returncode == 0 and warnings and tree(out) == ref
     rows.append(
         Case(
             "concurrent runs",
             "stale lock of a dead pid taken over",
             RESUMED if ok else WRONG,
-            " ".join(proc.stderr.split())[:160],
+            str(warnings)[:160] if ok else proc.stderr[-160:],
         )
     )
 
@@ -845,15 +932,16 @@ def concurrency_cases(template: Path, work: Path) -> list[Case]:
     out = work / "remote"
     (out / STATE).mkdir(parents=True)
     (out / STATE / "lock").write_text(json.dumps({"pid": 4242, "host": "node-b17"}))
-    proc = run_cli(convert_args(src, out, "--workers", "1"))
-    text = " ".join(proc.stderr.split())
-    good = proc.returncode == 1 and "pid 4242 on node-b17" in text
+    proc = run_cli(convert_args(src, out, "--workers", "1", "--json"))
+    owner = [p["what"] for p in json_problems(proc.stdout)
+             if p.get("code") == Code.OUTPUT_LOCKED.value]
+    good = proc.returncode == 1 and owner and "pid 4242 on node-b17" in owner[0]
     rows.append(
         Case(
             "concurrent runs",
             "lock held on another host",
             CLEAN if good else WRONG,
-            text[text.find("error:") :][:160],
+            (owner or [proc.stdout])[0][:160],
         )
     )
     return rows
@@ -890,18 +978,22 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
         src = copy_source(template, case / "src")
         out = case / "out"
         args = convert_args(src, out, "--workers", "1")
-        running = _start_stopped(args, "shard.header:2")
+        old_ident = list(_identity(src / VICTIM))
+        running = _start_stopped([*args, "--json"], "shard.header:2")
         change(src / VICTIM)
-        code, err = _resume(running)
+        code, err, stdout = _resume(running)
         text = " ".join(err.split())
+        reported = [p for p in json_problems(stdout) if p.get("code") ==
+                    Code.SOURCE_CHANGED.value and p.get("file") == VICTIM]
         ledger = out / STATE / "ledger.jsonl"
-        new_ident = None if name == "truncated" else list(_identity(src / VICTIM))
         marked = [json.loads(x) for x in ledger.read_text().splitlines()[1:]]
-        derived_new = [e["shard"] for e in marked if e.get("sources", {}).get(VICTIM) == new_ident]
+        # Nothing copied from the changed file may be marked done.
+        derived_new = [e["shard"] for e in marked
+                       if VICTIM in e["sources"] and e["sources"][VICTIM] != old_ident]
         if looks_like_crash(err) or code != 1:
             rows.append(Case("source changes mid-run", name, CRASH, f"exit {code}: {text[-200:]}"))
             continue
-        if VICTIM not in text or (out / INDEX).exists() or derived_new:
+        if not reported or (out / INDEX).exists() or derived_new:
             rows.append(
                 Case(
                     "source changes mid-run",
@@ -913,9 +1005,8 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
             continue
         # Rerun: nothing copied from the old bytes may be kept.
         outcome, detail = _rerun_matches_fresh(src, out, case / "fresh", args)
-        reported = text[text.find("error:") :][:120]
         rows.append(Case("source changes mid-run", name, CLEAN if outcome == CORRECT else outcome,
-                         f"{reported} / rerun: {detail}"))  # fmt: skip
+                         f"[{reported[0]['code']}] {reported[0]['what'][:80]} / rerun: {detail}"))
     # Changed between a crash and the rerun: same header and size, so only the recorded
     # source identity tells the finished shards are stale.
     case = work / "between"
@@ -926,13 +1017,47 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     _rewrite_data(src / VICTIM)
     rows.append(Case("source changes between runs", "rewritten after a crash, same size/header",
-                     *_rerun_matches_fresh(src, out, case / "fresh", args)))  # fmt: skip
+                     *_rerun_matches_fresh(src, out, case / "fresh", args)))
+    # The same, with the modification time put back: only the change time tells.
+    case = work / "between-mtime"
+    src = copy_source(template, case / "src")
+    out = case / "out"
+    args = convert_args(src, out, "--workers", "1")
+    proc = run_cli(args, env={"KIMI_W31_FAULT_AT": "shard.renamed:9"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    st = (src / VICTIM).stat()
+    _rewrite_in_place(src / VICTIM)
+    os.utime(src / VICTIM, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rows.append(Case("source changes between runs", "rewritten in place after a crash, same "
+                     "size, header, inode and mtime", *_rerun_matches_fresh(src, out,
+                                                                            case / "fresh", args)))
+    # And under a finished output: a rerun proves it again and redoes what the change touched.
+    case = work / "after-complete"
+    src = copy_source(template, case / "src")
+    out = case / "out"
+    args = convert_args(src, out, "--workers", "1")
+    assert run_cli(args).returncode == 0
+    st = (src / VICTIM).stat()
+    _rewrite_in_place(src / VICTIM)
+    os.utime(src / VICTIM, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rows.append(Case("source changes between runs", "rewritten in place under a complete "
+                     "output, mtime restored", *_rerun_matches_fresh(src, out, case / "fresh",
+                                                                     args)))
     return rows + header_swap_case(template, work / "swap")
 
 
-def _identity(path: Path) -> tuple[int, int, int]:
+def _rewrite_in_place(path: Path) -> None:
+    """Like `_rewrite_data`, but through the same inode (open r+, no new file)."""
+    raw = path.read_bytes()
+    start = 8 + struct.unpack("<Q", raw[:8])[0]
+    with open(path, "r+b") as fh:
+        fh.seek(start)
+        fh.write(bytes(b ^ 0x01 for b in raw[start : start + 4096]))
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
     st = path.stat()
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def _rerun_matches_fresh(src: Path, out: Path, fresh: Path, args: list[str]) -> tuple[str, str]:
@@ -961,11 +1086,11 @@ def path_cases(template: Path, work: Path) -> list[Case]:
                       ("output inside the source", src / "converted"),
                       ("output through a symlink into the source", work / "link")]:  # fmt: skip
         before = tree(work)
-        proc = run_cli(convert_args(src, out))
-        text = " ".join(proc.stderr.split())
-        good = proc.returncode in (1, 2) and "inside" in text and tree(work) == before
+        proc = run_cli(convert_args(src, out, "--json"))
+        good = (proc.returncode in (1, 2) and tree(work) == before
+                and codes(proc.stdout) == {Code.OUTPUT_INSIDE_SOURCE.value})
         outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
-        rows.append(Case("paths", name, outcome, text[text.find("error:") :][:160]))
+        rows.append(Case("paths", name, outcome, proc.stdout[-160:]))
     rows += [
         _force_case(template, work / "force"),
         _hub_cache_case(template, work / "hub"),
@@ -985,57 +1110,49 @@ def _symlinked_dir_case(template: Path, work: Path) -> Case:
     out = work / "out"
     out.mkdir()
     (out / "sub").symlink_to(elsewhere, target_is_directory=True)
-    proc = run_cli(convert_args(src, out, "--force"))
-    text = " ".join(proc.stderr.split())
-    good = proc.returncode == 1 and not any(elsewhere.iterdir()) and not (out / INDEX).exists()
+    proc = run_cli(convert_args(src, out, "--force", "--json"))
+    good = (proc.returncode == 1 and not any(elsewhere.iterdir()) and not (out / INDEX).exists()
+            and codes(proc.stdout) == {Code.FOREIGN_OUTPUT.value} and (out / "sub").is_symlink())
     outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
-    return Case(
-        "paths",
-        "a folder of the output is a symlink elsewhere",
-        outcome,
-        text[text.find("error:") :][:160],
-    )
+    return Case("paths", "a folder of the output is a symlink elsewhere", outcome,
+                proc.stdout[-160:])
 
 
 def _force_case(template: Path, work: Path) -> Case:
-    """--force over a previous, different conversion removes only what the tool wrote."""
+    """--force over a previous, different conversion: replaces it when every file there is
+    one the tool recorded writing; refuses, deleting nothing, when anything else is there."""
     src = copy_source(template, work / "src")
     out = work / "out"
     reference_output(src, out)  # 300KB shards
+    args = [src, out, *MANIFEST, "--max-shard-size", "500KB", "-q", "--workers", "1", "--json"]
+    refused = run_cli(args)  # another plan: refused without --force
+    replaced = run_cli([*args, "--force"])
+    want = reference_output(src, work / "fresh500", 1, "--max-shard-size", "500KB")
+    ok_replace = (codes(refused.stdout) == {Code.OUTPUT_NOT_EMPTY.value}
+                  and replaced.returncode == 0 and tree(out) == want)
+    # Now plant files the tool never wrote, and a tampered record pointing out of OUT.
     outside = work / "keep-me.txt"
     outside.write_text("not yours\n")
     planted = {"notes.txt": "mine\n", "model-best.safetensors": "a user's own file\n",
-               "sub/data.bin": "mine too\n"}  # fmt: skip
+               "sub/data.bin": "mine too\n"}
     for rel, text in planted.items():
         (out / rel).parent.mkdir(exist_ok=True)
         (out / rel).write_text(text)
     (out / "linked.json").symlink_to(outside)
-    # A tampered record of a previous run must not steer deletions out of the directory.
     sums = json.loads((out / "kimi_w31.checksums.json").read_text())
-    sums["files"]["../keep-me.txt"] = {}
-    sums["files"][str(outside)] = {}
-    sums["files"]["linked.json/../../keep-me.txt"] = {}
+    sums["files"]["../keep-me.txt"] = {"size": 10}
+    sums["files"][str(outside)] = {"size": 10}
     (out / "kimi_w31.checksums.json").write_text(json.dumps(sums))
-    args = [src, out, *MANIFEST, "--max-shard-size", "500KB", "-q", "--workers", "1"]
-    refused = run_cli(args)
-    proc = run_cli([*args, "--force"])
-    want = reference_output(src, work / "fresh500", 1, "--max-shard-size", "500KB")
-    got = tree(out)
-    kept = {k: v for k, v in got.items() if k in want}
-    extra = sorted(set(got) - set(want))
-    expect_extra = sorted([*planted, "sub", "linked.json"])
-    ok = (refused.returncode == 1 and proc.returncode == 0 and kept == want
-          and extra == expect_extra and outside.read_text() == "not yours\n"
-          and all((out / r).read_text() == t for r, t in planted.items()))  # fmt: skip
-    return Case(
-        "paths",
-        "--force keeps files it did not write",
-        CORRECT if ok else WRONG,
-        ""
-        if ok
-        else f"exit {refused.returncode}/{proc.returncode}, extra {extra}, "
-        f"diff {tree_diff(kept, want)} {proc.stderr[-200:]}",
-    )
+    before = tree(out)
+    forced = run_cli([*args[:4], "--max-shard-size", "300KB", "-q", "--json", "--force"])
+    ok_refuse = (forced.returncode == 1 and codes(forced.stdout) == {Code.FOREIGN_OUTPUT.value}
+                 and tree(out) == before and outside.read_text() == "not yours\n")
+    ok = ok_replace and ok_refuse
+    return Case("paths", "--force replaces only what it recorded writing; refuses otherwise",
+                CORRECT if ok else WRONG,
+                "" if ok else f"replace={ok_replace} refuse={ok_refuse}: "
+                f"{refused.stdout[-100:]} {replaced.stderr[-100:]} {forced.stdout[-200:]} "
+                f"{tree_diff(tree(out), before)}")
 
 
 def hub_cache(template: Path, hub: Path, repo: str = "org/name", rev: str = "0" * 40) -> None:
@@ -1116,18 +1233,21 @@ def _plant_nan(path: Path) -> tuple[str, int]:
 
 def data_fault_cases(template: Path, work: Path) -> list[Case]:
     src = copy_source(template, work / "src")
-    w31, pos = _plant_nan(src / VICTIM)
+    victim = next(p for p in sorted(src.glob("*.safetensors"))
+                  if any(".w1.weight_scale" in t for t in _tensors(read_shard(p)[0])))
+    w31, pos = _plant_nan(victim)
     where = f"first at byte {pos} of the tensor"
     out = work / "out"
     args = convert_args(src, out, "--workers", "2", "--check-scales")
     rows = []
     for name in ("--check-scales", "--check-scales again (not hidden by resume)"):
-        proc = run_cli(args)
-        text = " ".join(proc.stderr.split())
-        good = (proc.returncode == 1 and w31 in text and where in text
-                and not (out / INDEX).exists())  # fmt: skip
+        proc = run_cli([*args, "--json"])
+        hits = [p for p in json_problems(proc.stdout) if p.get("code") == Code.SCALE_NAN.value
+                and p.get("tensor") == w31 and where in p.get("what", "")]
+        good = proc.returncode == 1 and hits and not (out / INDEX).exists()
         outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
-        rows.append(Case("NaN scale (0xFF)", name, outcome, text[text.find("error:") :][:200]))
+        rows.append(Case("NaN scale (0xFF)", name, outcome,
+                         hits[0]["what"][:200] if hits else proc.stdout[-200:]))
     # Without the opt-in scan the bytes are copied as they are; verify must still catch it.
     proc = run_cli(convert_args(src, out, "--workers", "2"))
     ver = run_cli(["verify", out, "--checksums", "--json"])
@@ -1261,7 +1381,7 @@ def lock_race_cases(template: Path, work: Path) -> list[Case]:
     import fcntl
     import socket
 
-    from kimi_w31.converter.errors import ConvertError
+    from kimi_w31.converter.errors import Fatal
     from kimi_w31.converter.lock import OutputLock
 
     rows = []
@@ -1281,7 +1401,7 @@ def lock_race_cases(template: Path, work: Path) -> list[Case]:
                 "both would hold the lock",
             )
         )
-    except ConvertError as exc:
+    except Fatal as exc:
         rows.append(
             Case(
                 "concurrent runs",
@@ -1312,7 +1432,7 @@ def lock_race_cases(template: Path, work: Path) -> list[Case]:
         try:
             OutputLock(path).acquire()
             rows.append(Case("concurrent runs", name, WRONG, "taken over"))
-        except ConvertError as exc:
+        except Fatal as exc:
             rows.append(Case("concurrent runs", name, CLEAN, exc.problems[0].render()[:160]))
         except Exception as exc:  # the point is to classify anything else
             rows.append(Case("concurrent runs", name, CRASH, f"{type(exc).__name__}: {exc}"))
@@ -1347,14 +1467,15 @@ def header_swap_case(template: Path, work: Path) -> list[Case]:
     src = copy_source(template, work / "src")
     out = work / "out"
     args = convert_args(src, out, "--workers", "1")
-    running = _start_stopped(args, "lock.acquired:1")
+    running = _start_stopped([*args, "--json"], "lock.acquired:1")
     _swap_equal_tensors(src / VICTIM)
-    code, err = _resume(running)
-    text = " ".join(err.split())
+    code, err, stdout = _resume(running)
     name = "header rewritten between planning and copying"
     if looks_like_crash(err):
-        return [Case("source changes mid-run", name, CRASH, text[-200:])]
+        return [Case("source changes mid-run", name, CRASH, err[-200:])]
     if code == 0:
         return [Case("source changes mid-run", name, WRONG, "converted with the stale plan")]
-    good = code == 1 and VICTIM in text and not (out / INDEX).exists()
-    return [Case("source changes mid-run", name, CLEAN if good else WRONG, text[:200])]
+    reported = [p for p in json_problems(stdout)
+                if p.get("code") == Code.SOURCE_CHANGED.value and p.get("file") == VICTIM]
+    good = code == 1 and reported and not (out / INDEX).exists()
+    return [Case("source changes mid-run", name, CLEAN if good else WRONG, stdout[:200])]

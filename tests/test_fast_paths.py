@@ -12,8 +12,9 @@ import pytest
 import safetensors.numpy
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import ConvertError
-from kimi_w31.converter.manifest import check_expert_tensors, load_manifest, resolve_dims
+from kimi_w31.converter.contract import INDEX_NAME, moe_layer_ids
+from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.manifest import load_manifest, resolve_dims
 from kimi_w31.converter.safetensors_format import (
     DTYPE_BITS,
     HeaderEntry,
@@ -26,12 +27,13 @@ from kimi_w31.converter.safetensors_format import (
     tensor_nbytes,
 )
 from kimi_w31.converter.source import (
-    INDEX_NAME,
     check_index_against_headers,
     check_weight_map,
     read_source,
 )
+from kimi_w31.converter.source.local import LocalOrigin
 from kimi_w31.converter.synth import SynthSpec, make_config, tensor_specs
+from kimi_w31.converter.validate import check_expert_tensors
 
 FAST = fl.fuzz(200)
 
@@ -108,7 +110,7 @@ def test_fast_header_parse_leaves_the_unusual_to_the_strict_path(text: str) -> N
     raw = text.encode()
     try:  # and the public parser still decides: key order is legal, the rest is not
         header = parse_header_bytes("f", raw, 8 + len(raw) + 1)
-    except ConvertError as exc:
+    except Fatal as exc:
         assert exc.problems[0].file == "f"
     else:
         assert text.startswith('{"a":{"shape"') and header.tensors["a"].shape == (1,)
@@ -158,7 +160,7 @@ def test_weight_map_check_words_values_that_are_not_names(tmp_path) -> None:
 
 def test_source_weight_map_answers_from_headers_like_the_index(small_source) -> None:
     index = json.loads((small_source / INDEX_NAME).read_text())["weight_map"]
-    source = read_source(small_source)
+    source = read_source(small_source, str(small_source), LocalOrigin())
     assert dict(source.weight_map) == index and len(source.weight_map) == len(index)
     name = next(iter(index))
     assert source.weight_map[name] == index[name]
@@ -168,21 +170,24 @@ def test_source_weight_map_answers_from_headers_like_the_index(small_source) -> 
 
 @pytest.mark.parametrize("drop", [None, "experts.3.w2.weight_scale", "experts.5."])
 def test_expert_check_counts_whole_layers_and_details_broken_ones(drop: str | None) -> None:
-    spec = SynthSpec(layers=2, experts=6)
+    spec = SynthSpec(layers=3, experts=6)  # layer 0 dense; layers 1 and 2 MoE
     manifest = load_manifest("kimi-k3-any")
     dims, problems = resolve_dims(manifest, make_config(spec))
     assert problems == []
     infos = [
         ("s", TensorInfo(n, d, s, 0, 0))
         for n, d, s in tensor_specs(spec)
-        if drop is None or not (n.endswith(drop) or drop in n and ".layers.1." in n)
+        if drop is None or not (n.endswith(drop) or drop in n and ".layers.2." in n)
     ]
-    layers, problems = check_expert_tensors(manifest, dims, infos, converted=False)
+    table, problems = check_expert_tensors(manifest, dims, infos,
+                                           set(moe_layer_ids(make_config(spec))[0]),
+                                           converted=False)
+    layers = table.experts
     assert sorted(layers.values()) == ([5, 6] if drop == "experts.5." else [6, 6])
     if drop is None:
         assert problems == []
     elif drop == "experts.5.":
-        assert ["missing 5" in p.found for p in problems] == [True]
+        assert [(p.code, p.found) for p in problems] == [(Code.LAYER_INCOMPLETE, "missing 5")]
     else:  # w2.weight_scale of expert 3 gone in both layers: its partners exist
         assert len(problems) == 2
         assert all(p.tensor.endswith("experts.3.w2.weight_scale") for p in problems)

@@ -18,8 +18,8 @@ def test_disk_full_is_a_clean_error_then_resumes(template: Path, tmp_path: Path)
     rows = fl.disk_full_cases(template, tmp_path)
     assert len(rows) == 2
     assert not fl.bad_rows(rows, {fl.RESUMED}), fl.bad_rows(rows, {fl.RESUMED})
-    # The message names the shard being written and the bytes it needed.
-    assert all(".safetensors: no space left" in r.detail for r in rows), rows
+    # The problem (code no-space) names the shard being written.
+    assert all(r.detail.endswith(".safetensors") for r in rows), rows
 
 
 def test_free_space_checked_up_front(template: Path, tmp_path: Path) -> None:

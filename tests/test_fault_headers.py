@@ -2,7 +2,7 @@
 
 The parser's contract: for any bytes, either a `ShardHeader` whose tensors tile the data
 section exactly (and that the safetensors library itself opens the same way), or a
-`ConvertError` with at least one problem naming the file. Never another exception.
+`Fatal` with at least one problem naming the file. Never another exception.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import faultlib as fl
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import ConvertError
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.safetensors_format import (
     DTYPE_BITS,
     MAX_HEADER_BYTES,
@@ -36,10 +36,10 @@ LIB_DTYPES = ["U8", "I8", "BOOL", "F16", "BF16", "I16", "U16", "F32", "I32", "U3
               "I64", "U64"]  # fmt: skip
 
 
-def parse_or_error(raw: bytes, file_size: int) -> ShardHeader | ConvertError:
+def parse_or_error(raw: bytes, file_size: int) -> ShardHeader | Fatal:
     try:
         return parse_header_bytes("f.safetensors", raw, file_size)
-    except ConvertError as exc:
+    except Fatal as exc:
         assert exc.problems and all(p.file == "f.safetensors" for p in exc.problems)
         return exc
 
@@ -111,7 +111,7 @@ def test_structured_headers_never_crash(doc: dict, meta, data_len: int, dup: boo
     raw = text.encode()
     result = parse_or_error(raw, 8 + len(raw) + data_len)
     if dup and doc:
-        assert isinstance(result, ConvertError)
+        assert isinstance(result, Fatal)
         assert "duplicate key" in result.problems[0].what
     if isinstance(result, ShardHeader):
         assert_tiles(result)
@@ -183,11 +183,11 @@ def test_one_wrong_field_is_always_reported(shard, which: str, delta: int, trail
     raw = json.dumps(doc).encode()
     data_len = sum(e.nbytes for e in entries)
     result = parse_or_error(raw, 8 + len(raw) + data_len)
-    assert isinstance(result, ConvertError), which
+    assert isinstance(result, Fatal), which
     # Right header, wrong file size (truncated / trailing bytes): also always reported.
     if trailing:
         result = parse_or_error(blob[8:], len(blob) + max(0, data_len + trailing))
-        assert isinstance(result, ConvertError) or data_len + trailing < 0
+        assert isinstance(result, Fatal) or data_len + trailing < 0
 
 
 @FAST
@@ -199,7 +199,7 @@ def test_read_header_length_field(tmp_path_factory: pytest.TempPathFactory, leng
     path.write_bytes(struct.pack("<Q", length) + body)
     try:
         header = read_header(path)
-    except ConvertError as exc:
+    except Fatal as exc:
         assert exc.problems[0].file == str(path)
         return
     assert 0 < length <= len(body)

@@ -11,8 +11,10 @@ import faultlib as fl
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import ConvertError
-from kimi_w31.converter.source import INDEX_NAME, read_source
+from kimi_w31.converter.errors import Fatal
+from kimi_w31.converter.contract import INDEX_NAME
+from kimi_w31.converter.source import read_source
+from kimi_w31.converter.source.local import LocalOrigin
 
 FAST = fl.fuzz(120)
 
@@ -21,7 +23,7 @@ FAST = fl.fuzz(120)
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     """A small valid source, plus links inside and outside it for the map to point at."""
     base = tmp_path_factory.mktemp("index")
-    src = fl.make_source(base / "src", layers=1, experts=2, shards=2)
+    src = fl.make_source(base / "src", layers=2, experts=2, shards=2)
     (base / "outside.safetensors").write_bytes((src / "model-00001-of-00002.safetensors")
                                                .read_bytes())  # fmt: skip
     os.symlink(base / "outside.safetensors", src / "escape.safetensors")
@@ -65,9 +67,9 @@ def test_index_reader_never_crashes(tiny, data) -> None:
     ))  # fmt: skip
     (src / INDEX_NAME).write_text(json.dumps(index))
     try:
-        source = read_source(src)
-    except ConvertError as exc:
-        assert exc.problems and all(p.render() for p in exc.problems)
+        source = read_source(src, str(src), LocalOrigin())
+    except Fatal as exc:
+        assert exc.problems and all(p.code and p.render() for p in exc.problems)
         return
     # Accepted: every shard is a real file inside the source; each tensor is where the
     # index says, exactly once.

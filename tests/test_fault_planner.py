@@ -1,5 +1,5 @@
-"""The planner on hostile tensor sets (headers only): a plan that is exactly right, or a
-`ConvertError` listing problems; never another exception. And every listed manifest
+"""Validation and planning on hostile tensor sets (headers only): a plan that is exactly
+right, or problems with reason codes; never another exception. And every listed manifest
 mismatch through the CLI."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 import faultlib as fl
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import ConvertError
-from kimi_w31.converter.manifest import load_manifest, parse_expert
+from kimi_w31.converter.contract import parse_expert_name
+from kimi_w31.converter.errors import Code
+from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.plan import plan_conversion
 from kimi_w31.converter.safetensors_format import (
     ShardHeader,
@@ -20,6 +21,7 @@ from kimi_w31.converter.safetensors_format import (
 )
 from kimi_w31.converter.source import Source
 from kimi_w31.converter.synth import SynthSpec, make_config
+from kimi_w31.converter.validate import validate_source
 
 FAST = fl.fuzz(150)
 MANIFEST = load_manifest("kimi-k3-any")
@@ -86,12 +88,12 @@ def hostile_sources(draw) -> tuple[Source, int]:
             cursor += size
             weight_map[name] = file
         headers[file] = ShardHeader(file, cursor, data_start, infos, {}, "0" * 64)
-    config = make_config(SynthSpec(layers=layers, experts=experts, k=K, n=N))
+    config = make_config(SynthSpec(layers=layers, dense_layers=0, experts=experts, k=K, n=N))
     if draw(st.booleans()):
         config["text_config"][draw(st.sampled_from(
             ["num_experts", "moe_intermediate_size", "routed_expert_hidden_size"]
         ))] = draw(st.sampled_from([0, 1, 33, experts + 1, -1, "8", None]))  # fmt: skip
-    source = Source(Path("/nonexistent"), "hyp", config, weight_map, sorted(headers), headers)
+    source = Source(Path("/nonexistent"), "hyp", config, sorted(headers), headers)
     return source, draw(st.integers(1, 20_000))
 
 
@@ -99,11 +101,11 @@ def hostile_sources(draw) -> tuple[Source, int]:
 @given(case=hostile_sources())
 def test_planner_is_exact_or_refuses(case) -> None:
     source, max_shard = case
-    try:
-        plan = plan_conversion(source, MANIFEST, max_shard)
-    except ConvertError as exc:
-        assert exc.problems
+    table, problems = validate_source(source, MANIFEST)
+    if problems:
+        assert all(isinstance(p.code, Code) for p in problems)
         return
+    plan = plan_conversion(source, table, max_shard)
     src = {t.name: (f, t) for f, h in source.headers.items() for t in h.tensors.values()}
     outputs = {t.name: t for s in plan.shards for t in s.tensors}
     assert len(outputs) == sum(len(s.tensors) for s in plan.shards)  # each name once
@@ -112,10 +114,10 @@ def test_planner_is_exact_or_refuses(case) -> None:
     used = sorted((p.file, p.offset, p.length) for t in outputs.values() for p in t.pieces)
     assert used == sorted((f, t.begin, t.nbytes) for f, t in src.values())
     for name, t in outputs.items():
-        parsed = parse_expert(MANIFEST, name)
+        parsed = parse_expert_name(name)
         assert parsed is None or parsed.proj in ("w2", "w31"), name  # no w1/w3 left
         if parsed is not None and parsed.proj == "w31":
-            up, gate = src[parsed.name("w3")], src[parsed.name("w1")]
+            up, gate = src[parsed.with_proj("w3")], src[parsed.with_proj("w1")]
             assert [(p.file, p.offset) for p in t.pieces] == [
                 (up[0], up[1].begin),
                 (gate[0], gate[1].begin),
@@ -139,19 +141,14 @@ def test_leading_zero_expert_id_is_refused() -> None:
         infos[name] = TensorInfo(name, dtype, shape, cursor, cursor + size)
         cursor += size
     headers["s.safetensors"] = ShardHeader("s.safetensors", cursor, 64, infos, {}, "0" * 64)
-    config = make_config(SynthSpec(layers=1, experts=2, k=K, n=N))
-    source = Source(Path("/nonexistent"), "x", config, dict.fromkeys(infos, "s.safetensors"),
-                    ["s.safetensors"], headers)  # fmt: skip
-    try:
-        plan_conversion(source, MANIFEST, 10**6)
-    except ConvertError as exc:
-        assert any("experts.01." in (p.tensor or "") for p in exc.problems)
-    else:
-        raise AssertionError("a non-canonical expert id was accepted")
+    config = make_config(SynthSpec(layers=1, dense_layers=0, experts=2, k=K, n=N))
+    source = Source(Path("/nonexistent"), "x", config, ["s.safetensors"], headers)
+    _, problems = validate_source(source, MANIFEST)
+    assert {p.code for p in problems if "experts.01." in (p.tensor or "")} == {Code.EXPERT_NAME}
 
 
 def test_every_manifest_mismatch_is_a_clean_cli_error(tmp_path: Path) -> None:
     template = fl.make_source(tmp_path / "template")  # the cases assume 8 experts
     rows = fl.plan_cases(template, tmp_path / "work")
-    assert len(rows) == len(fl.PLAN_CASES) + 1
+    assert len(rows) == len(fl.PLAN_CASES) + 1 >= 19
     assert not fl.bad_rows(rows, {fl.CLEAN}), fl.bad_rows(rows, {fl.CLEAN})

@@ -68,7 +68,7 @@ def test_killed_ray_driver_resumes_on_ray(small_source, converted, tmp_path, ray
     r = _run(small_source, out, *_ray(ray_address), "--json")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
-    assert summary["shards_reused"] == 2
+    assert summary["shards_kept"] == 2
     assert summary["shards_written"] == summary["output_shards"] - 2
     assert _files(out) == _files(converted)
 
@@ -81,7 +81,7 @@ def test_local_run_finished_on_ray_and_ray_run_finished_locally(small_source, co
     for out, finish in ((local_first, _ray(ray_address)), (ray_first, ["--workers", "1"])):
         r = _run(small_source, out, *finish, "--json")
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["shards_reused"] == 2
+        assert json.loads(r.stdout)["shards_kept"] == 2
         assert _files(out) == _files(converted)
 
 
@@ -91,9 +91,10 @@ def test_corrupted_shard_is_found_by_a_ray_task_and_redone(small_source, convert
     _killed_after_two(small_source, out, "--workers", "1")
     done = json.loads((out / ".kimi_w31" / "ledger.jsonl").read_text().splitlines()[1])["shard"]
     data = bytearray((out / done).read_bytes())
-    data[-1] ^= 0xFF  # same size, same header: only the re-hash can tell
+    data[-1] ^= 0xFF  # same size, same header: only the re-hash (--rehash) can tell
     (out / done).write_bytes(bytes(data))
-    r = _run(small_source, out, *_ray(ray_address), "--json")
+    r = _run(small_source, out, *_ray(ray_address), "--json", "--rehash")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["shards_reused"] == 1
+    summary = json.loads(r.stdout)
+    assert summary["shards_kept"] == 1 and list(summary["redone"]) == [done]
     assert _files(out) == _files(converted)

@@ -1,5 +1,5 @@
 """`make bench`: conversion and verify speed against `cp`/`sha256sum` of the same bytes,
-peak memory, and planning at the real model's scale. Writes docs/benchmarks.md + JSON.
+peak memory, and planning at the real model's scale. Writes benchmarks.md + JSON (to .bench/report unless --out says otherwise).
 
 Every figure is a median of repeated runs and is reported as a ratio to a baseline measured
 in the same run on the same files. "warm": inputs in the page cache; "cold": every input
@@ -27,7 +27,8 @@ from replica import write_converted_replica, write_source_replica  # noqa: E402
 
 from kimi_w31 import __version__  # noqa: E402
 
-CLI = [sys.executable, "-m", "kimi_w31.converter"]
+CLI = [sys.executable, "-m", "kimi_w31"]
+DOCS = HERE.parent / "docs"
 
 # Runs a command and reports its wall time and the peak RSS of the largest process in its
 # tree (RUSAGE_CHILDREN covers every descendant that was waited for).
@@ -318,7 +319,9 @@ def render(report: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--out", type=Path, default=Path(".bench/report"),
+                    help="where the report goes (default: untracked; `--out docs` updates the "
+                    "committed one, as `make bench UPDATE_DOCS=1` does)")
     ap.add_argument("--work", type=Path, default=Path(".bench"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=60, help="per layer; 4x60 is ~4.2 GB")
@@ -350,12 +353,16 @@ def main() -> None:
         else {"tensors": 0, "shards": 0, "apparent_bytes": 0, "disk_bytes": 0, "dry_run_s": 0,
               "dry_run_rss": 0, "verify_structure_s": 0, "verify_structure_rss": 0}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    notes = args.out / "benchmarks-notes.md"
+    notes = DOCS / "benchmarks-notes.md"
     report["notes"] = notes.read_text() if notes.exists() else ""
     (args.out / "benchmarks.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "benchmarks.md").write_text(render(report))
     print(render(report))
-    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(src, ignore_errors=True)
+    for leftover in ("dst", "verify-out", "replica-src", "replica-out"):
+        shutil.rmtree(work / leftover, ignore_errors=True)
+    if not any(work.iterdir()):
+        work.rmdir()
 
 
 if __name__ == "__main__":

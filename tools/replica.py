@@ -9,14 +9,15 @@ import json
 import os
 from pathlib import Path
 
-from kimi_w31.converter.convert import _final_files
-from kimi_w31.converter.manifest import load_manifest
-from kimi_w31.converter.plan import OutputTensor, Piece, pack_shards, plan_conversion
+from kimi_w31.converter.pipeline import ConvertOptions, final_files, prepare
+from kimi_w31.converter.plan import OutputTensor, Piece, pack_shards
 from kimi_w31.converter.safetensors_format import tensor_nbytes
-from kimi_w31.converter.source import read_source
 from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, make_config, tensor_specs
 
-REAL = SynthSpec(layers=93, experts=896, hidden=7168, k=3584, n=3072, top_k=16, vocab=163840)
+# The pinned dims of the official model, every layer a MoE layer: ~500k tensors, 1.46 TB of
+# routed experts (the real config's dense prefix, if any, changes this by one layer).
+REAL = SynthSpec(layers=93, dense_layers=0, experts=896, hidden=7168, k=3584, n=3072,
+                 top_k=16, vocab=163840)
 
 
 def _write_sparse(path: Path, header: bytes, size: int) -> None:
@@ -52,17 +53,13 @@ def write_source_replica(
 
 def write_converted_replica(source_root: Path, out: Path, manifest: str = "kimi-k3") -> dict:
     """What kimi-convert would write for `source_root`, as sparse files (plan -> headers)."""
-    m = load_manifest(manifest)
-    source = read_source(source_root)
-    plan = plan_conversion(source, m)
+    source, m, plan = prepare(ConvertOptions(str(source_root), out, manifest=manifest))
     out.mkdir(parents=True, exist_ok=True)
     for shard in plan.shards:
         _write_sparse(out / shard.name, shard.header, shard.file_size)
-    for name, data in _final_files(source, plan, m).items():
-        (out / name).write_bytes(data)
-    for name in source.extra_files:
-        (out / name).write_bytes((source_root / name).read_bytes())
-    return {"tensors": plan.tensors_copied, "shards": len(plan.shards)}
+    for f in final_files(source, plan, m):
+        (out / f.name).write_bytes(f.data if f.data is not None else f.copy_from.read_bytes())
+    return {"tensors": plan.tensors, "shards": len(plan.shards)}
 
 
 if __name__ == "__main__":  # pragma: no cover - manual use
