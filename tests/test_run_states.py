@@ -1,0 +1,134 @@
+"""Every message is true in the state it describes, and nothing else gets in the way.
+
+SIGTERM is handled like Ctrl-C; a full disk during finalization names the file; a file
+that appears in the output during a run is never finalized into it; extra files of any size
+are streamed; our own artefacts in a source are not carried into an output; synth never
+mixes two checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+from cli_helpers import run_cli
+from kimi_w31.converter.errors import Code
+
+ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000", "--workers", "1"]
+INDEX = "model.safetensors.index.json"
+
+
+def _files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _codes(proc) -> list[str]:
+    return [p["code"] for p in json.loads(proc.stdout)["problems"]]
+
+
+def test_sigterm_is_an_interruption_with_a_message_and_resumes(small_source, converted,
+                                                               tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "KIMI_W31_FAULT_AT": "shard.piece:5:stop"}
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_w31", str(small_source), str(out),
+                             *ARGS], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status)
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert err.strip() and "Traceback" not in err
+    assert not (out / INDEX).exists()
+    assert not (out / ".kimi_w31" / "lock").exists()  # released on the way out
+    assert run_cli(small_source, out, *ARGS, "-q").returncode == 0  # "rerun to resume": true
+    assert _files(out) == _files(converted)
+
+
+def _with_big_extra(source_copy, size: int):
+    big = source_copy / "assets" / "big.bin"
+    big.parent.mkdir()
+    with open(big, "wb") as fh:  # sparse: instant to make, read back as zeros
+        fh.truncate(size)
+    return big
+
+
+def test_a_full_disk_while_finalizing_names_the_file_then_resumes(source_copy, tmp_path):
+    _with_big_extra(source_copy, 3_000_000)  # larger than any shard
+    out = tmp_path / "out"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))
+
+    proc = subprocess.run([sys.executable, "-m", "kimi_w31", str(source_copy), str(out), *ARGS,
+                           "--json"], capture_output=True, text=True, preexec_fn=limit)
+    assert proc.returncode == 1, proc.stderr
+    (problem,) = json.loads(proc.stdout)["problems"]
+    assert problem["code"] == Code.NO_SPACE.value
+    assert problem["file"] == str(out / "assets" / "big.bin")
+    assert not (out / INDEX).exists()
+    summary = json.loads(run_cli(source_copy, out, *ARGS, "--json").stdout)
+    assert summary["mode"] == "resume" and summary["shards_written"] == 0
+    assert (out / "assets" / "big.bin").stat().st_size == 3_000_000
+
+
+def test_extra_files_are_streamed_whatever_their_size(source_copy, tmp_path):
+    _with_big_extra(source_copy, 300_000_000)
+    code = ("import resource, subprocess, sys; "
+            "rc = subprocess.call(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "kimi_w31",
+                           str(source_copy), str(tmp_path / "out"), *ARGS, "-q"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    peak_mib = int(proc.stdout.split()[-1]) / 1024
+    assert peak_mib < 150, f"peak RSS {peak_mib:.0f} MiB for a 300 MB extra file"
+
+
+def test_a_file_appearing_in_the_output_is_never_finalized_into_it(small_source, tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "KIMI_W31_FAULT_AT": "shard.renamed:2:stop"}
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_w31", str(small_source), str(out),
+                             *ARGS, "--json"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status)
+    (out / "README-of-another-model.md").write_text("not from this conversion\n")
+    os.kill(proc.pid, signal.SIGCONT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert [p["code"] for p in json.loads(stdout)["problems"]] == [Code.FOREIGN_OUTPUT.value]
+    assert not (out / INDEX).exists()
+    assert (out / "README-of-another-model.md").exists()  # nothing deleted
+    (out / "README-of-another-model.md").unlink()
+    summary = json.loads(run_cli(small_source, out, *ARGS, "--json").stdout)
+    assert summary["mode"] == "resume" and summary["shards_kept"] >= 2
+
+
+def test_our_own_artefacts_in_a_source_are_not_carried_over(source_copy, tmp_path):
+    (source_copy / "kimi_w31.checksums.json").write_text('{"format_version": 1, "files": {}}')
+    (source_copy / ".kimi_w31").mkdir()
+    (source_copy / ".kimi_w31" / "ledger.jsonl").write_text("{}\n")
+    out = tmp_path / "out"
+    assert run_cli(source_copy, out, *ARGS, "-q").returncode == 0
+    ours = json.loads((out / "kimi_w31.checksums.json").read_text())
+    assert ours["plan_fingerprint"] and "kimi_w31.checksums.json" not in ours["files"]
+    assert not (out / ".kimi_w31").exists()
+
+
+@pytest.mark.parametrize("content", ["file", "dir"])
+def test_synth_never_mixes_two_checkpoints(tmp_path, content):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / ("old.txt" if content == "file" else "sub")).mkdir() if content == "dir" else \
+        (target / "old.txt").write_text("x")
+    proc = run_cli("synth", target)
+    assert proc.returncode == 2
+    assert sorted(p.name for p in target.iterdir()) == (["old.txt"] if content == "file"
+                                                        else ["sub"])
