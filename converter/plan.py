@@ -155,9 +155,16 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
 
 
 def header_entry_bound(t: OutputTensor) -> int:
-    """At least the bytes `build_header` spends on this tensor's entry: a name character takes
-    up to 12 bytes once JSON-escaped (a surrogate pair), an offset up to 20 digits."""
-    return 12 * len(t.name) + len(t.dtype) + 21 * len(t.shape) + 96
+    """At least the bytes `build_header` spends on this tensor's entry. A printable ASCII
+    name is written as it is (a quote or backslash gains one escape byte); any other
+    character takes up to 12 bytes once JSON-escaped (a surrogate pair). An offset has up to
+    20 digits."""
+    name = t.name
+    if name.isascii() and name.isprintable():
+        size = 2 * len(name) if '"' in name or "\\" in name else len(name)
+    else:
+        size = 12 * len(name)
+    return size + len(t.dtype) + 21 * len(t.shape) + 96
 
 
 def pack_shards(tensors: list[OutputTensor], max_shard_size: int,

@@ -1479,3 +1479,42 @@ def header_swap_case(template: Path, work: Path) -> list[Case]:
                 if p.get("code") == Code.SOURCE_CHANGED.value and p.get("file") == VICTIM]
     good = code == 1 and reported and not (out / INDEX).exists()
     return [Case("source changes mid-run", name, CLEAN if good else WRONG, stdout[:200])]
+
+
+# ------------------------------------------------------------ headers past the library limit
+
+
+def header_bound_cases(template: Path, work: Path) -> list[Case]:
+    """A source of two shards whose many tiny tensors give headers of ~60 MB each: packed by
+    data size alone, one output shard would carry a ~120 MB header that the safetensors
+    library refuses to open. Every output shard must open with the library."""
+    from safetensors import safe_open
+
+    from kimi_w31.converter.synth import write_safetensors
+
+    src = copy_source(template, work / "src")
+    index = json.loads((src / INDEX).read_text())
+    tiny = b"\x00"
+    for n in range(2):
+        name = f"extra-{n + 1}.safetensors"
+        tensors = [(f"model.tiny.{n}.{i:07d}." + "x" * 80, "U8", (1,), tiny)
+                   for i in range(480_000)]
+        write_safetensors(src / name, tensors)
+        index["weight_map"].update({t[0]: name for t in tensors})
+    (src / INDEX).write_text(json.dumps(index))
+    out = work / "out"
+    proc = run_cli([src, out, *MANIFEST, "-q", "--json"], timeout=600)
+    if proc.returncode != 0:
+        return [Case("output header size", "~120 MB of headers in a source", CRASH
+                     if looks_like_crash(proc.stderr) else WRONG, proc.stdout[-200:])]
+    shards = sorted(out.glob("*.safetensors"))
+    sizes = []
+    for path in shards:
+        with open(path, "rb") as fh:
+            sizes.append(struct.unpack("<Q", fh.read(8))[0])
+        with safe_open(str(path), framework="np") as fh:  # the library's own limit
+            fh.keys()
+    ok = len(shards) > 1 and max(sizes) <= 100_000_000
+    return [Case("output header size", "~120 MB of headers in a source",
+                 CORRECT if ok else WRONG,
+                 f"{len(shards)} shards, largest header {max(sizes) / 1e6:.1f} MB")]
