@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.manifest import Dims, load_manifest
@@ -216,6 +216,8 @@ def test_pack_shards_is_order_preserving():
 @given(tensors=st.lists(st.tuples(st.integers(0, 50), st.text(
     alphabet=st.sampled_from(list('ax"\\\n\x01\u00e9\U0001f600')), max_size=60)),
     min_size=1, max_size=40), max_header=st.integers(400, 5000))
+@example(tensors=[(1, "\U0001f600" * 60)] * 40, max_header=2000)  # 12 bytes a character
+@example(tensors=[(1, '"\\' * 30)] * 40, max_header=2000)  # 2 bytes a character
 def test_pack_shards_bounds_every_header(tensors, max_header):
     """Many small tensors must not make a header the safetensors library cannot open: a
     shard starts before its header could pass the bound (unless one tensor alone does),
