@@ -199,14 +199,29 @@ def verify_structure(root: Path) -> list[str]:
     context_settings={"ignore_unknown_options": True},
 )
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Tensor-parallel size (GPUs).")  # fmt: skip
-@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Expert-parallel size; must divide --tp (moe-TP = tp/ep).")  # fmt: skip
-@click.option("--backend", default=BACKEND, show_default=True,
-              help="--moe-runner-backend for SGLang (marlin is the fallback).")  # fmt: skip
-@click.option("--unconverted", is_flag=True,
-              help=f"Serve an unconverted Kimi-K3 checkpoint ({OPT_IN_ENV}=1).")  # fmt: skip
+@click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Tensor-parallel size (GPUs).",
+)
+@click.option(
+    "--ep",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Expert-parallel size; must divide --tp (moe-TP = tp/ep).",
+)
+@click.option(
+    "--backend",
+    default=BACKEND,
+    show_default=True,
+    help="--moe-runner-backend for SGLang (marlin is the fallback).",
+)
+@click.option(
+    "--unconverted", is_flag=True, help=f"Serve an unconverted Kimi-K3 checkpoint ({OPT_IN_ENV}=1)."
+)
 @click.option("--print", "print_only", is_flag=True, help="Print the command, do not run it.")
 @click.option("--skip-checks", is_flag=True, help="Skip the structure verify and stack checks.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)

@@ -16,7 +16,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from .. import __version__
-
 from . import console
 from .console import err, human, out, parse_size, run_guarded
 from .errors import EXIT_USAGE, Code, fail
@@ -72,8 +71,7 @@ class DefaultConvert(click.Group):
     """`kimi-convert SRC OUT` means `kimi-convert convert SRC OUT`."""
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h",
-                                                                      "--version"):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["convert", *args]
         return super().parse_args(ctx, args)
 
@@ -102,52 +100,93 @@ def main() -> None:
 def _hub_and_cluster_options(fn):
     """Options for streaming from the Hub (`--download`) and for Ray (`--executor ray`)."""
     options = [
-        click.option("--download", is_flag=True,
-                     help="SOURCE is a Hub repo id: read headers over HTTP, download source "
-                     "shards as the plan needs them (token: HF_TOKEN or hf auth login)."),
-        click.option("--download-dir", type=click.Path(path_type=Path), default=None,
-                     metavar="DIR",
-                     help="With --download: put source files in DIR instead of the HF cache."),
-        click.option("--delete-source-shards", is_flag=True,
-                     help="With --download: delete each source shard once every output shard "
-                     "reading it is done (peak disk = output + window)."),
-        click.option("--max-source-window", type=click.IntRange(1), default=None, metavar="N",
-                     help="With --download: source shards live at once (downloading or "
-                     "waiting to be used) [default: 4]. --dry-run prints the smallest that "
-                     "works."),
-        click.option("--executor", type=click.Choice(["local", "ray"]), default="local",
-                     show_default=True,
-                     help="Who writes the shards: threads here, or Ray tasks on a cluster "
-                     "(source and output on storage every node sees)."),
-        click.option("--ray-address", default=None, metavar="HOST:PORT",
-                     help="With --executor ray: the cluster to join [default: RAY_ADDRESS, "
-                     "else a local Ray runtime]."),
+        click.option(
+            "--download",
+            is_flag=True,
+            help="SOURCE is a Hub repo id: read headers over HTTP, download source "
+            "shards as the plan needs them (token: HF_TOKEN or hf auth login).",
+        ),
+        click.option(
+            "--download-dir",
+            type=click.Path(path_type=Path),
+            default=None,
+            metavar="DIR",
+            help="With --download: put source files in DIR instead of the HF cache.",
+        ),
+        click.option(
+            "--delete-source-shards",
+            is_flag=True,
+            help="With --download: delete each source shard once every output shard "
+            "reading it is done (peak disk = output + window).",
+        ),
+        click.option(
+            "--max-source-window",
+            type=click.IntRange(1),
+            default=None,
+            metavar="N",
+            help="With --download: source shards live at once (downloading or "
+            "waiting to be used) [default: 4]. --dry-run prints the smallest that "
+            "works.",
+        ),
+        click.option(
+            "--executor",
+            type=click.Choice(["local", "ray"]),
+            default="local",
+            show_default=True,
+            help="Who writes the shards: threads here, or Ray tasks on a cluster "
+            "(source and output on storage every node sees).",
+        ),
+        click.option(
+            "--ray-address",
+            default=None,
+            metavar="HOST:PORT",
+            help="With --executor ray: the cluster to join [default: RAY_ADDRESS, "
+            "else a local Ray runtime].",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _origin_and_executor(opts: ConvertOptions, workers: int, download: bool,
-                         download_dir: Path | None, delete_source_shards: bool,
-                         max_source_window: int | None, executor: str,
-                         ray_address: str | None) -> None:
+def _origin_and_executor(
+    opts: ConvertOptions,
+    workers: int,
+    download: bool,
+    download_dir: Path | None,
+    delete_source_shards: bool,
+    max_source_window: int | None,
+    executor: str,
+    ray_address: str | None,
+) -> None:
     """Fill in where the source comes from and who writes the shards, or refuse the mix."""
     if not download:
-        given = [name for name, v in (("--download-dir", download_dir),
-                                      ("--delete-source-shards", delete_source_shards),
-                                      ("--max-source-window", max_source_window)) if v]
+        given = [
+            name
+            for name, v in (
+                ("--download-dir", download_dir),
+                ("--delete-source-shards", delete_source_shards),
+                ("--max-source-window", max_source_window),
+            )
+            if v
+        ]
         if given:
-            raise fail(Code.USAGE, f"{', '.join(given)} only apply with --download",
-                       exit_code=EXIT_USAGE)
+            raise fail(
+                Code.USAGE, f"{', '.join(given)} only apply with --download", exit_code=EXIT_USAGE
+            )
     if ray_address and executor != "ray":
-        raise fail(Code.USAGE, "--ray-address only applies with --executor ray",
-                   exit_code=EXIT_USAGE)
+        raise fail(
+            Code.USAGE, "--ray-address only applies with --executor ray", exit_code=EXIT_USAGE
+        )
     if executor == "ray":
         if download:
-            raise fail(Code.USAGE, "--download and --executor ray do not combine: download "
-                       "first (hf download ... --local-dir on shared storage), then convert on "
-                       "Ray", exit_code=EXIT_USAGE)
+            raise fail(
+                Code.USAGE,
+                "--download and --executor ray do not combine: download "
+                "first (hf download ... --local-dir on shared storage), then convert on "
+                "Ray",
+                exit_code=EXIT_USAGE,
+            )
         from .execute.ray import RayExecutor, import_ray
 
         import_ray()  # say so before anything else happens
@@ -156,12 +195,16 @@ def _origin_and_executor(opts: ConvertOptions, workers: int, download: bool,
         from .execute.hub import DEFAULT_WINDOW, HubExecutor
         from .source.hub import HubOrigin
 
-        origin = HubOrigin(download_dir=download_dir.expanduser().resolve()
-                           if download_dir else None)
+        origin = HubOrigin(
+            download_dir=download_dir.expanduser().resolve() if download_dir else None
+        )
         opts.origin = origin
-        opts.executor = HubExecutor(origin, window=max_source_window or DEFAULT_WINDOW,
-                                    delete_source_shards=delete_source_shards,
-                                    workers=workers or default_workers())
+        opts.executor = HubExecutor(
+            origin,
+            window=max_source_window or DEFAULT_WINDOW,
+            delete_source_shards=delete_source_shards,
+            workers=workers or default_workers(),
+        )
     else:
         opts.executor = LocalExecutor(workers)
 
@@ -169,38 +212,87 @@ def _origin_and_executor(opts: ConvertOptions, workers: int, download: bool,
 @main.command("convert")
 @click.argument("source", metavar="SRC_DIR_OR_REPO_ID")
 @click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
-@click.option("--manifest", default=DEFAULT_MANIFEST, show_default=True,
-              metavar="NAME_OR_PATH",
-              help="What the checkpoint must look like: kimi-k3 (the official model, dims "
-              "pinned), kimi-k3-any (dims from the config; scaled-down checkpoints such as "
-              "synth's) or a path to a manifest JSON.")
-@click.option("--revision", default=None, metavar="REV",
-              help="Branch, tag or commit of a Hugging Face repo id source.")
-@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
-              callback=lambda c, p, v: parse_size(v),
-              help="Largest output shard (e.g. 500MB, 5GB, 4GiB); must be more than 0.")
-@click.option("--workers", type=click.IntRange(0), default=0, metavar="N",
-              help=f"Shards written at once; 0 means one per two CPU cores, up to 8 "
-              f"[default: 0, which is {default_workers()} here].")
-@click.option("--dry-run", is_flag=True,
-              help="Check and plan only; show what would be written, kept or redone.")
-@click.option("--force", is_flag=True,
-              help="Replace a different, earlier conversion in OUT_DIR: removes only the files "
-              "kimi-convert's own records say it wrote there; refuses anything else.")
-@click.option("--rehash", is_flag=True,
-              help="Before keeping a shard an earlier run finished, re-read it and compare "
-              "every tensor's checksum [default: size, header and source identity only].")
-@click.option("--check-scales", is_flag=True,
-              help="Also scan every E8M0 scale byte for 0xFF (NaN) while copying.")
-@click.option("--progress", "progress_mode", type=click.Choice(console.PROGRESS_MODES),
-              default="auto", show_default=True,
-              help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
-              "bar on a terminal, lines otherwise.")
+@click.option(
+    "--manifest",
+    default=DEFAULT_MANIFEST,
+    show_default=True,
+    metavar="NAME_OR_PATH",
+    help="What the checkpoint must look like: kimi-k3 (the official model, dims "
+    "pinned), kimi-k3-any (dims from the config; scaled-down checkpoints such as "
+    "synth's) or a path to a manifest JSON.",
+)
+@click.option(
+    "--revision",
+    default=None,
+    metavar="REV",
+    help="Branch, tag or commit of a Hugging Face repo id source.",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    metavar="SIZE",
+    callback=lambda c, p, v: parse_size(v),
+    help="Largest output shard (e.g. 500MB, 5GB, 4GiB); must be more than 0.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(0),
+    default=0,
+    metavar="N",
+    help=f"Shards written at once; 0 means one per two CPU cores, up to 8 "
+    f"[default: 0, which is {default_workers()} here].",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check and plan only; show what would be written, kept or redone.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace a different, earlier conversion in OUT_DIR: removes only the files "
+    "kimi-convert's own records say it wrote there; refuses anything else.",
+)
+@click.option(
+    "--rehash",
+    is_flag=True,
+    help="Before keeping a shard an earlier run finished, re-read it and compare "
+    "every tensor's checksum [default: size, header and source identity only].",
+)
+@click.option(
+    "--check-scales",
+    is_flag=True,
+    help="Also scan every E8M0 scale byte for 0xFF (NaN) while copying.",
+)
+@click.option(
+    "--progress",
+    "progress_mode",
+    type=click.Choice(console.PROGRESS_MODES),
+    default="auto",
+    show_default=True,
+    help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
+    "bar on a terminal, lines otherwise.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary (errors only).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @_hub_and_cluster_options
-def convert_cmd(source, output, manifest, revision, max_shard_size, workers, dry_run, force,
-                rehash, check_scales, progress_mode, quiet, as_json, **where) -> None:
+def convert_cmd(
+    source,
+    output,
+    manifest,
+    revision,
+    max_shard_size,
+    workers,
+    dry_run,
+    force,
+    rehash,
+    check_scales,
+    progress_mode,
+    quiet,
+    as_json,
+    **where,
+) -> None:
     """Convert SRC_DIR_OR_REPO_ID (a directory, or a repo id in the HF cache or, with
     --download, on the Hub) into OUT_DIR.
 
@@ -219,9 +311,17 @@ def convert_cmd(source, output, manifest, revision, max_shard_size, workers, dry
       kimi-convert /shared/Kimi-K3 /shared/out --executor ray --ray-address HEAD:6379
       nohup kimi-convert SRC out/ --progress lines > convert.log 2>&1 &
     """
-    opts = ConvertOptions(source=source, out=output, manifest=manifest, revision=revision,
-                          max_shard_size=max_shard_size, dry_run=dry_run, force=force,
-                          check_scales=check_scales, rehash=rehash)
+    opts = ConvertOptions(
+        source=source,
+        out=output,
+        manifest=manifest,
+        revision=revision,
+        max_shard_size=max_shard_size,
+        dry_run=dry_run,
+        force=force,
+        check_scales=check_scales,
+        rehash=rehash,
+    )
 
     def body() -> None:
         _origin_and_executor(opts, workers, **where)
@@ -236,12 +336,13 @@ def convert_cmd(source, output, manifest, revision, max_shard_size, workers, dry
         elif quiet:
             return
         elif dry_run:
-            _print_plan(result, getattr(opts.executor, "plan_rows", lambda plan: [])(
-                result.plan))
+            _print_plan(result, getattr(opts.executor, "plan_rows", lambda plan: [])(result.plan))
         elif result.already_complete:
-            err.print(f"[green]already complete:[/] {escape(str(result.out))} holds this "
-                      f"conversion; all {len(result.plan.shards)} shards proven (size, header, "
-                      f"source identity{', data' if rehash else ''}); nothing to do.")
+            err.print(
+                f"[green]already complete:[/] {escape(str(result.out))} holds this "
+                f"conversion; all {len(result.plan.shards)} shards proven (size, header, "
+                f"source identity{', data' if rehash else ''}); nothing to do."
+            )
         else:
             _print_summary(result, summary)
 
@@ -262,13 +363,14 @@ def _print_plan(result: ConvertResult, extra_rows: list[tuple[str, str]]) -> Non
     table.add_row("dims", ", ".join(f"{k}={v}" for k, v in plan.dims.values.items()))
     if preview is not None and preview.mode is not Mode.FRESH:
         what = "an interrupted run" if preview.mode is Mode.RESUME else "a finished output"
-        table.add_row("earlier run", f"{what}: {len(preview.keep)} shards would be kept, "
-                      f"{len(preview.redo)} written")
+        table.add_row(
+            "earlier run",
+            f"{what}: {len(preview.keep)} shards would be kept, {len(preview.redo)} written",
+        )
     for label, value in extra_rows:
         table.add_row(label, value)
     out.print(table)
-    shown = 0
-    for shard in plan.shards:
+    for shown, shard in enumerate(plan.shards):
         if shown == 5:
             out.print(f"  ... {len(plan.shards) - 5} more shards")
             break
@@ -276,25 +378,22 @@ def _print_plan(result: ConvertResult, extra_rows: list[tuple[str, str]]) -> Non
         if preview is not None and preview.mode is not Mode.FRESH:
             reason = preview.redo.get(shard.name)
             fate = " - keep" if reason is None else f" - write ({reason})"
-        out.print(f"  {shard.name}: {len(shard.tensors)} tensors, "
-                  f"{human(shard.file_size)}{fate}")
-        shown += 1
+        out.print(f"  {shard.name}: {len(shard.tensors)} tensors, {human(shard.file_size)}{fate}")
 
 
 def _print_summary(result: ConvertResult, summary: dict) -> None:
     repaired = result.mode is Mode.RECHECK
-    table = Table(title="Output repaired" if repaired else "Conversion complete",
-                  show_header=False)
+    table = Table(title="Output repaired" if repaired else "Conversion complete", show_header=False)
     table.add_row("output", summary["output"])
-    table.add_row("shards written / kept", f"{summary['shards_written']} / "
-                  f"{summary['shards_kept']}")
+    table.add_row(
+        "shards written / kept", f"{summary['shards_written']} / {summary['shards_kept']}"
+    )
     table.add_row("bytes written this run", human(summary["bytes_written"]))
     if summary["bytes_kept"]:
         table.add_row("bytes kept from earlier runs", human(summary["bytes_kept"]))
     for shard, reason in list(summary["redone"].items())[:5]:
         table.add_row(f"redone {shard}", reason)
-    table.add_row("tensors / experts fused", f"{summary['tensors']} / "
-                  f"{summary['experts_fused']}")
+    table.add_row("tensors / experts fused", f"{summary['tensors']} / {summary['experts_fused']}")
     table.add_row("output size", human(summary["output_bytes"]))
     table.add_row("time", f"{summary['seconds']:.2f} s")
     if summary["throughput_mb_s"]:
@@ -305,31 +404,64 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
 
 @click.command()
 @click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
-@click.option("--layers", default=3, show_default=True, type=click.IntRange(1),
-              help="num_hidden_layers.")
-@click.option("--dense-layers", default=None, type=click.IntRange(0),
-              help="first_k_dense_replace: leading layers with a dense MLP and no experts "
-              "[default: 1, or 0 with --layers 1].")
-@click.option("--moe-every", default=1, show_default=True, type=click.IntRange(1),
-              help="moe_layer_freq: after the dense prefix, layer i is a MoE layer when "
-              "i %% N == 0.")
-@click.option("--experts", default=8, show_default=True, type=click.IntRange(1),
-              help="Routed experts per MoE layer (num_experts).")
-@click.option("--top-k", default=2, show_default=True, type=click.IntRange(1),
-              help="num_experts_per_token.")
-@click.option("--shards", default=3, show_default=True, type=click.IntRange(1),
-              help="Source shards to spread the tensors over.")
+@click.option(
+    "--layers", default=3, show_default=True, type=click.IntRange(1), help="num_hidden_layers."
+)
+@click.option(
+    "--dense-layers",
+    default=None,
+    type=click.IntRange(0),
+    help="first_k_dense_replace: leading layers with a dense MLP and no experts "
+    "[default: 1, or 0 with --layers 1].",
+)
+@click.option(
+    "--moe-every",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="moe_layer_freq: after the dense prefix, layer i is a MoE layer when i %% N == 0.",
+)
+@click.option(
+    "--experts",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Routed experts per MoE layer (num_experts).",
+)
+@click.option(
+    "--top-k", default=2, show_default=True, type=click.IntRange(1), help="num_experts_per_token."
+)
+@click.option(
+    "--shards",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Source shards to spread the tensors over.",
+)
 @click.option("--real-dims", is_flag=True, help="True per-expert shapes (K 3584, N 3072).")
-@click.option("--k", "k", type=click.IntRange(32), default=None,
-              help="routed_expert_hidden_size, a multiple of 32 [default: 128, 3584 with "
-              "--real-dims].")
-@click.option("--n", "n", type=click.IntRange(32), default=None,
-              help="moe_intermediate_size, a multiple of 32 [default: 64, 3072 with "
-              "--real-dims].")
-@click.option("--seed", default=0, show_default=True,
-              help="Seed of the random weights: the same seed writes the same bytes.")
-def synth(output, layers, dense_layers, moe_every, experts, top_k, shards, real_dims, k, n,
-          seed) -> None:
+@click.option(
+    "--k",
+    "k",
+    type=click.IntRange(32),
+    default=None,
+    help="routed_expert_hidden_size, a multiple of 32 [default: 128, 3584 with --real-dims].",
+)
+@click.option(
+    "--n",
+    "n",
+    type=click.IntRange(32),
+    default=None,
+    help="moe_intermediate_size, a multiple of 32 [default: 64, 3072 with --real-dims].",
+)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    help="Seed of the random weights: the same seed writes the same bytes.",
+)
+def synth(
+    output, layers, dense_layers, moe_every, experts, top_k, shards, real_dims, k, n, seed
+) -> None:
     """Write a synthetic Kimi-K3-format source checkpoint to OUT_DIR (which must be empty
     or absent): the real tensor names, dtypes, config and layout, random weights.
 
@@ -346,27 +478,48 @@ def synth(output, layers, dense_layers, moe_every, experts, top_k, shards, real_
 
     def body() -> None:
         if output.exists() and (not output.is_dir() or any(output.iterdir())):
-            raise fail(Code.OUTPUT_NOT_EMPTY, "synth writes into an empty or new directory",
-                       file=str(output.resolve()), exit_code=EXIT_USAGE,
-                       hint="choose another directory or remove this one first")
+            raise fail(
+                Code.OUTPUT_NOT_EMPTY,
+                "synth writes into an empty or new directory",
+                file=str(output.resolve()),
+                exit_code=EXIT_USAGE,
+                hint="choose another directory or remove this one first",
+            )
         kk = k or (REAL_K if real_dims else 128)
         nn = n or (REAL_N if real_dims else 64)
         if kk % 32 or nn % 32:
-            raise fail(Code.USAGE, "--k and --n must be multiples of 32 (the MXFP4 group "
-                       "size)", exit_code=EXIT_USAGE)
+            raise fail(
+                Code.USAGE,
+                "--k and --n must be multiples of 32 (the MXFP4 group size)",
+                exit_code=EXIT_USAGE,
+            )
         dense = min(1, layers - 1) if dense_layers is None else dense_layers
-        spec = SynthSpec(layers=layers, dense_layers=dense, moe_every=moe_every,
-                         experts=experts, k=kk, n=nn, top_k=min(top_k, experts), shards=shards,
-                         seed=seed, hidden=1024 if real_dims else 256)
+        spec = SynthSpec(
+            layers=layers,
+            dense_layers=dense,
+            moe_every=moe_every,
+            experts=experts,
+            k=kk,
+            n=nn,
+            top_k=min(top_k, experts),
+            shards=shards,
+            seed=seed,
+            hidden=1024 if real_dims else 256,
+        )
         if not spec.moe_layers():
-            raise fail(Code.USAGE, "no MoE layer: raise --layers or lower --dense-layers / "
-                       "--moe-every", exit_code=EXIT_USAGE)
+            raise fail(
+                Code.USAGE,
+                "no MoE layer: raise --layers or lower --dense-layers / --moe-every",
+                exit_code=EXIT_USAGE,
+            )
         started = time.perf_counter()
         info = synth_checkpoint(output, spec)
-        err.print(f"wrote {escape(str(output.resolve()))}: {info['tensors']} tensors in "
-                  f"{info['shards']} shards, {human(info['bytes'])} in "
-                  f"{time.perf_counter() - started:.1f} s (K={kk}, N={nn}, {experts} experts x "
-                  f"{len(spec.moe_layers())} MoE layers of {layers}); convert it with "
-                  "--manifest kimi-k3-any")
+        err.print(
+            f"wrote {escape(str(output.resolve()))}: {info['tensors']} tensors in "
+            f"{info['shards']} shards, {human(info['bytes'])} in "
+            f"{time.perf_counter() - started:.1f} s (K={kk}, N={nn}, {experts} experts x "
+            f"{len(spec.moe_layers())} MoE layers of {layers}); convert it with "
+            "--manifest kimi-k3-any"
+        )
 
     run_guarded(body)

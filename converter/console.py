@@ -32,8 +32,18 @@ EXIT_TERMINATED = 143
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 LINE_INTERVAL_ENV = "KIMI_W31_PROGRESS_INTERVAL"  # seconds between plain progress lines
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -65,8 +75,11 @@ def duration(seconds: float) -> str:
 
 def render_error(exc: Fatal, as_json: bool) -> None:
     if as_json:
-        out.print_json(json.dumps({"ok": False, "problems": [p.as_dict() for p in exc.problems],
-                                   "hint": exc.hint}))
+        out.print_json(
+            json.dumps(
+                {"ok": False, "problems": [p.as_dict() for p in exc.problems], "hint": exc.hint}
+            )
+        )
         return
     err.print(f"[bold red]error:[/] {escape(exc.summary())}")
     shown = exc.problems[:50]
@@ -87,8 +100,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def run_guarded(fn: Callable[[], None], as_json: bool = False,
-                interrupted: str = "interrupted.") -> None:
+def run_guarded(
+    fn: Callable[[], None], as_json: bool = False, interrupted: str = "interrupted."
+) -> None:
     """Run a command body; turn errors into messages and exit codes, never tracebacks.
 
     `interrupted` is what Ctrl-C or SIGTERM leaves behind, in the command's own words.
@@ -133,8 +147,14 @@ class Progress:
     and at each tenth of the work, then a final line. `none`: nothing. Thread-safe.
     """
 
-    def __init__(self, mode: str, label: str, total: int | None, unit: str = "bytes",
-                 interval: float | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        label: str,
+        total: int | None,
+        unit: str = "bytes",
+        interval: float | None = None,
+    ) -> None:
         self.mode = mode
         self.label = label
         self.total = total
@@ -143,8 +163,9 @@ class Progress:
         self.moved = 0  # what this run read or wrote (for the rate); `done` may include kept
         self.notes: dict[str, str] = {}
         self.started = time.monotonic()
-        self.interval = interval if interval is not None else float(
-            os.environ.get(LINE_INTERVAL_ENV, "30"))
+        self.interval = (
+            interval if interval is not None else float(os.environ.get(LINE_INTERVAL_ENV, "30"))
+        )
         self._lock = threading.Lock()
         self._next_tenth = 1
         self._last_line = self.started
@@ -155,9 +176,13 @@ class Progress:
             from rich.progress import BarColumn, TextColumn
             from rich.progress import Progress as RichProgress
 
-            self._bar = RichProgress(TextColumn(f"[bold]{escape(label)}"), BarColumn(),
-                                     TextColumn("{task.fields[status]}"), console=err,
-                                     transient=False)
+            self._bar = RichProgress(
+                TextColumn(f"[bold]{escape(label)}"),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=err,
+                transient=False,
+            )
             self._task = self._bar.add_task(label, total=total, status="")
             self._bar.start()
         elif mode == "lines":

@@ -29,8 +29,10 @@ WRAPPER_METHOD = "kimi_w31"
 FORMAT_VERSION = 1
 FORMAT_VERSIONS = (1,)
 GROUP_SIZE = 32
-SITU_CONFIG_KEYS = {"situ_beta": "activation_situ_beta",
-                    "situ_linear_beta": "activation_situ_linear_beta"}
+SITU_CONFIG_KEYS = {
+    "situ_beta": "activation_situ_beta",
+    "situ_linear_beta": "activation_situ_linear_beta",
+}
 # The fields every consumer relies on, with their only allowed values (betas: from config).
 FIXED_FIELDS: dict[str, Any] = {
     "fc1_layout": "w31",
@@ -39,7 +41,6 @@ FIXED_FIELDS: dict[str, Any] = {
     "weight_format": "mxfp4",
     "group_size": GROUP_SIZE,
 }
-REQUIRED_FIELDS = ("format_version", *FIXED_FIELDS, *SITU_CONFIG_KEYS)
 # File names of a converted checkpoint (a Hugging Face-style repo).
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -148,12 +149,24 @@ def unwrap_one(qc: Mapping) -> dict:
 def _wrapper_problems(qc: Mapping) -> list[Problem]:
     base = qc.get("base")
     if not isinstance(base, Mapping) or not isinstance(base.get("quant_method"), str):
-        return [Problem(Code.NOT_WRAPPED, f"quantization_config with quant_method "
-                        f"'{WRAPPER_METHOD}' must hold the original config under 'base' (an "
-                        "object with a 'quant_method')", file=CONFIG_NAME, found=repr(base))]
+        return [
+            Problem(
+                Code.NOT_WRAPPED,
+                f"quantization_config with quant_method "
+                f"'{WRAPPER_METHOD}' must hold the original config under 'base' (an "
+                "object with a 'quant_method')",
+                file=CONFIG_NAME,
+                found=repr(base),
+            )
+        ]
     if base["quant_method"] == WRAPPER_METHOD:
-        return [Problem(Code.NOT_WRAPPED, f"quantization_config is wrapped twice in "
-                        f"'{WRAPPER_METHOD}'", file=CONFIG_NAME)]
+        return [
+            Problem(
+                Code.NOT_WRAPPED,
+                f"quantization_config is wrapped twice in '{WRAPPER_METHOD}'",
+                file=CONFIG_NAME,
+            )
+        ]
     return []
 
 
@@ -193,36 +206,70 @@ def check_block(cfg: Any) -> list[Problem]:
         return Problem(code, what, file=CONFIG_NAME, expected=expected, found=found)
 
     if block is None:
-        return [bad(Code.BLOCK_MISSING, f"config has no '{BLOCK_KEY}' block: not a converted "
-                    "checkpoint")]
+        return [
+            bad(
+                Code.BLOCK_MISSING, f"config has no '{BLOCK_KEY}' block: not a converted checkpoint"
+            )
+        ]
     if not isinstance(block, Mapping):
-        return [bad(Code.BLOCK_FIELD, f"'{BLOCK_KEY}' must be an object", "an object",
-                    type(block).__name__)]
+        return [
+            bad(
+                Code.BLOCK_FIELD,
+                f"'{BLOCK_KEY}' must be an object",
+                "an object",
+                type(block).__name__,
+            )
+        ]
     problems = []
     version = block.get("format_version")
     if type(version) is not int or version not in FORMAT_VERSIONS:
-        problems.append(bad(Code.BLOCK_FIELD, f"{BLOCK_KEY}.format_version is not one this "
-                            "tool knows (a newer converter wrote it: upgrade kimi-w31)",
-                            " or ".join(map(str, FORMAT_VERSIONS)), repr(version)))
+        problems.append(
+            bad(
+                Code.BLOCK_FIELD,
+                f"{BLOCK_KEY}.format_version is not one this "
+                "tool knows (a newer converter wrote it: upgrade kimi-w31)",
+                " or ".join(map(str, FORMAT_VERSIONS)),
+                repr(version),
+            )
+        )
     for key, want in FIXED_FIELDS.items():
         found = block.get(key)
         if found != want or type(found) is not type(want):
-            problems.append(bad(Code.BLOCK_FIELD, f"{BLOCK_KEY}.{key} is wrong", repr(want),
-                                repr(found)))
+            problems.append(
+                bad(Code.BLOCK_FIELD, f"{BLOCK_KEY}.{key} is wrong", repr(want), repr(found))
+            )
     for key, config_key in SITU_CONFIG_KEYS.items():
         value = block.get(key)
         if not _is_number(value) or not math.isfinite(value) or value <= 0:
-            problems.append(bad(Code.BLOCK_FIELD, f"{BLOCK_KEY}.{key} is not a positive number",
-                                "a positive finite number", repr(value)))
+            problems.append(
+                bad(
+                    Code.BLOCK_FIELD,
+                    f"{BLOCK_KEY}.{key} is not a positive number",
+                    "a positive finite number",
+                    repr(value),
+                )
+            )
             continue
         in_config = config_value(cfg, config_key)
         if not _is_number(in_config) or float(in_config) != float(value):
-            problems.append(bad(Code.BLOCK_MISMATCH, f"{BLOCK_KEY}.{key} disagrees with the "
-                                f"model config's {config_key}", repr(in_config), repr(value)))
+            problems.append(
+                bad(
+                    Code.BLOCK_MISMATCH,
+                    f"{BLOCK_KEY}.{key} disagrees with the model config's {config_key}",
+                    repr(in_config),
+                    repr(value),
+                )
+            )
     act = config_value(cfg, "hidden_act")
     if act != FIXED_FIELDS["activation"]:
-        problems.append(bad(Code.BLOCK_MISMATCH, f"{BLOCK_KEY}.activation is 'situ' but the "
-                            "model config's hidden_act is not", "'situ'", repr(act)))
+        problems.append(
+            bad(
+                Code.BLOCK_MISMATCH,
+                f"{BLOCK_KEY}.activation is 'situ' but the model config's hidden_act is not",
+                "'situ'",
+                repr(act),
+            )
+        )
     return problems
 
 
@@ -236,15 +283,24 @@ def check_wrapped(cfg: Any) -> list[Problem]:
         seen += 1
         if not isinstance(qc, Mapping) or qc.get("quant_method") != WRAPPER_METHOD:
             found = qc.get("quant_method") if isinstance(qc, Mapping) else qc
-            problems.append(Problem(Code.NOT_WRAPPED, "quantization_config is not wrapped: a "
-                                    "loader without the adapter would not refuse it",
-                                    file=CONFIG_NAME, expected=repr(WRAPPER_METHOD),
-                                    found=repr(found)))
+            problems.append(
+                Problem(
+                    Code.NOT_WRAPPED,
+                    "quantization_config is not wrapped: a "
+                    "loader without the adapter would not refuse it",
+                    file=CONFIG_NAME,
+                    expected=repr(WRAPPER_METHOD),
+                    found=repr(found),
+                )
+            )
         else:
             problems.extend(_wrapper_problems(qc))
     if not seen:
-        problems.append(Problem(Code.NO_QUANTIZATION_CONFIG, "config has no "
-                                "quantization_config", file=CONFIG_NAME))
+        problems.append(
+            Problem(
+                Code.NO_QUANTIZATION_CONFIG, "config has no quantization_config", file=CONFIG_NAME
+            )
+        )
     return problems
 
 
@@ -343,9 +399,14 @@ def moe_layer_ids(cfg: Any) -> tuple[list[int], list[Problem]]:
         if value is _ABSENT:
             value = get(cfg, key, default)
         if type(value) is not int or value < minimum:
-            problems.append(Problem(Code.CONFIG_FIELD, f"config field {key} must be an integer "
-                                    f">= {minimum}", file=CONFIG_NAME, found=repr(
-                                        None if value is _ABSENT else value)))
+            problems.append(
+                Problem(
+                    Code.CONFIG_FIELD,
+                    f"config field {key} must be an integer >= {minimum}",
+                    file=CONFIG_NAME,
+                    found=repr(None if value is _ABSENT else value),
+                )
+            )
             return None
         return value
 

@@ -49,6 +49,11 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# Two header digests, on purpose: a shard's record in the checksums file hashes the first
+# `data_start` bytes (length prefix included: those bytes are the shard's); a source file's
+# identity hashes the JSON alone, as the header reader sees it.
+
+
 def shard_header_sha256(path: Path) -> str | None:
     """sha256 of a shard's header as the checksums file records it: the 8-byte length and
     the JSON after it (the first `data_start` bytes). None if it cannot be read."""
@@ -125,11 +130,13 @@ def hash_ranges(
                     progress(n)
 
 
-def crc32_of_ranges(path: Path, ranges: list[tuple[str, int, int]],
-                    stop: threading.Event | None = None,
-                    progress: Callable[[int], None] | None = None,
-                    scan: Callable[[str], bool] | None = None,
-                    ) -> tuple[dict[str, str], dict[str, ScaleScan]]:
+def crc32_of_ranges(
+    path: Path,
+    ranges: list[tuple[str, int, int]],
+    stop: threading.Event | None = None,
+    progress: Callable[[int], None] | None = None,
+    scan: Callable[[str], bool] | None = None,
+) -> tuple[dict[str, str], dict[str, ScaleScan]]:
     """CRC-32 of each named [begin, end) range of one file (and 0xFF scans where `scan`)."""
     jobs, hashes, scans = [], {}, {}
     fd = os.open(path, os.O_RDONLY)
@@ -147,3 +154,13 @@ def crc32_of_ranges(path: Path, ranges: list[tuple[str, int, int]],
     finally:
         os.close(fd)
     return {name: h.hexdigest() for name, h in hashes.items()}, scans
+
+
+def source_header_sha256(fd: int) -> str:
+    """sha256 of a source file's header JSON (after the length), as the header reader
+    records it in `ShardHeader.header_sha256`; "" if the file is too short."""
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8:
+        return ""
+    length = min(int.from_bytes(prefix, "little"), 100_000_000)
+    return sha256_bytes(os.pread(fd, length, 8))

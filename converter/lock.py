@@ -78,8 +78,9 @@ class OutputLock:
                 return False
             owner = self._owner()
             pid = owner.get("pid") if owner else None
-            if not (owner and owner.get("host") == me["host"] and type(pid) is int
-                    and not _alive(pid)):  # fmt: skip
+            if not (
+                owner and owner.get("host") == me["host"] and type(pid) is int and not _alive(pid)
+            ):
                 raise self._busy(owner)
             self.warning = f"took over a stale lock left by pid {pid} (no longer running)"
             self._hold(fd, me)

@@ -71,20 +71,32 @@ def load_manifest(name_or_path: str) -> Manifest:
     elif looks_like_path:
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise fail(Code.MANIFEST_NOT_FOUND, "manifest file not found", file=str(path),
-                       exit_code=EXIT_USAGE)
+            raise fail(
+                Code.MANIFEST_NOT_FOUND,
+                "manifest file not found",
+                file=str(path),
+                exit_code=EXIT_USAGE,
+            )
         data, label = path.read_bytes(), str(path)
     else:
-        raise fail(Code.MANIFEST_NOT_FOUND, f"unknown manifest {name_or_path!r}",
-                   expected=" or ".join(available_manifests()) + " or a path to a .json file",
-                   found=name_or_path, exit_code=EXIT_USAGE)
+        raise fail(
+            Code.MANIFEST_NOT_FOUND,
+            f"unknown manifest {name_or_path!r}",
+            expected=" or ".join(available_manifests()) + " or a path to a .json file",
+            found=name_or_path,
+            exit_code=EXIT_USAGE,
+        )
     return parse_manifest(data, label)
 
 
 def parse_manifest(data: bytes, label: str) -> Manifest:
     def bad(what: str) -> Fatal:
-        return fail(Code.MANIFEST_INVALID, f"manifest is malformed: {what}", file=label,
-                    exit_code=EXIT_USAGE)
+        return fail(
+            Code.MANIFEST_INVALID,
+            f"manifest is malformed: {what}",
+            file=label,
+            exit_code=EXIT_USAGE,
+        )
 
     try:
         raw = json.loads(data)
@@ -112,8 +124,10 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
     if not isinstance(pinned, dict):
         raise bad("'pinned' must map config fields to values")
     rules = {}
-    for section, projs in (("source_tensors", (contract.GATE, contract.UP, contract.DOWN)),
-                           ("converted_tensors", (contract.FUSED, contract.DOWN))):
+    for section, projs in (
+        ("source_tensors", (contract.GATE, contract.UP, contract.DOWN)),
+        ("converted_tensors", (contract.FUSED, contract.DOWN)),
+    ):
         table = raw[section]
         want = {f"{p}.{s}" for p in projs for s in contract.SUFFIXES}
         if not isinstance(table, dict) or set(table) != want:
@@ -122,18 +136,27 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
         rules[section] = {}
         for key, rule in table.items():
             shape = rule.get("shape") if isinstance(rule, dict) else None
-            if (not isinstance(rule, dict) or not isinstance(rule.get("dtype"), str)
-                    or not isinstance(shape, list)
-                    or not all(isinstance(t, str) and _formula_ok(t, dims) for t in shape)):
-                raise bad(f"'{section}.{key}' must be {{\"dtype\": str, \"shape\": [formula, "
-                          "...]}} with formulas like N, 2*N, K/32 over the symbols in 'dims'")
+            if (
+                not isinstance(rule, dict)
+                or not isinstance(rule.get("dtype"), str)
+                or not isinstance(shape, list)
+                or not all(isinstance(t, str) and _formula_ok(t, dims) for t in shape)
+            ):
+                raise bad(
+                    f'\'{section}.{key}\' must be {{"dtype": str, "shape": [formula, '
+                    "...]}} with formulas like N, 2*N, K/32 over the symbols in 'dims'"
+                )
             rules[section][key] = TensorRule(rule["dtype"], tuple(shape))
     if not isinstance(raw["name"], str):
         raise bad("'name' must be a string")
     return Manifest(
-        name=raw["name"], sha256=hashlib.sha256(data).hexdigest(), dims=dict(dims),
-        source_tensors=rules["source_tensors"], converted_tensors=rules["converted_tensors"],
-        situ_beta=float(situ["beta"]), situ_linear_beta=float(situ["linear_beta"]),
+        name=raw["name"],
+        sha256=hashlib.sha256(data).hexdigest(),
+        dims=dict(dims),
+        source_tensors=rules["source_tensors"],
+        converted_tensors=rules["converted_tensors"],
+        situ_beta=float(situ["beta"]),
+        situ_linear_beta=float(situ["linear_beta"]),
         pinned=dict(pinned),
     )
 
@@ -170,39 +193,70 @@ def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]
     for symbol, key in manifest.dims.items():
         value = contract.config_value(config, key)
         if type(value) is not int or value <= 0:
-            problems.append(Problem(Code.CONFIG_FIELD, f"config field {key} is missing or not "
-                                    "a positive integer", file=contract.CONFIG_NAME,
-                                    found=repr(value)))
+            problems.append(
+                Problem(
+                    Code.CONFIG_FIELD,
+                    f"config field {key} is missing or not a positive integer",
+                    file=contract.CONFIG_NAME,
+                    found=repr(value),
+                )
+            )
         else:
             values[symbol] = value
     for key, pinned in manifest.pinned.items():
         value = contract.config_value(config, key)
         if value != pinned:
-            problems.append(Problem(Code.PINNED_MISMATCH, f"config field {key} does not match "
-                                    f"manifest {manifest.name}", file=contract.CONFIG_NAME,
-                                    expected=repr(pinned), found=repr(value)))
+            problems.append(
+                Problem(
+                    Code.PINNED_MISMATCH,
+                    f"config field {key} does not match manifest {manifest.name}",
+                    file=contract.CONFIG_NAME,
+                    expected=repr(pinned),
+                    found=repr(value),
+                )
+            )
     for symbol in ("K", "N"):
         value = values.get(symbol)
         if value is not None and value % manifest.group_size:
-            problems.append(Problem(Code.CONFIG_FIELD, f"{manifest.dims[symbol]} is not a "
-                                    f"multiple of the MXFP4 group size {manifest.group_size}",
-                                    file=contract.CONFIG_NAME, found=str(value)))
+            problems.append(
+                Problem(
+                    Code.CONFIG_FIELD,
+                    f"{manifest.dims[symbol]} is not a "
+                    f"multiple of the MXFP4 group size {manifest.group_size}",
+                    file=contract.CONFIG_NAME,
+                    found=str(value),
+                )
+            )
     problems.extend(check_situ_config(manifest, config))
     return Dims(values), problems
 
 
 def check_situ_config(manifest: Manifest, config: dict) -> list[Problem]:
     problems = []
-    for field_name, want in (("situ_beta", manifest.situ_beta),
-                             ("situ_linear_beta", manifest.situ_linear_beta)):
+    for field_name, want in (
+        ("situ_beta", manifest.situ_beta),
+        ("situ_linear_beta", manifest.situ_linear_beta),
+    ):
         key = contract.SITU_CONFIG_KEYS[field_name]
         value = contract.config_value(config, key)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            problems.append(Problem(Code.SITU_MISMATCH, f"config has no numeric {key}",
-                                    file=contract.CONFIG_NAME, expected=repr(want),
-                                    found=repr(value)))
+            problems.append(
+                Problem(
+                    Code.SITU_MISMATCH,
+                    f"config has no numeric {key}",
+                    file=contract.CONFIG_NAME,
+                    expected=repr(want),
+                    found=repr(value),
+                )
+            )
         elif float(value) != want:
-            problems.append(Problem(Code.SITU_MISMATCH, f"{key} does not match manifest "
-                                    f"{manifest.name}", file=contract.CONFIG_NAME,
-                                    expected=repr(want), found=repr(value)))
+            problems.append(
+                Problem(
+                    Code.SITU_MISMATCH,
+                    f"{key} does not match manifest {manifest.name}",
+                    file=contract.CONFIG_NAME,
+                    expected=repr(want),
+                    found=repr(value),
+                )
+            )
     return problems

@@ -38,8 +38,11 @@ from .lock import OutputLock
 STATE_DIR = ".kimi_w31"
 _LOCK, _LEDGER, _JOURNAL, _TMP = "lock", "ledger.jsonl", "journal.jsonl", "tmp"
 CHECKSUMS_FORMAT = 1
-_FAULT_LABELS = {CHECKSUMS_NAME: "finalize.checksums", CONFIG_NAME: "finalize.config",
-                 INDEX_NAME: "finalize.index"}
+_FAULT_LABELS = {
+    CHECKSUMS_NAME: "finalize.checksums",
+    CONFIG_NAME: "finalize.config",
+    INDEX_NAME: "finalize.index",
+}
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
@@ -62,13 +65,18 @@ class ShardRecord:
         if not isinstance(data, dict):
             return None
         try:
-            record = cls(data["shard"], data["size"], data["header_sha256"], data["tensors"],
-                         data["sources"])
+            record = cls(
+                data["shard"], data["size"], data["header_sha256"], data["tensors"], data["sources"]
+            )
         except (KeyError, TypeError):
             return None
-        ok = (isinstance(record.shard, str) and type(record.size) is int
-              and isinstance(record.header_sha256, str) and isinstance(record.tensors, dict)
-              and isinstance(record.sources, dict))
+        ok = (
+            isinstance(record.shard, str)
+            and type(record.size) is int
+            and isinstance(record.header_sha256, str)
+            and isinstance(record.tensors, dict)
+            and isinstance(record.sources, dict)
+        )
         return record if ok else None
 
 
@@ -184,8 +192,11 @@ class OutputDir:
         """Take the lock, then make the directory this run's (or refuse). Returns the mode;
         `self.ledger` holds the records of shards an earlier run finished."""
         if self.root.exists() and not self.root.is_dir():
-            raise fail(Code.OUTPUT_NOT_DIRECTORY, "output path exists and is not a directory",
-                       file=str(self.root))
+            raise fail(
+                Code.OUTPUT_NOT_DIRECTORY,
+                "output path exists and is not a directory",
+                file=str(self.root),
+            )
         self._make_dir(self.root)
         self._make_dir(self.state)
         self._lock = OutputLock(self.state / _LOCK)
@@ -213,19 +224,30 @@ class OutputDir:
         if entries:
             foreign = self._foreign(entries)
             if not force:
-                hint = ("pass --force to replace the files kimi-convert wrote there, or choose "
-                        "another directory" if not foreign else "choose another directory: "
-                        "this one holds files kimi-convert has no record of writing")
-                raise fail(Code.OUTPUT_NOT_EMPTY, "output directory is not empty and is not "
-                           "a resumable run of this conversion", file=str(self.root), hint=hint)
+                hint = (
+                    "pass --force to replace the files kimi-convert wrote there, or choose "
+                    "another directory"
+                    if not foreign
+                    else "choose another directory: "
+                    "this one holds files kimi-convert has no record of writing"
+                )
+                raise fail(
+                    Code.OUTPUT_NOT_EMPTY,
+                    "output directory is not empty and is not a resumable run of this conversion",
+                    file=str(self.root),
+                    hint=hint,
+                )
             if foreign:
                 shown = ", ".join(str(p.relative_to(self.root)) for p in foreign[:5])
                 more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-                raise fail(Code.FOREIGN_OUTPUT, "--force only removes files kimi-convert's own "
-                           "records (its ledger, journal or checksums file in this directory) "
-                           "say it wrote, unchanged since; these are not: " + shown + more,
-                           file=str(self.root), hint="move them out or choose another "
-                           "output directory; nothing was deleted")
+                raise fail(
+                    Code.FOREIGN_OUTPUT,
+                    "--force only removes files kimi-convert's own "
+                    "records (its ledger, journal or checksums file in this directory) "
+                    "say it wrote, unchanged since; these are not: " + shown + more,
+                    file=str(self.root),
+                    hint="move them out or choose another output directory; nothing was deleted",
+                )
             self._remove_ours(entries)
         for path in self.state.iterdir():  # another plan's ledger and temporaries
             if path.name != _LOCK:
@@ -254,15 +276,21 @@ class OutputDir:
         recorded = self._recorded()
         foreign = []
         for entry in entries:
-            paths = [entry] if entry.is_symlink() or not entry.is_dir() else sorted(
-                p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir())
+            paths = (
+                [entry]
+                if entry.is_symlink() or not entry.is_dir()
+                else sorted(p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir())
+            )
             for path in paths:
                 rel = str(path.relative_to(self.root))
                 want = recorded.get(rel)
-                if want is None or path.is_symlink() or not path.is_file():
-                    foreign.append(path)
-                elif path.stat().st_size != want[0] or (
-                        want[1] is not None and shard_header_sha256(path) != want[1]):
+                if (
+                    want is None
+                    or path.is_symlink()
+                    or not path.is_file()
+                    or path.stat().st_size != want[0]
+                    or (want[1] is not None and shard_header_sha256(path) != want[1])
+                ):
                     foreign.append(path)
         return foreign
 
@@ -304,10 +332,14 @@ class OutputDir:
     def check_free_space(self, needed: int) -> None:
         free = shutil.disk_usage(self.root).free
         if needed > free:
-            raise fail(Code.NO_SPACE, "not enough free space for the output",
-                       file=str(self.root), expected=f"{needed} bytes free",
-                       found=f"{free} bytes free", hint="free space or choose another output "
-                       "directory; --dry-run shows the size")
+            raise fail(
+                Code.NO_SPACE,
+                "not enough free space for the output",
+                file=str(self.root),
+                expected=f"{needed} bytes free",
+                found=f"{free} bytes free",
+                hint="free space or choose another output directory; --dry-run shows the size",
+            )
 
     # -- finishing -------------------------------------------------------------------------
     def finalize(self, files: list[FinalFile]) -> int:
@@ -315,14 +347,24 @@ class OutputDir:
         (re)written. Refuses while anything else lies in the directory."""
         expected = {f.name for f in files} | set(self.ledger.done if self.ledger else ())
         entries = [p for p in self.root.iterdir() if p.name != STATE_DIR]
-        strays = [p for p in self._all_files(entries)
-                  if str(p.relative_to(self.root)) not in expected]
+        strays = [
+            p for p in self._all_files(entries) if str(p.relative_to(self.root)) not in expected
+        ]
         if strays:
-            raise Fatal([Problem(Code.FOREIGN_OUTPUT, "file in the output directory that this "
-                                 "conversion did not write; the output is not finalized while "
-                                 "it is there", file=str(p)) for p in strays[:20]],
-                        hint="move it out of the output directory, then rerun the same "
-                        "command: finished shards are kept")
+            raise Fatal(
+                [
+                    Problem(
+                        Code.FOREIGN_OUTPUT,
+                        "file in the output directory that this "
+                        "conversion did not write; the output is not finalized while "
+                        "it is there",
+                        file=str(p),
+                    )
+                    for p in strays[:20]
+                ],
+                hint="move it out of the output directory, then rerun the same "
+                "command: finished shards are kept",
+            )
         rewritten = 0
         index = [f for f in files if f.name == INDEX_NAME]
         for group in ([f for f in files if f.name != INDEX_NAME], index):
@@ -356,8 +398,11 @@ class OutputDir:
 
     def _write_final(self, path: Path, f: FinalFile) -> None:
         if not _inside(self.root, path):  # a symlinked folder must not lead writes elsewhere
-            raise fail(Code.LINK_ESCAPES, "output path leads outside the output directory (a "
-                       "symlink?)", file=str(path))
+            raise fail(
+                Code.LINK_ESCAPES,
+                "output path leads outside the output directory (a symlink?)",
+                file=str(path),
+            )
         self._make_dir(path.parent)
         tmp = self.tmp / (path.name + ".partial")
         try:
@@ -372,10 +417,12 @@ class OutputDir:
                             digest.update(chunk)
                             out.write(chunk)
                     if digest.hexdigest() != f.sha256:
-                        raise fail(Code.SOURCE_CHANGED, "source file changed while it was "
-                                   "being copied", file=str(f.copy_from),
-                                   hint=self.resume_hint("make sure nothing writes to the "
-                                                         "source"))
+                        raise fail(
+                            Code.SOURCE_CHANGED,
+                            "source file changed while it was being copied",
+                            file=str(f.copy_from),
+                            hint=self.resume_hint("make sure nothing writes to the source"),
+                        )
                 out.flush()
                 os.fsync(out.fileno())
             os.chmod(tmp, 0o644)
@@ -392,16 +439,28 @@ class OutputDir:
         name = path if path is not None else exc.filename
         file = None if name is None else os.fsdecode(name)
         if not self.state.is_dir():
-            return fail(Code.STATE_LOST, f"the state folder {self.state} was removed during the "
-                        "run: there is no longer a record of what this run wrote", file=file,
-                        hint="remove the output directory's contents yourself (or choose "
-                        "another directory), then run the conversion again")
+            return fail(
+                Code.STATE_LOST,
+                f"the state folder {self.state} was removed during the "
+                "run: there is no longer a record of what this run wrote",
+                file=file,
+                hint="remove the output directory's contents yourself (or choose "
+                "another directory), then run the conversion again",
+            )
         if exc.errno in SPACE_ERRNOS:
-            return fail(Code.NO_SPACE, "no space left on the device (or file size limit "
-                        "reached)", file=file, found=os.strerror(exc.errno),
-                        hint=self.resume_hint("free some space"))
-        return fail(Code.IO_ERROR, f"I/O error: {exc.strerror or exc}", file=file,
-                    hint=self.resume_hint("fix the cause"))
+            return fail(
+                Code.NO_SPACE,
+                "no space left on the device (or file size limit reached)",
+                file=file,
+                found=os.strerror(exc.errno),
+                hint=self.resume_hint("free some space"),
+            )
+        return fail(
+            Code.IO_ERROR,
+            f"I/O error: {exc.strerror or exc}",
+            file=file,
+            hint=self.resume_hint("fix the cause"),
+        )
 
     def resume_hint(self, first: str) -> str:
         done = len(self.ledger.done) if self.ledger else 0
@@ -429,17 +488,26 @@ class OutputDir:
                         path.rmdir()  # only if empty
 
 
-def checksums_document(fingerprint: str, records: list[ShardRecord],
-                       others: list[FinalFile]) -> bytes:
+def checksums_document(
+    fingerprint: str, records: list[ShardRecord], others: list[FinalFile]
+) -> bytes:
     """`kimi_w31.checksums.json`: every shard's record, and size + sha256 of every other file."""
     files: dict[str, dict] = {}
     for r in records:
-        files[r.shard] = {"size": r.size, "header_sha256": r.header_sha256,
-                          "tensors": r.tensors, "sources": r.sources}
+        files[r.shard] = {
+            "size": r.size,
+            "header_sha256": r.header_sha256,
+            "tensors": r.tensors,
+            "sources": r.sources,
+        }
     for f in others:
         files[f.name] = {"size": f.size, "sha256": f.sha256}
-    doc = {"format_version": CHECKSUMS_FORMAT, "tensor_checksum": TENSOR_HASH,
-           "plan_fingerprint": fingerprint, "files": files}
+    doc = {
+        "format_version": CHECKSUMS_FORMAT,
+        "tensor_checksum": TENSOR_HASH,
+        "plan_fingerprint": fingerprint,
+        "files": files,
+    }
     return (json.dumps(doc) + "\n").encode()
 
 

@@ -17,13 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-
 from . import contract
 from .errors import EXIT_USAGE, Code, Fatal, Problem, fail
 from .execute import Executor
 from .execute.local import LocalExecutor
-from .execute.shard import Hooks, Job, Outcome, ShardOutcome, SourceChanged, SourceFiles
-from .execute.shard import why_not_kept
+from .execute.shard import (
+    Hooks,
+    Job,
+    Outcome,
+    ShardOutcome,
+    SourceChanged,
+    SourceFiles,
+    why_not_kept,
+)
 from .hashing import sha256_bytes, sha256_file
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
 from .outdir import FinalFile, Mode, OutputDir, checksums_document
@@ -84,8 +90,11 @@ class ConvertResult:
     @property
     def already_complete(self) -> bool:
         """A rerun on a finished output that proved it and changed nothing."""
-        return (self.mode is Mode.RECHECK and not self.count(Outcome.WRITTEN)
-                and not self.files_rewritten)
+        return (
+            self.mode is Mode.RECHECK
+            and not self.count(Outcome.WRITTEN)
+            and not self.files_rewritten
+        )
 
     def summary(self) -> dict:
         p = self.plan
@@ -116,7 +125,8 @@ class ConvertResult:
             "seconds": round(self.seconds, 3),
             # Only what this run moved: bytes kept from an earlier run cost no time here.
             "throughput_mb_s": round(self.bytes_written / self.seconds / 1e6, 1)
-            if self.seconds and self.bytes_written else None,
+            if self.seconds and self.bytes_written
+            else None,
             "warnings": self.warnings,
         }
         return out
@@ -135,15 +145,24 @@ class Reporter:
 def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
     """Resolve, read headers, validate, plan: no writes. Raises with every problem."""
     if opts.max_shard_size <= 0:
-        raise fail(Code.USAGE, "--max-shard-size must be positive", exit_code=EXIT_USAGE,
-                   found=str(opts.max_shard_size))
+        raise fail(
+            Code.USAGE,
+            "--max-shard-size must be positive",
+            exit_code=EXIT_USAGE,
+            found=str(opts.max_shard_size),
+        )
     manifest = load_manifest(opts.manifest)
     root = opts.origin.resolve(opts.source, opts.revision)
     out = opts.out.expanduser().resolve()
     if out == root or root in out.parents:
-        raise fail(Code.OUTPUT_INSIDE_SOURCE, "output directory is the source or inside it",
-                   file=str(out), expected="a directory outside the source", found=str(root),
-                   exit_code=EXIT_USAGE)
+        raise fail(
+            Code.OUTPUT_INSIDE_SOURCE,
+            "output directory is the source or inside it",
+            file=str(out),
+            expected="a directory outside the source",
+            found=str(root),
+            exit_code=EXIT_USAGE,
+        )
     # Half a million small objects: the cyclic GC would rescan them all, over and over,
     # while nothing here forms a cycle. Pausing it (here only) cuts planning time by ~40%.
     gc_was_enabled = gc.isenabled()
@@ -154,8 +173,10 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
         if problems:
             hint = None
             if manifest.pinned:
-                hint = (f"the checkpoint does not match manifest '{manifest.name}'; for "
-                        "scaled-down or modified checkpoints pass --manifest kimi-k3-any")
+                hint = (
+                    f"the checkpoint does not match manifest '{manifest.name}'; for "
+                    "scaled-down or modified checkpoints pass --manifest kimi-k3-any"
+                )
             raise Fatal(problems, hint=hint)
         plan = plan_conversion(source, table, opts.max_shard_size, __version__, manifest.sha256)
     finally:
@@ -190,8 +211,12 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
 
 def _as_fatal(exc: BaseException, out: OutputDir) -> Fatal | None:
     if isinstance(exc, SourceChanged):
-        return fail(Code.SOURCE_CHANGED, f"source file {exc.detail}", file=exc.file,
-                    hint=out.resume_hint("make sure nothing writes to the source"))
+        return fail(
+            Code.SOURCE_CHANGED,
+            f"source file {exc.detail}",
+            file=exc.file,
+            hint=out.resume_hint("make sure nothing writes to the source"),
+        )
     if isinstance(exc, OSError):  # disk full, permissions, I/O errors: say which file
         return out.io_error(exc)
     return None
@@ -221,8 +246,15 @@ def preview(out: OutputDir, plan: Plan, sources: SourceFiles, rehash: bool) -> P
     return result
 
 
-def _run(opts: ConvertOptions, out: OutputDir, plan: Plan, sources: SourceFiles,
-         final: list[FinalFile], reporter: Reporter, result: ConvertResult) -> None:
+def _run(
+    opts: ConvertOptions,
+    out: OutputDir,
+    plan: Plan,
+    sources: SourceFiles,
+    final: list[FinalFile],
+    reporter: Reporter,
+    result: ConvertResult,
+) -> None:
     result.mode = out.claim(plan.fingerprint, opts.force)
     for warning in out.warnings:
         result.warnings.append(warning)
@@ -238,10 +270,12 @@ def _run(opts: ConvertOptions, out: OutputDir, plan: Plan, sources: SourceFiles,
             result.outcomes.append(outcome)
         reporter.shard_done(outcome)
 
-    hooks = Hooks(on_bytes=reporter.advance, on_scale_nan=scale_problems.append,
-                  before_write=out.begin_writes)
-    job = Job(sources, out.root, out.tmp, hooks=hooks, check_scales=opts.check_scales,
-              rehash=opts.rehash)
+    hooks = Hooks(
+        on_bytes=reporter.advance, on_scale_nan=scale_problems.append, before_write=out.begin_writes
+    )
+    job = Job(
+        sources, out.root, out.tmp, hooks=hooks, check_scales=opts.check_scales, rehash=opts.rehash
+    )
     reporter.start(plan.output_bytes, len(plan.shards))
     started = time.perf_counter()
     try:
@@ -249,13 +283,18 @@ def _run(opts: ConvertOptions, out: OutputDir, plan: Plan, sources: SourceFiles,
     finally:
         reporter.stop()
     if scale_problems:
-        raise Fatal(scale_problems, hint="the source has NaN scales; nothing was finalized "
-                    "(no index written)")
+        raise Fatal(
+            scale_problems,
+            hint="the source has NaN scales; nothing was finalized (no index written)",
+        )
     records = [ledger.done[s.name] for s in plan.shards]
     others = [f for f in final if f.name != contract.CHECKSUMS_NAME]
     checksums = checksums_document(plan.fingerprint, records, others)
-    final = [*others[:-2], FinalFile(contract.CHECKSUMS_NAME, len(checksums),
-                                     sha256_bytes(checksums), data=checksums), *others[-2:]]
+    final = [
+        *others[:-2],
+        FinalFile(contract.CHECKSUMS_NAME, len(checksums), sha256_bytes(checksums), data=checksums),
+        *others[-2:],
+    ]
     result.files_rewritten = out.finalize(final)
     result.seconds = time.perf_counter() - started
     out.release(finished=True)
@@ -264,20 +303,40 @@ def _run(opts: ConvertOptions, out: OutputDir, plan: Plan, sources: SourceFiles,
 def final_files(source: Source, plan: Plan, manifest: Manifest) -> list[FinalFile]:
     """The source's other files, then config.json and the index (always the last two),
     computed before any write."""
-    identity = {"path": str(source.root),
-                "files": {f: {"size": h.file_size, "header_sha256": h.header_sha256}
-                          for f, h in sorted(source.headers.items())}}
-    situ = {k: float(contract.config_value(source.config, v))
-            for k, v in contract.SITU_CONFIG_KEYS.items()}
-    block = contract.make_block(**situ, converter=f"kimi-w31 {__version__}",
-                                manifest=manifest.name, manifest_sha256=manifest.sha256,
-                                source=identity, dims=plan.dims.values)
+    identity = {
+        "path": str(source.root),
+        "files": {
+            f: {"size": h.file_size, "header_sha256": h.header_sha256}
+            for f, h in sorted(source.headers.items())
+        },
+    }
+    situ = {
+        k: float(contract.config_value(source.config, v))
+        for k, v in contract.SITU_CONFIG_KEYS.items()
+    }
+    block = contract.make_block(
+        **situ,
+        converter=f"kimi-w31 {__version__}",
+        manifest=manifest.name,
+        manifest_sha256=manifest.sha256,
+        source=identity,
+        dims=plan.dims.values,
+    )
     config = contract.converted_config(source.config, block)
     index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map()}
-    files = [FinalFile(rel, (source.root / rel).stat().st_size, sha256_file(source.root / rel),
-                       copy_from=source.root / rel) for rel in source.extra_files]
-    for name, doc in ((contract.CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False)),
-                      (contract.INDEX_NAME, json.dumps(index, indent=2))):
+    files = [
+        FinalFile(
+            rel,
+            (source.root / rel).stat().st_size,
+            sha256_file(source.root / rel),
+            copy_from=source.root / rel,
+        )
+        for rel in source.extra_files
+    ]
+    for name, doc in (
+        (contract.CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False)),
+        (contract.INDEX_NAME, json.dumps(index, indent=2)),
+    ):
         data = (doc + "\n").encode()
         files.append(FinalFile(name, len(data), sha256_bytes(data), data=data))
     return files

@@ -90,9 +90,14 @@ def shard_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def plan_conversion(source: Source, table: ExpertTable, max_shard_size: int,
-                    tool_version: str = "", manifest_sha256: str = "",
-                    max_header: int = MAX_SHARD_HEADER) -> Plan:
+def plan_conversion(
+    source: Source,
+    table: ExpertTable,
+    max_shard_size: int,
+    tool_version: str = "",
+    manifest_sha256: str = "",
+    max_header: int = MAX_SHARD_HEADER,
+) -> Plan:
     """Lay out every output tensor and shard of a validated source."""
     outputs = output_tensors(source, table)
     shards = pack_shards(outputs, max_shard_size, max_header)
@@ -127,8 +132,9 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
             if role is None:
                 length = info.end - info.begin
                 piece = new(piece_cls, (file, info.begin, length))
-                outputs.append(new(tensor_cls, (info.name, info.dtype, info.shape, (piece,),
-                                                length)))
+                outputs.append(
+                    new(tensor_cls, (info.name, info.dtype, info.shape, (piece,), length))
+                )
                 continue
             w31, is_up = role
             first = waiting.pop(w31, None)
@@ -149,8 +155,11 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
             shape = (up.shape[0] + gate.shape[0], *up.shape[1:])
             outputs[slot] = new(tensor_cls, (w31, up.dtype, shape, pieces, up_len + gate_len))
     if waiting:  # validation reports a missing partner first; this is a programming error
-        raise fail(Code.EXPERT_PARTNER_MISSING, "w1/w3 half without its partner",
-                   tensor=next(iter(waiting)))
+        raise fail(
+            Code.EXPERT_PARTNER_MISSING,
+            "w1/w3 half without its partner",
+            tensor=next(iter(waiting)),
+        )
     return outputs  # type: ignore[return-value]  # every slot is filled
 
 
@@ -167,8 +176,9 @@ def header_entry_bound(t: OutputTensor) -> int:
     return size + len(t.dtype) + 21 * len(t.shape) + 96
 
 
-def pack_shards(tensors: list[OutputTensor], max_shard_size: int,
-                max_header: int = MAX_SHARD_HEADER) -> list[OutputShard]:
+def pack_shards(
+    tensors: list[OutputTensor], max_shard_size: int, max_header: int = MAX_SHARD_HEADER
+) -> list[OutputShard]:
     """Greedy, order-preserving: a new shard starts when the next tensor would overflow the
     data size or the header bound. A tensor larger than the limit gets a shard of its own
     (as huggingface_hub does)."""
@@ -188,15 +198,18 @@ def pack_shards(tensors: list[OutputTensor], max_shard_size: int,
         shard = OutputShard(shard_name(i, count), group)
         shard.header = build_header(group)  # OutputTensor has HeaderEntry's fields
         if len(shard.header) - 8 > MAX_HEADER_BYTES:  # unreachable through the bound above
-            raise fail(Code.OUTPUT_HEADER_TOO_LARGE, "planned shard header exceeds the "
-                       "safetensors limit", file=shard.name, expected=f"<= {MAX_HEADER_BYTES}",
-                       found=str(len(shard.header) - 8))
+            raise fail(
+                Code.OUTPUT_HEADER_TOO_LARGE,
+                "planned shard header exceeds the safetensors limit",
+                file=shard.name,
+                expected=f"<= {MAX_HEADER_BYTES}",
+                found=str(len(shard.header) - 8),
+            )
         shards.append(shard)
     return shards
 
 
-def plan_fingerprint(plan: Plan, source: Source, manifest_sha256: str,
-                     tool_version: str) -> str:
+def plan_fingerprint(plan: Plan, source: Source, manifest_sha256: str, tool_version: str) -> str:
     """Identity of (tool, manifest, source files, layout): a resume must match it exactly."""
     h = hashlib.sha256()
     ident = {
@@ -209,4 +222,3 @@ def plan_fingerprint(plan: Plan, source: Source, manifest_sha256: str,
     for s in plan.shards:
         h.update(s.header)
     return h.hexdigest()
-

@@ -12,7 +12,6 @@ bytes for a list of tensors whose data the executor then streams in order.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -24,17 +23,34 @@ from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from .errors import Code, Fatal, Problem, fail
+from .hashing import sha256_bytes
 
 MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGN = 8
 
 # Bits per element of every dtype safetensors knows (F4/F6 pack below one byte).
 DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}  # fmt: skip
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
 
 
 class TensorInfo(NamedTuple):
@@ -102,7 +118,7 @@ def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
         parsed = _parse_strict(file, text, data_start)
     tensors, metadata = parsed
     tensors = _check_tiling(file, tensors, data_start, file_size)
-    digest = hashlib.sha256(raw).hexdigest()
+    digest = sha256_bytes(raw)
     return ShardHeader(file, file_size, data_start, tensors, metadata, digest)
 
 
@@ -178,7 +194,9 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
     try:
         doc = json.loads(text, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as exc:
-        raise fail(Code.HEADER_DUPLICATE_KEY, f"header has duplicate key {exc.key!r}", file=file) from None
+        raise fail(
+            Code.HEADER_DUPLICATE_KEY, f"header has duplicate key {exc.key!r}", file=file
+        ) from None
     except (ValueError, RecursionError) as exc:  # also ints beyond Python's digit limit
         raise fail(Code.HEADER_NOT_JSON, f"header is not valid JSON ({exc})", file=file) from None
     if not isinstance(doc, dict):
@@ -201,10 +219,21 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
             continue
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-            bad(Code.HEADER_DTYPE, "unknown dtype", name, expected="a safetensors dtype", found=repr(dtype))
+            bad(
+                Code.HEADER_DTYPE,
+                "unknown dtype",
+                name,
+                expected="a safetensors dtype",
+                found=repr(dtype),
+            )
             continue
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            bad(Code.HEADER_SHAPE, "shape must be a list of non-negative integers", name, found=repr(shape))
+            bad(
+                Code.HEADER_SHAPE,
+                "shape must be a list of non-negative integers",
+                name,
+                found=repr(shape),
+            )
             continue
         if (
             not isinstance(offsets, list)
@@ -215,7 +244,12 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
             continue
         begin, end = offsets
         if begin < 0 or end < begin:
-            bad(Code.HEADER_OFFSETS, "data_offsets out of order or negative", name, found=repr(offsets))
+            bad(
+                Code.HEADER_OFFSETS,
+                "data_offsets out of order or negative",
+                name,
+                found=repr(offsets),
+            )
             continue
         want = tensor_nbytes(dtype, shape)
         if end - begin != want:
@@ -258,14 +292,23 @@ def _check_tiling(
         if info.begin != cursor:
             overlap = info.begin < cursor
             kind = "overlaps the previous tensor" if overlap else "leaves a gap"
-            problems.append(Problem(
-                Code.HEADER_OVERLAP if overlap else Code.HEADER_GAP, f"data_offsets {kind}", file=file, tensor=info.name,
-                expected=f"start at {cursor - data_start}", found=str(info.begin - data_start),
-            ))  # fmt: skip
+            problems.append(
+                Problem(
+                    Code.HEADER_OVERLAP if overlap else Code.HEADER_GAP,
+                    f"data_offsets {kind}",
+                    file=file,
+                    tensor=info.name,
+                    expected=f"start at {cursor - data_start}",
+                    found=str(info.begin - data_start),
+                )
+            )
         cursor = max(cursor, info.end)
     if cursor != file_size and not problems:
-        code, what = ((Code.FILE_TRUNCATED, "file is truncated") if cursor > file_size
-                      else (Code.FILE_TRAILING_BYTES, "file has trailing bytes"))
+        code, what = (
+            (Code.FILE_TRUNCATED, "file is truncated")
+            if cursor > file_size
+            else (Code.FILE_TRAILING_BYTES, "file has trailing bytes")
+        )
         problems.append(
             Problem(code, what, file=file, expected=f"{cursor} bytes", found=f"{file_size} bytes")
         )
@@ -299,17 +342,32 @@ def read_header_bytes(path: str | os.PathLike[str], name: str) -> tuple[bytes, i
 def check_header_length(name: str, prefix: bytes, file_size: int) -> int:
     """The header length the 8-byte prefix gives, checked against the limit and the file."""
     if len(prefix) < 8:
-        raise fail(Code.HEADER_TOO_SMALL, "file too small for a safetensors header", file=name,
-                   expected="at least 8 bytes", found=f"{file_size} bytes")
+        raise fail(
+            Code.HEADER_TOO_SMALL,
+            "file too small for a safetensors header",
+            file=name,
+            expected="at least 8 bytes",
+            found=f"{file_size} bytes",
+        )
     (length,) = struct.unpack("<Q", prefix[:8])
     if length == 0:
         raise fail(Code.HEADER_LENGTH_ZERO, "header length is 0", file=name)
     if length > MAX_HEADER_BYTES:
-        raise fail(Code.HEADER_TOO_LARGE, "header length exceeds the 100 MB limit", file=name,
-                   expected=f"<= {MAX_HEADER_BYTES}", found=str(length))
+        raise fail(
+            Code.HEADER_TOO_LARGE,
+            "header length exceeds the 100 MB limit",
+            file=name,
+            expected=f"<= {MAX_HEADER_BYTES}",
+            found=str(length),
+        )
     if 8 + length > file_size:
-        raise fail(Code.HEADER_BEYOND_FILE, "header length is larger than the file", file=name,
-                   expected=f"<= {file_size - 8}", found=str(length))
+        raise fail(
+            Code.HEADER_BEYOND_FILE,
+            "header length is larger than the file",
+            file=name,
+            expected=f"<= {file_size - 8}",
+            found=str(length),
+        )
     return length
 
 

@@ -45,8 +45,7 @@ class SynthSpec:
 
     def moe_layers(self) -> list[int]:
         """The contract's MoE-layer rule applied to this spec."""
-        return [i for i in range(self.layers)
-                if i >= self.dense_layers and i % self.moe_every == 0]
+        return [i for i in range(self.layers) if i >= self.dense_layers and i % self.moe_every == 0]
 
 
 def quantization_config() -> dict:
@@ -60,20 +59,29 @@ def quantization_config() -> dict:
                 "format": "mxfp4-pack-quantized",
                 "targets": ["Linear"],
                 "weights": {
-                    "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                    "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8",
+                    "num_bits": 4,
+                    "type": "float",
+                    "strategy": "group",
+                    "group_size": 32,
+                    "symmetric": True,
+                    "dynamic": False,
+                    "scale_dtype": "torch.uint8",
                 },
                 "input_activations": None,
                 "output_activations": None,
             }
         },
-        "ignore": ["re:.*self_attn.*", "re:.*mlp.gate$", "re:.*shared_experts.*",
-                   "language_model.lm_head"],
+        "ignore": [
+            "re:.*self_attn.*",
+            "re:.*mlp.gate$",
+            "re:.*shared_experts.*",
+            "language_model.lm_head",
+        ],
         "kv_cache_scheme": None,
         "sparsity_config": {},
         "transform_config": {},
         "version": "0.20.0",
-    }  # fmt: skip
+    }
 
 
 def make_config(spec: SynthSpec) -> dict:
@@ -171,8 +179,11 @@ def tensor_specs(spec: SynthSpec) -> list[tuple[str, str, tuple[int, ...]]]:
         out.append((f"{p}.post_attention_layernorm.weight", "BF16", (h,)))
         if layer not in moe:  # a dense MLP (gate_proj/up_proj/down_proj), no experts
             inter = spec.hidden * 2
-            for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)),
-                                ("down_proj", (h, inter))):
+            for proj, shape in (
+                ("gate_proj", (inter, h)),
+                ("up_proj", (inter, h)),
+                ("down_proj", (h, inter)),
+            ):
                 out.append((f"{p}.mlp.{proj}.weight", "BF16", shape))
             continue
         out.append((f"{p}.mlp.gate.weight", "F32", (spec.experts, h)))

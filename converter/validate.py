@@ -64,21 +64,35 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
     problems: list[Problem] = []
     marks = contract.marks(config)
     if marks:
-        problems.append(Problem(Code.ALREADY_MARKED, "config already carries the kimi_w31 "
-                                "markers: this checkpoint is converted already, or tampered "
-                                "with", file=contract.CONFIG_NAME, expected="no kimi_w31 block "
-                                "or wrapper", found=", ".join(marks)))
-    if not any(isinstance(contract.get(h, "quantization_config"), dict)
-               for h in (config, contract.text_config(config))):
-        problems.append(Problem(Code.NO_QUANTIZATION_CONFIG, "config has no "
-                                "quantization_config: this is not an MXFP4 checkpoint",
-                                file=contract.CONFIG_NAME))
+        problems.append(
+            Problem(
+                Code.ALREADY_MARKED,
+                "config already carries the kimi_w31 "
+                "markers: this checkpoint is converted already, or tampered "
+                "with",
+                file=contract.CONFIG_NAME,
+                expected="no kimi_w31 block or wrapper",
+                found=", ".join(marks),
+            )
+        )
+    if not any(
+        isinstance(contract.get(h, "quantization_config"), dict)
+        for h in (config, contract.text_config(config))
+    ):
+        problems.append(
+            Problem(
+                Code.NO_QUANTIZATION_CONFIG,
+                "config has no quantization_config: this is not an MXFP4 checkpoint",
+                file=contract.CONFIG_NAME,
+            )
+        )
     dims, dim_problems = resolve_dims(manifest, config)
     problems += dim_problems
     moe_ids, rule_problems = contract.moe_layer_ids(config)
     problems += rule_problems
-    table, tensor_problems = check_expert_tensors(manifest, dims, source_tensors(source),
-                                                  set(moe_ids), converted=False)
+    table, tensor_problems = check_expert_tensors(
+        manifest, dims, source_tensors(source), set(moe_ids), converted=False
+    )
     return table, problems + tensor_problems
 
 
@@ -120,8 +134,16 @@ def check_expert_tensors(
                 w31_tail = f"{verdict.expert}.{contract.FUSED}.{verdict.key[3:]}"
                 table.fusions[tail] = Fusion(w31_tail, verdict.key[:2] == contract.UP)
         if type(verdict) is Problem:
-            problems.append(Problem(verdict.code, verdict.what, file=file, tensor=name,
-                                    expected=verdict.expected, found=verdict.found))
+            problems.append(
+                Problem(
+                    verdict.code,
+                    verdict.what,
+                    file=file,
+                    tensor=name,
+                    expected=verdict.expected,
+                    found=verdict.found,
+                )
+            )
             continue
         tails = tails_by_prefix.get(prefix)
         if tails is None:
@@ -129,41 +151,78 @@ def check_expert_tensors(
             layer_of[prefix] = contract.layer_of(prefix)
         tails.append(tail)
         if info.dtype != verdict.dtype:
-            problems.append(Problem(Code.EXPERT_DTYPE, "wrong dtype", file=file, tensor=name,
-                                    expected=verdict.dtype, found=info.dtype))
+            problems.append(
+                Problem(
+                    Code.EXPERT_DTYPE,
+                    "wrong dtype",
+                    file=file,
+                    tensor=name,
+                    expected=verdict.dtype,
+                    found=info.dtype,
+                )
+            )
         if verdict.shape is not None and info.shape != verdict.shape:
-            problems.append(Problem(Code.EXPERT_SHAPE, "wrong shape", file=file, tensor=name,
-                                    expected=str(list(verdict.shape)),
-                                    found=str(list(info.shape))))
-    problems += _check_layers(table, tails_by_prefix, layer_of, verdicts, rules, num_experts,
-                              moe_layers)
+            problems.append(
+                Problem(
+                    Code.EXPERT_SHAPE,
+                    "wrong shape",
+                    file=file,
+                    tensor=name,
+                    expected=str(list(verdict.shape)),
+                    found=str(list(info.shape)),
+                )
+            )
+    problems += _check_layers(
+        table, tails_by_prefix, layer_of, verdicts, rules, num_experts, moe_layers
+    )
     return table, problems
 
 
-def _judge_tail(tail: str, rules: dict[str, TensorRule], shapes: dict, num_experts: int | None,
-                converted: bool) -> _Verdict | Problem:
+def _judge_tail(
+    tail: str, rules: dict[str, TensorRule], shapes: dict, num_experts: int | None, converted: bool
+) -> _Verdict | Problem:
     parsed = contract.parse_expert_tail(tail)
-    grammar = (f"experts.<id>.<{'|'.join(sorted({k.split('.')[0] for k in rules}))}>."
-               f"<{'|'.join(contract.SUFFIXES)}>")
+    grammar = (
+        f"experts.<id>.<{'|'.join(sorted({k.split('.')[0] for k in rules}))}>."
+        f"<{'|'.join(contract.SUFFIXES)}>"
+    )
     if parsed is None:
-        return Problem(Code.EXPERT_NAME, "tensor under an 'experts' component that is not a "
-                       "routed-expert tensor of the contract's grammar", expected=grammar,
-                       found=repr("experts." + tail))
+        return Problem(
+            Code.EXPERT_NAME,
+            "tensor under an 'experts' component that is not a "
+            "routed-expert tensor of the contract's grammar",
+            expected=grammar,
+            found=repr("experts." + tail),
+        )
     key = f"{parsed.proj}.{parsed.suffix}"
     if key not in rules:
-        what = ("w1/w3 expert tensor left in a converted checkpoint" if converted
-                else "fused w31 tensor in a source checkpoint")
-        return Problem(Code.EXPERT_TENSOR_UNEXPECTED, what, expected=" / ".join(sorted(rules)),
-                       found=key)
+        what = (
+            "w1/w3 expert tensor left in a converted checkpoint"
+            if converted
+            else "fused w31 tensor in a source checkpoint"
+        )
+        return Problem(
+            Code.EXPERT_TENSOR_UNEXPECTED, what, expected=" / ".join(sorted(rules)), found=key
+        )
     if num_experts is not None and parsed.expert >= num_experts:
-        return Problem(Code.EXPERT_ID_RANGE, "expert id out of range",
-                       expected=f"< {num_experts}", found=str(parsed.expert))
+        return Problem(
+            Code.EXPERT_ID_RANGE,
+            "expert id out of range",
+            expected=f"< {num_experts}",
+            found=str(parsed.expert),
+        )
     return _Verdict(parsed.expert, key, rules[key].dtype, shapes[key])
 
 
-def _check_layers(table: ExpertTable, tails_by_prefix: dict[str, list[str]],
-                  layer_of: dict[str, int | None], verdicts: dict, rules: dict,
-                  num_experts: int | None, moe_layers: set[int]) -> list[Problem]:
+def _check_layers(
+    table: ExpertTable,
+    tails_by_prefix: dict[str, list[str]],
+    layer_of: dict[str, int | None],
+    verdicts: dict,
+    rules: dict,
+    num_experts: int | None,
+    moe_layers: set[int],
+) -> list[Problem]:
     """Every MoE layer has every expert with every tensor; no expert outside them."""
     problems: list[Problem] = []
     complete = num_experts * len(rules) if num_experts is not None else None
@@ -172,21 +231,36 @@ def _check_layers(table: ExpertTable, tails_by_prefix: dict[str, list[str]],
         layer = layer_of[prefix]
         where = f"{prefix}experts.*"
         if layer is None:
-            problems.append(Problem(Code.EXPERT_OUTSIDE_LAYER, "routed experts outside a "
-                                    "'layers.<i>.' component: no layer would load them",
-                                    tensor=where))
+            problems.append(
+                Problem(
+                    Code.EXPERT_OUTSIDE_LAYER,
+                    "routed experts outside a 'layers.<i>.' component: no layer would load them",
+                    tensor=where,
+                )
+            )
             continue
         if layer in by_layer:
-            problems.append(Problem(Code.LAYER_DUPLICATED, f"layer {layer} has routed experts "
-                                    "under two prefixes", tensor=where,
-                                    expected=f"only {by_layer[layer]}experts.*"))
+            problems.append(
+                Problem(
+                    Code.LAYER_DUPLICATED,
+                    f"layer {layer} has routed experts under two prefixes",
+                    tensor=where,
+                    expected=f"only {by_layer[layer]}experts.*",
+                )
+            )
             continue
         by_layer[layer] = prefix
         if layer not in moe_layers:
-            problems.append(Problem(Code.LAYER_UNEXPECTED, f"layer {layer} is not a MoE layer "
-                                    "under the config's rule (num_hidden_layers, "
-                                    "first_k_dense_replace, moe_layer_freq) but has routed "
-                                    "experts", tensor=where))
+            problems.append(
+                Problem(
+                    Code.LAYER_UNEXPECTED,
+                    f"layer {layer} is not a MoE layer "
+                    "under the config's rule (num_hidden_layers, "
+                    "first_k_dense_replace, moe_layer_freq) but has routed "
+                    "experts",
+                    tensor=where,
+                )
+            )
             continue
         table.layers[prefix] = layer
         # Every accepted tail has an id below E and a key of the rules, so E x rules distinct
@@ -202,33 +276,51 @@ def _check_layers(table: ExpertTable, tails_by_prefix: dict[str, list[str]],
         problems += _missing_in_layer(prefix, experts, rules, num_experts)
     missing = sorted(moe_layers - set(by_layer))
     if missing:
-        problems.append(Problem(Code.LAYER_MISSING, f"{len(missing)} MoE layer(s) have no "
-                                "routed experts at all", expected=f"experts in layers "
-                                f"{_id_ranges(sorted(moe_layers))}",
-                                found=f"none in layers {_id_ranges(missing)}"))
+        problems.append(
+            Problem(
+                Code.LAYER_MISSING,
+                f"{len(missing)} MoE layer(s) have no routed experts at all",
+                expected=f"experts in layers {_id_ranges(sorted(moe_layers))}",
+                found=f"none in layers {_id_ranges(missing)}",
+            )
+        )
     if not table.experts_fused:
-        problems.append(Problem(Code.NO_EXPERTS, "no routed-expert tensors found: not a "
-                                "Kimi-K3 MXFP4 checkpoint", expected="experts.<id>.<w1|w2|w3>."
-                                "<weight_packed|weight_scale> tensors in every MoE layer"))
+        problems.append(
+            Problem(
+                Code.NO_EXPERTS,
+                "no routed-expert tensors found: not a Kimi-K3 MXFP4 checkpoint",
+                expected="experts.<id>.<w1|w2|w3>."
+                "<weight_packed|weight_scale> tensors in every MoE layer",
+            )
+        )
     return problems
 
 
-def _missing_in_layer(prefix: str, experts: dict[int, set[str]], rules: dict,
-                      num_experts: int | None) -> list[Problem]:
+def _missing_in_layer(
+    prefix: str, experts: dict[int, set[str]], rules: dict, num_experts: int | None
+) -> list[Problem]:
     problems = []
     if num_experts is not None:
         missing = sorted(set(range(num_experts)) - set(experts))
         if missing:
-            problems.append(Problem(Code.LAYER_INCOMPLETE, f"MoE layer is missing "
-                                    f"{len(missing)} of {num_experts} experts",
-                                    tensor=f"{prefix}experts.*",
-                                    expected=f"ids 0..{num_experts - 1}",
-                                    found=f"missing {_id_ranges(missing)}"))
+            problems.append(
+                Problem(
+                    Code.LAYER_INCOMPLETE,
+                    f"MoE layer is missing {len(missing)} of {num_experts} experts",
+                    tensor=f"{prefix}experts.*",
+                    expected=f"ids 0..{num_experts - 1}",
+                    found=f"missing {_id_ranges(missing)}",
+                )
+            )
     for expert, parts in sorted(experts.items()):
         for key in sorted(set(rules) - parts):
-            problems.append(Problem(Code.EXPERT_PARTNER_MISSING, "expert tensor is missing "
-                                    "(its partners exist)",
-                                    tensor=f"{prefix}experts.{expert}.{key}"))
+            problems.append(
+                Problem(
+                    Code.EXPERT_PARTNER_MISSING,
+                    "expert tensor is missing (its partners exist)",
+                    tensor=f"{prefix}experts.{expert}.{key}",
+                )
+            )
     return problems
 
 

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from click.testing import CliRunner
-from kimi_w31.cli import main as cli_main
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.pipeline import ConvertOptions, prepare
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
+
+from kimi_w31.cli import main as cli_main
 
 CLEAN = "clean error"
 RESUMED = "resumed identical"
@@ -103,16 +104,23 @@ def cli_cmd() -> list[str]:
     return [sys.executable, "-m", "kimi_w31"]
 
 
-def run_cli(args: list[str], env: dict[str, str] | None = None,
-            preexec_fn: Callable[[], None] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:  # fmt: skip
+def run_cli(
+    args: list[str],
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KIMI_W31_")}
     full_env.update(env or {})
     full_env["COLUMNS"] = "200"  # one problem a line, whatever the terminal
     return subprocess.run(
-        cli_cmd() + [str(a) for a in args], env=full_env, preexec_fn=preexec_fn,
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cli_cmd() + [str(a) for a in args],
+        env=full_env,
+        preexec_fn=preexec_fn,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def convert_args(src: Path, out: Path, *extra: str) -> list[str]:
@@ -149,9 +157,16 @@ def looks_like_crash(text: str) -> bool:
     return "Traceback (most recent call last)" in text or "KIMI_W31_DEBUG" in text
 
 
-def classify_error(code: int, text: str, exc: BaseException | None, out: Path,
-                   outside_before: dict[str, str], outside_after: dict[str, str],
-                   want: Code | None = None, must_name: str | None = None) -> tuple[str, str]:
+def classify_error(
+    code: int,
+    text: str,
+    exc: BaseException | None,
+    out: Path,
+    outside_before: dict[str, str],
+    outside_after: dict[str, str],
+    want: Code | None = None,
+    must_name: str | None = None,
+) -> tuple[str, str]:
     """A case that must be refused (run with --json): is it a clean error with its code?"""
     flat = " ".join(text.split())
     if exc is not None or looks_like_crash(text):
@@ -185,9 +200,11 @@ def read_shard(path: Path) -> tuple[dict, bytes]:
 
 
 def shard_bytes(header: dict | bytes | str, data: bytes, length: int | None = None) -> bytes:
-    body = header if isinstance(header, bytes) else (
-        header.encode() if isinstance(header, str) else json.dumps(header).encode()
-    )  # fmt: skip
+    body = (
+        header
+        if isinstance(header, bytes)
+        else (header.encode() if isinstance(header, str) else json.dumps(header).encode())
+    )
     return struct.pack("<Q", len(body) if length is None else length) + body + data
 
 
@@ -289,45 +306,61 @@ HEADER_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
     "truncated inside the data": (_raw(lambda b: b[: len(b) - 1000]), C.FILE_TRUNCATED),
     "header length 0": (_raw(lambda b: struct.pack("<Q", 0) + b[8:]), C.HEADER_LENGTH_ZERO),
     "header length larger than the file": (
-        _raw(lambda b: struct.pack("<Q", len(b)) + b[8:]), C.HEADER_BEYOND_FILE),
+        _raw(lambda b: struct.pack("<Q", len(b)) + b[8:]),
+        C.HEADER_BEYOND_FILE,
+    ),
     "header length over 100 MB": (
-        _raw(lambda b: struct.pack("<Q", 200_000_000) + b[8:]), C.HEADER_TOO_LARGE),
+        _raw(lambda b: struct.pack("<Q", 200_000_000) + b[8:]),
+        C.HEADER_TOO_LARGE,
+    ),
     "non-UTF-8 header": (_raw(lambda b: b[:8] + b"{\xff\xfe" + b[11:]), C.HEADER_NOT_UTF8),
     "invalid JSON": (_raw(lambda b: b[:8] + b"{{" + b[10:]), C.HEADER_NOT_JSON),
     "header is a JSON array": (
-        _edit(lambda h, d: ("[" + " " * (len(json.dumps(h)) - 2) + "]", d)), C.HEADER_NOT_JSON),
+        _edit(lambda h, d: ("[" + " " * (len(json.dumps(h)) - 2) + "]", d)),
+        C.HEADER_NOT_JSON,
+    ),
     "duplicate tensor key": (_edit(_dup_key), C.HEADER_DUPLICATE_KEY),
     "duplicate key inside an entry": (_edit(_dup_inner_key), C.HEADER_DUPLICATE_KEY),
     "unknown dtype": (_entry(_set("dtype", "Q7")), C.HEADER_DTYPE),
     "shape disagrees with offsets": (
-        _entry(lambda h, n: h[n[1]].update(shape=[3, 5])), C.HEADER_SIZE_MISMATCH),
+        _entry(lambda h, n: h[n[1]].update(shape=[3, 5])),
+        C.HEADER_SIZE_MISMATCH,
+    ),
     "negative dimension": (_entry(_set("shape", [-1, 8])), C.HEADER_SHAPE),
     "overlapping offsets": (_entry(_overlap), C.HEADER_OVERLAP),
-    "out-of-order offsets (end < begin)": (_entry(
-        lambda h, n: h[n[1]].update(data_offsets=h[n[1]]["data_offsets"][::-1])),
-        C.HEADER_OFFSETS),
-    "negative offsets": (_entry(lambda h, n: h[n[0]].update(data_offsets=[-8, 0])),
-                         C.HEADER_OFFSETS),
-    "non-integer offsets (float)": (_entry(
-        lambda h, n: h[n[1]].update(data_offsets=[float(x) for x in h[n[1]]["data_offsets"]])),
-        C.HEADER_OFFSETS),
-    "non-integer offsets (string)": (_entry(
-        lambda h, n: h[n[1]].update(data_offsets=[str(x) for x in h[n[1]]["data_offsets"]])),
-        C.HEADER_OFFSETS),
+    "out-of-order offsets (end < begin)": (
+        _entry(lambda h, n: h[n[1]].update(data_offsets=h[n[1]]["data_offsets"][::-1])),
+        C.HEADER_OFFSETS,
+    ),
+    "negative offsets": (
+        _entry(lambda h, n: h[n[0]].update(data_offsets=[-8, 0])),
+        C.HEADER_OFFSETS,
+    ),
+    "non-integer offsets (float)": (
+        _entry(
+            lambda h, n: h[n[1]].update(data_offsets=[float(x) for x in h[n[1]]["data_offsets"]])
+        ),
+        C.HEADER_OFFSETS,
+    ),
+    "non-integer offsets (string)": (
+        _entry(lambda h, n: h[n[1]].update(data_offsets=[str(x) for x in h[n[1]]["data_offsets"]])),
+        C.HEADER_OFFSETS,
+    ),
     "boolean offsets": (_entry(_set("data_offsets", [False, True])), C.HEADER_OFFSETS),
-    "out-of-range offsets": (_entry(
-        lambda h, n: h[n[-1]].update(data_offsets=[h[n[-1]]["data_offsets"][0], 1 << 40])),
-        C.HEADER_SIZE_MISMATCH),
+    "out-of-range offsets": (
+        _entry(lambda h, n: h[n[-1]].update(data_offsets=[h[n[-1]]["data_offsets"][0], 1 << 40])),
+        C.HEADER_SIZE_MISMATCH,
+    ),
     "gap between tensors": (_edit(_gap), C.HEADER_GAP),
     "trailing bytes": (_raw(lambda b: b + b"\0" * 16), C.FILE_TRAILING_BYTES),
-    "__metadata__ with a non-string value": (_meta({"format": "pt", "step": 3}),
-                                             C.HEADER_METADATA),
+    "__metadata__ with a non-string value": (_meta({"format": "pt", "step": 3}), C.HEADER_METADATA),
     "__metadata__ not an object": (_meta(["pt"]), C.HEADER_METADATA),
     "entry with an extra key": (_entry(_set("extra", 1)), C.HEADER_ENTRY),
     "integer beyond Python's digit limit": (_edit(_huge_int), C.HEADER_NOT_JSON),
-    "deeply nested JSON": (_raw(
-        lambda b: shard_bytes('{"x":' + "[" * 100_000 + "]" * 100_000 + "}", b"")),
-        C.HEADER_NOT_JSON),
+    "deeply nested JSON": (
+        _raw(lambda b: shard_bytes('{"x":' + "[" * 100_000 + "]" * 100_000 + "}", b"")),
+        C.HEADER_NOT_JSON,
+    ),
     "tensor the index does not list": (_edit(_extra_tensor), C.INDEX_TENSOR_MISSING),
 }
 
@@ -418,35 +451,50 @@ def _config_edit(fn: Callable[[dict], None]):
 
 
 INDEX_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
-    "weight_map entry absolute": (_index_edit(_map_all("/etc/passwd.safetensors")),
-                                  C.WEIGHT_MAP_ENTRY_UNSAFE),
-    "weight_map entry with ..": (_index_edit(_map_all("../outside/" + VICTIM)),
-                                 C.WEIGHT_MAP_ENTRY_UNSAFE),
-    "weight_map entry not .safetensors": (_index_edit(_map_all("config.json")),
-                                          C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "weight_map entry absolute": (
+        _index_edit(_map_all("/etc/passwd.safetensors")),
+        C.WEIGHT_MAP_ENTRY_UNSAFE,
+    ),
+    "weight_map entry with ..": (
+        _index_edit(_map_all("../outside/" + VICTIM)),
+        C.WEIGHT_MAP_ENTRY_UNSAFE,
+    ),
+    "weight_map entry not .safetensors": (
+        _index_edit(_map_all("config.json")),
+        C.WEIGHT_MAP_ENTRY_UNSAFE,
+    ),
     "weight_map entry not a string": (_index_edit(_map_first(17)), C.WEIGHT_MAP_ENTRY_UNSAFE),
     "weight_map entry empty": (_index_edit(_map_first("")), C.WEIGHT_MAP_ENTRY_UNSAFE),
-    "weight_map entry with a NUL byte": (_index_edit(_map_first("a\x00.safetensors")),
-                                         C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "weight_map entry with a NUL byte": (
+        _index_edit(_map_first("a\x00.safetensors")),
+        C.WEIGHT_MAP_ENTRY_UNSAFE,
+    ),
     "shard symlink escaping the source": (_symlink_shard_outside, C.WEIGHT_MAP_ENTRY_UNSAFE),
     "extra file symlink escaping the source": (_symlink_extra_outside, C.LINK_ESCAPES),
     "shard named in the index missing": (lambda src: (src / VICTIM).unlink(), C.SHARD_MISSING),
     "shard is a directory": (_shard_is_dir, C.NOT_A_REGULAR_FILE),
     "shard is a FIFO": (_shard_is_fifo, C.NOT_A_REGULAR_FILE),
-    "tensor in a different shard than the index says": (_index_edit(_move_tensor),
-                                                         C.INDEX_WRONG_SHARD),
+    "tensor in a different shard than the index says": (
+        _index_edit(_move_tensor),
+        C.INDEX_WRONG_SHARD,
+    ),
     "tensor missing from the index": (_index_edit(_drop_tensor), C.INDEX_TENSOR_MISSING),
-    "index names a tensor the shard lacks": (_index_edit(_phantom_tensor),
-                                             C.INDEX_TENSOR_NOT_IN_SHARD),
-    "weight_map not an object": (_index_edit(lambda i: i.update(weight_map=["a"])),
-                                 C.INDEX_INVALID),
+    "index names a tensor the shard lacks": (
+        _index_edit(_phantom_tensor),
+        C.INDEX_TENSOR_NOT_IN_SHARD,
+    ),
+    "weight_map not an object": (
+        _index_edit(lambda i: i.update(weight_map=["a"])),
+        C.INDEX_INVALID,
+    ),
     "index not JSON": (_write(INDEX, "{not json"), C.JSON_INVALID),
     "index not UTF-8": (_write(INDEX, b'{"weight_map": "\xff"}'), C.JSON_INVALID),
     "index with a 5000-digit number": (
-        _write(INDEX, '{"weight_map": {"a": ' + "9" * 5000 + "}}"), C.JSON_INVALID),
+        _write(INDEX, '{"weight_map": {"a": ' + "9" * 5000 + "}}"),
+        C.JSON_INVALID,
+    ),
     "config not JSON": (_write("config.json", "]"), C.JSON_INVALID),
-    "config deeply nested": (_write("config.json", "[" * 100_000 + "]" * 100_000),
-                             C.JSON_INVALID),
+    "config deeply nested": (_write("config.json", "[" * 100_000 + "]" * 100_000), C.JSON_INVALID),
     "config not an object": (_write("config.json", "[]"), C.JSON_INVALID),
 }
 
@@ -509,56 +557,93 @@ def _drop_partner(src: Path) -> None:
 
 
 def _wrap_quantization(config: dict) -> None:
-    config["quantization_config"] = {"quant_method": "kimi_w31",
-                                     "base": config["quantization_config"]}
+    config["quantization_config"] = {
+        "quant_method": "kimi_w31",
+        "base": config["quantization_config"],
+    }
 
 
 PLAN_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
     "wrong expert shape": (_expert(".experts.3.w1.weight_packed", _reshape), C.EXPERT_SHAPE),
     "wrong expert dtype": (_expert(".experts.3.w2.weight_scale", _retype), C.EXPERT_DTYPE),
     "w3 partner missing": (_drop_partner, C.EXPERT_PARTNER_MISSING),
-    "expert id beyond num_experts": (_rename_index(".experts.7.", ".experts.9."),
-                                     C.EXPERT_ID_RANGE),
+    "expert id beyond num_experts": (
+        _rename_index(".experts.7.", ".experts.9."),
+        C.EXPERT_ID_RANGE,
+    ),
     "a layer misses an expert": (
-        _rename_index("layers.1.mlp.experts.5.", "layers.1.mlp.xperts.5."), C.LAYER_INCOMPLETE),
-    "no quantization_config": (_config_edit(lambda c: c.pop("quantization_config")),
-                               C.NO_QUANTIZATION_CONFIG),
-    "SiTU beta disagrees with the manifest": (_config_edit(
-        lambda c: c["text_config"].update(activation_situ_beta=5.0)), C.SITU_MISMATCH),
+        _rename_index("layers.1.mlp.experts.5.", "layers.1.mlp.xperts.5."),
+        C.LAYER_INCOMPLETE,
+    ),
+    "no quantization_config": (
+        _config_edit(lambda c: c.pop("quantization_config")),
+        C.NO_QUANTIZATION_CONFIG,
+    ),
+    "SiTU beta disagrees with the manifest": (
+        _config_edit(lambda c: c["text_config"].update(activation_situ_beta=5.0)),
+        C.SITU_MISMATCH,
+    ),
     # -- missing structure: the MoE-layer rule over num_hidden_layers
     "a whole MoE layer without experts (index and headers agree)": (
-        _rename_index("layers.2.mlp.experts.", "layers.2.mlp.xperts."), C.LAYER_MISSING),
+        _rename_index("layers.2.mlp.experts.", "layers.2.mlp.xperts."),
+        C.LAYER_MISSING,
+    ),
     "experts under a layer beyond num_hidden_layers": (
-        _rename_index("layers.2.mlp.experts.", "layers.7.mlp.experts."), C.LAYER_UNEXPECTED),
-    "experts in a dense layer (first_k_dense_replace)": (_config_edit(
-        lambda c: c["text_config"].update(first_k_dense_replace=2)), C.LAYER_UNEXPECTED),
-    "experts off the moe_layer_freq cadence": (_config_edit(
-        lambda c: c["text_config"].update(moe_layer_freq=2)), C.LAYER_UNEXPECTED),
-    "routed experts named gate_proj/up_proj/down_proj": (_chain(
-        _rename_index(".w1.weight_", ".gate_proj.weight_"),
-        _rename_index(".w3.weight_", ".up_proj.weight_"),
-        _rename_index(".w2.weight_", ".down_proj.weight_")), C.NO_EXPERTS),
+        _rename_index("layers.2.mlp.experts.", "layers.7.mlp.experts."),
+        C.LAYER_UNEXPECTED,
+    ),
+    "experts in a dense layer (first_k_dense_replace)": (
+        _config_edit(lambda c: c["text_config"].update(first_k_dense_replace=2)),
+        C.LAYER_UNEXPECTED,
+    ),
+    "experts off the moe_layer_freq cadence": (
+        _config_edit(lambda c: c["text_config"].update(moe_layer_freq=2)),
+        C.LAYER_UNEXPECTED,
+    ),
+    "routed experts named gate_proj/up_proj/down_proj": (
+        _chain(
+            _rename_index(".w1.weight_", ".gate_proj.weight_"),
+            _rename_index(".w3.weight_", ".up_proj.weight_"),
+            _rename_index(".w2.weight_", ".down_proj.weight_"),
+        ),
+        C.NO_EXPERTS,
+    ),
     # -- names the grammar must refuse as a whole
-    "expert name with a trailing newline": (_rename_index(
-        "layers.1.mlp.experts.4.w1.weight_packed", "layers.1.mlp.experts.4.w1.weight_packed\n"),
-        C.EXPERT_NAME),
-    "expert id with a leading zero": (_rename_index(".experts.6.", ".experts.06."),
-                                      C.EXPERT_NAME),
-    "expert id in look-alike digits": (_rename_index(".experts.6.", ".experts.\u0666."),
-                                       C.EXPERT_NAME),
-    "fused w31 already in the source": (_rename_index(".experts.2.w1.", ".experts.2.w31."),
-                                        C.EXPERT_TENSOR_UNEXPECTED),
+    "expert name with a trailing newline": (
+        _rename_index(
+            "layers.1.mlp.experts.4.w1.weight_packed", "layers.1.mlp.experts.4.w1.weight_packed\n"
+        ),
+        C.EXPERT_NAME,
+    ),
+    "expert id with a leading zero": (_rename_index(".experts.6.", ".experts.06."), C.EXPERT_NAME),
+    "expert id in look-alike digits": (
+        _rename_index(".experts.6.", ".experts.\u0666."),
+        C.EXPERT_NAME,
+    ),
+    "fused w31 already in the source": (
+        _rename_index(".experts.2.w1.", ".experts.2.w31."),
+        C.EXPERT_TENSOR_UNEXPECTED,
+    ),
     # -- a config that already carries our markers
-    "config already has a kimi_w31 block": (_config_edit(
-        lambda c: c.update(kimi_w31={"format_version": 1})), C.ALREADY_MARKED),
-    "quantization_config already wrapped as kimi_w31": (_config_edit(_wrap_quantization),
-                                                        C.ALREADY_MARKED),
+    "config already has a kimi_w31 block": (
+        _config_edit(lambda c: c.update(kimi_w31={"format_version": 1})),
+        C.ALREADY_MARKED,
+    ),
+    "quantization_config already wrapped as kimi_w31": (
+        _config_edit(_wrap_quantization),
+        C.ALREADY_MARKED,
+    ),
 }
 
 
-def hostile_cases(template: Path, work: Path, fault: str,
-                  cases: dict[str, tuple[Callable[[Path], None], Code]],
-                  manifest: list[str] = MANIFEST, name_file: str | None = None) -> list[Case]:
+def hostile_cases(
+    template: Path,
+    work: Path,
+    fault: str,
+    cases: dict[str, tuple[Callable[[Path], None], Code]],
+    manifest: list[str] = MANIFEST,
+    name_file: str | None = None,
+) -> list[Case]:
     """Each mutation of a clean source, converted through the CLI: must be a clean error
     with its reason code (and naming `name_file`, when given)."""
     rows = []
@@ -595,10 +680,13 @@ def index_cases(template: Path, work: Path) -> list[Case]:
 def plan_cases(template: Path, work: Path) -> list[Case]:
     rows = hostile_cases(template, work, "manifest / planner mismatch", PLAN_CASES)
     # The official manifest's pins against a scaled-down source: every mismatch reported.
-    rows += hostile_cases(template, work / "pinned", "manifest / planner mismatch",
-                          {"pinned manifest vs scaled-down source": (lambda src: None,
-                                                                     C.PINNED_MISMATCH)},
-                          manifest=[])
+    rows += hostile_cases(
+        template,
+        work / "pinned",
+        "manifest / planner mismatch",
+        {"pinned manifest vs scaled-down source": (lambda src: None, C.PINNED_MISMATCH)},
+        manifest=[],
+    )
     return rows
 
 
@@ -622,12 +710,19 @@ def label_totals(src: Path) -> dict[str, int]:
     shards = len(plan.shards)
     extras = len(source.extra_files)
     return {
-        "lock.acquired": 1, "ledger.opened": 1, "shard.header": shards,
+        "lock.acquired": 1,
+        "ledger.opened": 1,
+        "shard.header": shards,
         "shard.piece": sum(len(t.pieces) for s in plan.shards for t in s.tensors),
-        "shard.fsynced": shards, "shard.renamed": shards, "ledger.append": shards,
-        "ledger.appended": shards, "finalize.extra": extras, "finalize.checksums": 1,
-        "finalize.config": 1, "finalize.index": 1,
-    }  # fmt: skip
+        "shard.fsynced": shards,
+        "shard.renamed": shards,
+        "ledger.append": shards,
+        "ledger.appended": shards,
+        "finalize.extra": extras,
+        "finalize.checksums": 1,
+        "finalize.config": 1,
+        "finalize.index": 1,
+    }
 
 
 def kill_points(totals: dict[str, int], per_label: int) -> list[tuple[str, int]]:
@@ -640,8 +735,9 @@ def kill_points(totals: dict[str, int], per_label: int) -> list[tuple[str, int]]
     return points
 
 
-def crash_case(src: Path, out: Path, ref: dict[str, str], workers: int,
-               faults: list[str]) -> tuple[str, str]:  # fmt: skip
+def crash_case(
+    src: Path, out: Path, ref: dict[str, str], workers: int, faults: list[str]
+) -> tuple[str, str]:
     """Run with each fault in turn (each must kill the run), then without: compare."""
     args = convert_args(src, out, "--workers", str(workers))
     src_before = tree(src)
@@ -677,16 +773,19 @@ def crash_cases(template: Path, work: Path, workers: int, per_label: int) -> lis
         rows.append(Case(f"SIGKILL, --workers {workers}", f"{label} #{n}", outcome, detail))
         shutil.rmtree(out, ignore_errors=True)
     # Killed again while resuming (reused shards, a second stale lock, a rewritten ledger).
-    chains = [["shard.renamed:3", "shard.header:2", "ledger.append:4"],
-              ["ledger.appended:5", "finalize.config:1"]]  # fmt: skip
+    chains = [
+        ["shard.renamed:3", "shard.header:2", "ledger.append:4"],
+        ["ledger.appended:5", "finalize.config:1"],
+    ]
     for chain in chains:
         out = work / f"chain{len(rows)}"
         outcome, detail = crash_case(src, out, ref, workers, chain)
         rows.append(Case(f"SIGKILL, --workers {workers}", " then ".join(chain), outcome, detail))
     verify = run_cli(["verify", work / "ref", "--checksums", "-q"])
     if verify.returncode != 0:
-        rows.append(Case(f"SIGKILL, --workers {workers}", "reference verifies", WRONG,
-                         verify.stderr[-300:]))  # fmt: skip
+        rows.append(
+            Case(f"SIGKILL, --workers {workers}", "reference verifies", WRONG, verify.stderr[-300:])
+        )
     return rows
 
 
@@ -710,9 +809,11 @@ def sigint_cases(template: Path, work: Path) -> list[Case]:
         else:
             rerun = run_cli(args)
             got = tree(out)
-            outcome, detail = (RESUMED, "exit 130, then resumed") if (
-                rerun.returncode == 0 and got == ref
-            ) else (WRONG, f"rerun exit {rerun.returncode}: {tree_diff(got, ref)}")  # fmt: skip
+            outcome, detail = (
+                (RESUMED, "exit 130, then resumed")
+                if (rerun.returncode == 0 and got == ref)
+                else (WRONG, f"rerun exit {rerun.returncode}: {tree_diff(got, ref)}")
+            )
         rows.append(Case("SIGINT (Ctrl-C)", spec.rsplit(":", 1)[0], outcome, detail))
     return rows
 
@@ -736,9 +837,14 @@ def torn_ledger_cases(template: Path, work: Path) -> list[Case]:
     rerun = run_cli(args)
     got = tree(out)
     ok = rerun.returncode == 0 and got == ref and len(entries) == 4
-    return [Case("torn ledger line", "torn last line, then killed again, then resumed",
-                 RESUMED if ok else WRONG, "" if ok else f"{len(entries)} entries, "
-                 f"exit {rerun.returncode}: {tree_diff(got, ref)}")]  # fmt: skip
+    return [
+        Case(
+            "torn ledger line",
+            "torn last line, then killed again, then resumed",
+            RESUMED if ok else WRONG,
+            "" if ok else f"{len(entries)} entries, exit {rerun.returncode}: {tree_diff(got, ref)}",
+        )
+    ]
 
 
 # -------------------------------------------------------------------------- disk full
@@ -762,8 +868,11 @@ def disk_full_cases(template: Path, work: Path) -> list[Case]:
         args = convert_args(src, out, "--workers", str(workers))
         proc = run_cli([*args, "--json"], preexec_fn=_fsize_limit(largest - 4096))
         text = " ".join(proc.stderr.split())
-        named = [p for p in json_problems(proc.stdout) if p.get("code") == Code.NO_SPACE.value
-                 and str(out) in (p.get("file") or "")]
+        named = [
+            p
+            for p in json_problems(proc.stdout)
+            if p.get("code") == Code.NO_SPACE.value and str(out) in (p.get("file") or "")
+        ]
         name = f"file size limit below the largest shard, --workers {workers}"
         if looks_like_crash(proc.stderr) or proc.returncode != 1:
             rows.append(Case("disk full", name, CRASH, f"exit {proc.returncode}: {text[-300:]}"))
@@ -801,8 +910,7 @@ def free_space_cases(template: Path, work: Path) -> list[Case]:
 
     src = copy_source(template, work / "src")
     out = work / "new" / "out"
-    opts = ConvertOptions(source=str(src), out=out, manifest="kimi-k3-any",
-                          max_shard_size=300_000)
+    opts = ConvertOptions(source=str(src), out=out, manifest="kimi-k3-any", max_shard_size=300_000)
     _, _, plan = prepare(opts)
     fake = shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)  # type: ignore[attr-defined]
     try:
@@ -811,8 +919,12 @@ def free_space_cases(template: Path, work: Path) -> list[Case]:
     except Fatal as exc:
         p = exc.problems[0]
         # Refused before anything was written, and nothing left that looks like a run.
-        ok = (exc.codes == [Code.NO_SPACE] and p.expected == f"{plan.output_bytes} bytes free"
-              and p.found == "1000 bytes free" and not (work / "new").exists())
+        ok = (
+            exc.codes == [Code.NO_SPACE]
+            and p.expected == f"{plan.output_bytes} bytes free"
+            and p.found == "1000 bytes free"
+            and not (work / "new").exists()
+        )
         return [
             Case(
                 "disk full",
@@ -890,14 +1002,23 @@ def concurrency_cases(template: Path, work: Path) -> list[Case]:
     first = _start_stopped(convert_args(src, out, "--workers", "1"), "shard.renamed:3")
     try:
         held = tree(out)
-        for name, extra in [("second run, same command", []),
-                            ("second run, --force and another plan",
-                             ["--force", "--max-shard-size", "500KB"])]:  # fmt: skip
+        for name, extra in [
+            ("second run, same command", []),
+            ("second run, --force and another plan", ["--force", "--max-shard-size", "500KB"]),
+        ]:
             proc = run_cli(convert_args(src, out, "--workers", "1", "--json", *extra))
-            owner = [p["what"] for p in json_problems(proc.stdout)
-                     if p.get("code") == Code.OUTPUT_LOCKED.value]
-            good = (proc.returncode == 1 and owner and f"pid {first.pid}" in owner[0]
-                    and host in owner[0] and tree(out) == held)
+            owner = [
+                p["what"]
+                for p in json_problems(proc.stdout)
+                if p.get("code") == Code.OUTPUT_LOCKED.value
+            ]
+            good = (
+                proc.returncode == 1
+                and owner
+                and f"pid {first.pid}" in owner[0]
+                and host in owner[0]
+                and tree(out) == held
+            )
             outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
             rows.append(Case("concurrent runs", name, outcome, (owner or [proc.stdout])[0][:160]))
     finally:
@@ -933,8 +1054,9 @@ def concurrency_cases(template: Path, work: Path) -> list[Case]:
     (out / STATE).mkdir(parents=True)
     (out / STATE / "lock").write_text(json.dumps({"pid": 4242, "host": "node-b17"}))
     proc = run_cli(convert_args(src, out, "--workers", "1", "--json"))
-    owner = [p["what"] for p in json_problems(proc.stdout)
-             if p.get("code") == Code.OUTPUT_LOCKED.value]
+    owner = [
+        p["what"] for p in json_problems(proc.stdout) if p.get("code") == Code.OUTPUT_LOCKED.value
+    ]
     good = proc.returncode == 1 and owner and "pid 4242 on node-b17" in owner[0]
     rows.append(
         Case(
@@ -971,8 +1093,11 @@ def _replace(path: Path) -> None:
 
 def source_change_cases(template: Path, work: Path) -> list[Case]:
     rows = []
-    changes = {"truncated": _truncate, "rewritten in place": _rewrite_data,
-               "replaced (new inode)": _replace}  # fmt: skip
+    changes = {
+        "truncated": _truncate,
+        "rewritten in place": _rewrite_data,
+        "replaced (new inode)": _replace,
+    }
     for i, (name, change) in enumerate(changes.items()):
         case = work / f"mid{i}"
         src = copy_source(template, case / "src")
@@ -983,13 +1108,19 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
         change(src / VICTIM)
         code, err, stdout = _resume(running)
         text = " ".join(err.split())
-        reported = [p for p in json_problems(stdout) if p.get("code") ==
-                    Code.SOURCE_CHANGED.value and p.get("file") == VICTIM]
+        reported = [
+            p
+            for p in json_problems(stdout)
+            if p.get("code") == Code.SOURCE_CHANGED.value and p.get("file") == VICTIM
+        ]
         ledger = out / STATE / "ledger.jsonl"
         marked = [json.loads(x) for x in ledger.read_text().splitlines()[1:]]
         # Nothing copied from the changed file may be marked done.
-        derived_new = [e["shard"] for e in marked
-                       if VICTIM in e["sources"] and e["sources"][VICTIM] != old_ident]
+        derived_new = [
+            e["shard"]
+            for e in marked
+            if VICTIM in e["sources"] and e["sources"][VICTIM] != old_ident
+        ]
         if looks_like_crash(err) or code != 1:
             rows.append(Case("source changes mid-run", name, CRASH, f"exit {code}: {text[-200:]}"))
             continue
@@ -1005,8 +1136,14 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
             continue
         # Rerun: nothing copied from the old bytes may be kept.
         outcome, detail = _rerun_matches_fresh(src, out, case / "fresh", args)
-        rows.append(Case("source changes mid-run", name, CLEAN if outcome == CORRECT else outcome,
-                         f"[{reported[0]['code']}] {reported[0]['what'][:80]} / rerun: {detail}"))
+        rows.append(
+            Case(
+                "source changes mid-run",
+                name,
+                CLEAN if outcome == CORRECT else outcome,
+                f"[{reported[0]['code']}] {reported[0]['what'][:80]} / rerun: {detail}",
+            )
+        )
     # Changed between a crash and the rerun: same header and size, so only the recorded
     # source identity tells the finished shards are stale.
     case = work / "between"
@@ -1016,8 +1153,13 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
     proc = run_cli(args, env={"KIMI_W31_FAULT_AT": "shard.renamed:9"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     _rewrite_data(src / VICTIM)
-    rows.append(Case("source changes between runs", "rewritten after a crash, same size/header",
-                     *_rerun_matches_fresh(src, out, case / "fresh", args)))
+    rows.append(
+        Case(
+            "source changes between runs",
+            "rewritten after a crash, same size/header",
+            *_rerun_matches_fresh(src, out, case / "fresh", args),
+        )
+    )
     # The same, with the modification time put back: only the change time tells.
     case = work / "between-mtime"
     src = copy_source(template, case / "src")
@@ -1028,9 +1170,13 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
     st = (src / VICTIM).stat()
     _rewrite_in_place(src / VICTIM)
     os.utime(src / VICTIM, ns=(st.st_atime_ns, st.st_mtime_ns))
-    rows.append(Case("source changes between runs", "rewritten in place after a crash, same "
-                     "size, header, inode and mtime", *_rerun_matches_fresh(src, out,
-                                                                            case / "fresh", args)))
+    rows.append(
+        Case(
+            "source changes between runs",
+            "rewritten in place after a crash, same size, header, inode and mtime",
+            *_rerun_matches_fresh(src, out, case / "fresh", args),
+        )
+    )
     # And under a finished output: a rerun proves it again and redoes what the change touched.
     case = work / "after-complete"
     src = copy_source(template, case / "src")
@@ -1040,9 +1186,13 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
     st = (src / VICTIM).stat()
     _rewrite_in_place(src / VICTIM)
     os.utime(src / VICTIM, ns=(st.st_atime_ns, st.st_mtime_ns))
-    rows.append(Case("source changes between runs", "rewritten in place under a complete "
-                     "output, mtime restored", *_rerun_matches_fresh(src, out, case / "fresh",
-                                                                     args)))
+    rows.append(
+        Case(
+            "source changes between runs",
+            "rewritten in place under a complete output, mtime restored",
+            *_rerun_matches_fresh(src, out, case / "fresh", args),
+        )
+    )
     return rows + header_swap_case(template, work / "swap")
 
 
@@ -1082,13 +1232,18 @@ def path_cases(template: Path, work: Path) -> list[Case]:
     rows = []
     src = copy_source(template, work / "src")
     (work / "link").symlink_to(src / "linked-out")
-    for name, out in [("output equal to the source", src),
-                      ("output inside the source", src / "converted"),
-                      ("output through a symlink into the source", work / "link")]:  # fmt: skip
+    for name, out in [
+        ("output equal to the source", src),
+        ("output inside the source", src / "converted"),
+        ("output through a symlink into the source", work / "link"),
+    ]:
         before = tree(work)
         proc = run_cli(convert_args(src, out, "--json"))
-        good = (proc.returncode in (1, 2) and tree(work) == before
-                and codes(proc.stdout) == {Code.OUTPUT_INSIDE_SOURCE.value})
+        good = (
+            proc.returncode in (1, 2)
+            and tree(work) == before
+            and codes(proc.stdout) == {Code.OUTPUT_INSIDE_SOURCE.value}
+        )
         outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
         rows.append(Case("paths", name, outcome, proc.stdout[-160:]))
     rows += [
@@ -1111,11 +1266,17 @@ def _symlinked_dir_case(template: Path, work: Path) -> Case:
     out.mkdir()
     (out / "sub").symlink_to(elsewhere, target_is_directory=True)
     proc = run_cli(convert_args(src, out, "--force", "--json"))
-    good = (proc.returncode == 1 and not any(elsewhere.iterdir()) and not (out / INDEX).exists()
-            and codes(proc.stdout) == {Code.FOREIGN_OUTPUT.value} and (out / "sub").is_symlink())
+    good = (
+        proc.returncode == 1
+        and not any(elsewhere.iterdir())
+        and not (out / INDEX).exists()
+        and codes(proc.stdout) == {Code.FOREIGN_OUTPUT.value}
+        and (out / "sub").is_symlink()
+    )
     outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
-    return Case("paths", "a folder of the output is a symlink elsewhere", outcome,
-                proc.stdout[-160:])
+    return Case(
+        "paths", "a folder of the output is a symlink elsewhere", outcome, proc.stdout[-160:]
+    )
 
 
 def _force_case(template: Path, work: Path) -> Case:
@@ -1128,13 +1289,19 @@ def _force_case(template: Path, work: Path) -> Case:
     refused = run_cli(args)  # another plan: refused without --force
     replaced = run_cli([*args, "--force"])
     want = reference_output(src, work / "fresh500", 1, "--max-shard-size", "500KB")
-    ok_replace = (codes(refused.stdout) == {Code.OUTPUT_NOT_EMPTY.value}
-                  and replaced.returncode == 0 and tree(out) == want)
+    ok_replace = (
+        codes(refused.stdout) == {Code.OUTPUT_NOT_EMPTY.value}
+        and replaced.returncode == 0
+        and tree(out) == want
+    )
     # Now plant files the tool never wrote, and a tampered record pointing out of OUT.
     outside = work / "keep-me.txt"
     outside.write_text("not yours\n")
-    planted = {"notes.txt": "mine\n", "model-best.safetensors": "a user's own file\n",
-               "sub/data.bin": "mine too\n"}
+    planted = {
+        "notes.txt": "mine\n",
+        "model-best.safetensors": "a user's own file\n",
+        "sub/data.bin": "mine too\n",
+    }
     for rel, text in planted.items():
         (out / rel).parent.mkdir(exist_ok=True)
         (out / rel).write_text(text)
@@ -1145,14 +1312,23 @@ def _force_case(template: Path, work: Path) -> Case:
     (out / "kimi_w31.checksums.json").write_text(json.dumps(sums))
     before = tree(out)
     forced = run_cli([*args[:4], "--max-shard-size", "300KB", "-q", "--json", "--force"])
-    ok_refuse = (forced.returncode == 1 and codes(forced.stdout) == {Code.FOREIGN_OUTPUT.value}
-                 and tree(out) == before and outside.read_text() == "not yours\n")
+    ok_refuse = (
+        forced.returncode == 1
+        and codes(forced.stdout) == {Code.FOREIGN_OUTPUT.value}
+        and tree(out) == before
+        and outside.read_text() == "not yours\n"
+    )
     ok = ok_replace and ok_refuse
-    return Case("paths", "--force replaces only what it recorded writing; refuses otherwise",
-                CORRECT if ok else WRONG,
-                "" if ok else f"replace={ok_replace} refuse={ok_refuse}: "
-                f"{refused.stdout[-100:]} {replaced.stderr[-100:]} {forced.stdout[-200:]} "
-                f"{tree_diff(tree(out), before)}")
+    return Case(
+        "paths",
+        "--force replaces only what it recorded writing; refuses otherwise",
+        CORRECT if ok else WRONG,
+        ""
+        if ok
+        else f"replace={ok_replace} refuse={ok_refuse}: "
+        f"{refused.stdout[-100:]} {replaced.stderr[-100:]} {forced.stdout[-200:]} "
+        f"{tree_diff(tree(out), before)}",
+    )
 
 
 def hub_cache(template: Path, hub: Path, repo: str = "org/name", rev: str = "0" * 40) -> None:
@@ -1188,10 +1364,15 @@ def _hub_cache_case(template: Path, work: Path) -> Case:
     got = {k: v for k, v in tree(out).items() if k not in label_free}
     want = {k: v for k, v in tree(ref).items() if k not in label_free}
     ok = proc.returncode == 0 and verify.returncode == 0 and got == want
-    return Case("paths", "Hugging Face cache snapshot (symlinks into blobs/) by repo id",
-                CORRECT if ok else WRONG,
-                "" if ok else f"exit {proc.returncode}/{verify.returncode}: "
-                f"{proc.stderr[-200:]} {tree_diff(got, want)}")  # fmt: skip
+    return Case(
+        "paths",
+        "Hugging Face cache snapshot (symlinks into blobs/) by repo id",
+        CORRECT if ok else WRONG,
+        ""
+        if ok
+        else f"exit {proc.returncode}/{verify.returncode}: "
+        f"{proc.stderr[-200:]} {tree_diff(got, want)}",
+    )
 
 
 def _umask_case(template: Path, work: Path) -> Case:
@@ -1200,10 +1381,11 @@ def _umask_case(template: Path, work: Path) -> Case:
     (src / "sub" / "notes.txt").write_text("an extra file in a subdirectory\n")
     out = work / "new" / "out"
     proc = run_cli(convert_args(src, out), preexec_fn=lambda: os.umask(0o077))
-    modes = {str(p.relative_to(work)): p.stat().st_mode & 0o777
-             for p in [work / "new", out, *out.rglob("*")]}  # fmt: skip
-    wrong = {k: oct(m) for k, m in modes.items()
-             if m != (0o755 if (work / k).is_dir() else 0o644)}  # fmt: skip
+    modes = {
+        str(p.relative_to(work)): p.stat().st_mode & 0o777
+        for p in [work / "new", out, *out.rglob("*")]
+    }
+    wrong = {k: oct(m) for k, m in modes.items() if m != (0o755 if (work / k).is_dir() else 0o644)}
     ok = proc.returncode == 0 and not wrong and len(modes) > 10
     return Case(
         "paths",
@@ -1233,8 +1415,11 @@ def _plant_nan(path: Path) -> tuple[str, int]:
 
 def data_fault_cases(template: Path, work: Path) -> list[Case]:
     src = copy_source(template, work / "src")
-    victim = next(p for p in sorted(src.glob("*.safetensors"))
-                  if any(".w1.weight_scale" in t for t in _tensors(read_shard(p)[0])))
+    victim = next(
+        p
+        for p in sorted(src.glob("*.safetensors"))
+        if any(".w1.weight_scale" in t for t in _tensors(read_shard(p)[0]))
+    )
     w31, pos = _plant_nan(victim)
     where = f"first at byte {pos} of the tensor"
     out = work / "out"
@@ -1242,12 +1427,23 @@ def data_fault_cases(template: Path, work: Path) -> list[Case]:
     rows = []
     for name in ("--check-scales", "--check-scales again (not hidden by resume)"):
         proc = run_cli([*args, "--json"])
-        hits = [p for p in json_problems(proc.stdout) if p.get("code") == Code.SCALE_NAN.value
-                and p.get("tensor") == w31 and where in p.get("what", "")]
+        hits = [
+            p
+            for p in json_problems(proc.stdout)
+            if p.get("code") == Code.SCALE_NAN.value
+            and p.get("tensor") == w31
+            and where in p.get("what", "")
+        ]
         good = proc.returncode == 1 and hits and not (out / INDEX).exists()
         outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
-        rows.append(Case("NaN scale (0xFF)", name, outcome,
-                         hits[0]["what"][:200] if hits else proc.stdout[-200:]))
+        rows.append(
+            Case(
+                "NaN scale (0xFF)",
+                name,
+                outcome,
+                hits[0]["what"][:200] if hits else proc.stdout[-200:],
+            )
+        )
     # Without the opt-in scan the bytes are copied as they are; verify must still catch it.
     proc = run_cli(convert_args(src, out, "--workers", "2"))
     ver = run_cli(["verify", out, "--checksums", "--json"])
@@ -1268,8 +1464,9 @@ def data_fault_cases(template: Path, work: Path) -> list[Case]:
 
 def bad_rows(rows: list[Case], allowed: set[str]) -> str:
     """The rows whose outcome is not allowed, one a line (empty when all are fine)."""
-    return "\n".join(f"[{r.outcome}] {r.fault} / {r.name}: {r.detail}"
-                     for r in rows if r.outcome not in allowed)  # fmt: skip
+    return "\n".join(
+        f"[{r.outcome}] {r.fault} / {r.name}: {r.detail}" for r in rows if r.outcome not in allowed
+    )
 
 
 def fuzz(examples: int):
@@ -1279,8 +1476,12 @@ def fuzz(examples: int):
     from hypothesis import HealthCheck, settings
 
     scale = float(os.environ.get("KIMI_W31_FUZZ_SCALE", "1"))
-    return settings(max_examples=max(1, int(examples * scale)), deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+    return settings(
+        max_examples=max(1, int(examples * scale)),
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 # ----------------------------------------------------------- verify on hostile outputs
@@ -1364,8 +1565,13 @@ def verify_fifo_case(template: Path, work: Path) -> list[Case]:
             )
         ]
     text = " ".join(proc.stderr.split() + proc.stdout.split())
-    outcome = (CRASH if looks_like_crash(text) else
-               CLEAN if proc.returncode == 1 and ".." in text else WRONG)  # fmt: skip
+    outcome = (
+        CRASH
+        if looks_like_crash(text)
+        else CLEAN
+        if proc.returncode == 1 and ".." in text
+        else WRONG
+    )
     return [
         Case(
             "verify on a hostile output",
@@ -1424,10 +1630,11 @@ def lock_race_cases(template: Path, work: Path) -> list[Case]:
             str(lock.warning),
         )
     )
-    for name, content in [("lock file with a non-integer pid", '{"pid": "x", "host": "h"}'),
-                          ("lock file that is not JSON", "\0\0garbage"),
-                          ("lock file naming pid -1", json.dumps(
-                              {"pid": -1, "host": socket.gethostname()}))]:  # fmt: skip
+    for name, content in [
+        ("lock file with a non-integer pid", '{"pid": "x", "host": "h"}'),
+        ("lock file that is not JSON", "\0\0garbage"),
+        ("lock file naming pid -1", json.dumps({"pid": -1, "host": socket.gethostname()})),
+    ]:
         path.write_text(content)
         try:
             OutputLock(path).acquire()
@@ -1475,8 +1682,11 @@ def header_swap_case(template: Path, work: Path) -> list[Case]:
         return [Case("source changes mid-run", name, CRASH, err[-200:])]
     if code == 0:
         return [Case("source changes mid-run", name, WRONG, "converted with the stale plan")]
-    reported = [p for p in json_problems(stdout)
-                if p.get("code") == Code.SOURCE_CHANGED.value and p.get("file") == VICTIM]
+    reported = [
+        p
+        for p in json_problems(stdout)
+        if p.get("code") == Code.SOURCE_CHANGED.value and p.get("file") == VICTIM
+    ]
     good = code == 1 and reported and not (out / INDEX).exists()
     return [Case("source changes mid-run", name, CLEAN if good else WRONG, stdout[:200])]
 
@@ -1488,25 +1698,31 @@ def header_bound_cases(template: Path, work: Path) -> list[Case]:
     """A source of two shards whose many tiny tensors give headers of ~60 MB each: packed by
     data size alone, one output shard would carry a ~120 MB header that the safetensors
     library refuses to open. Every output shard must open with the library."""
-    from safetensors import safe_open
-
     from kimi_w31.converter.synth import write_safetensors
+    from safetensors import safe_open
 
     src = copy_source(template, work / "src")
     index = json.loads((src / INDEX).read_text())
     tiny = b"\x00"
     for n in range(2):
         name = f"extra-{n + 1}.safetensors"
-        tensors = [(f"model.tiny.{n}.{i:07d}." + "x" * 80, "U8", (1,), tiny)
-                   for i in range(480_000)]
+        tensors = [
+            (f"model.tiny.{n}.{i:07d}." + "x" * 80, "U8", (1,), tiny) for i in range(480_000)
+        ]
         write_safetensors(src / name, tensors)
         index["weight_map"].update({t[0]: name for t in tensors})
     (src / INDEX).write_text(json.dumps(index))
     out = work / "out"
     proc = run_cli([src, out, *MANIFEST, "-q", "--json"], timeout=600)
     if proc.returncode != 0:
-        return [Case("output header size", "~120 MB of headers in a source", CRASH
-                     if looks_like_crash(proc.stderr) else WRONG, proc.stdout[-200:])]
+        return [
+            Case(
+                "output header size",
+                "~120 MB of headers in a source",
+                CRASH if looks_like_crash(proc.stderr) else WRONG,
+                proc.stdout[-200:],
+            )
+        ]
     shards = sorted(out.glob("*.safetensors"))
     sizes = []
     for path in shards:
@@ -1515,6 +1731,11 @@ def header_bound_cases(template: Path, work: Path) -> list[Case]:
         with safe_open(str(path), framework="np") as fh:  # the library's own limit
             fh.keys()
     ok = len(shards) > 1 and max(sizes) <= 100_000_000
-    return [Case("output header size", "~120 MB of headers in a source",
-                 CORRECT if ok else WRONG,
-                 f"{len(shards)} shards, largest header {max(sizes) / 1e6:.1f} MB")]
+    return [
+        Case(
+            "output header size",
+            "~120 MB of headers in a source",
+            CORRECT if ok else WRONG,
+            f"{len(shards)} shards, largest header {max(sizes) / 1e6:.1f} MB",
+        )
+    ]

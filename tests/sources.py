@@ -11,8 +11,9 @@ from kimi_w31.converter.synth import SynthSpec, make_config, tensor_specs
 Tensor = tuple[str, str, tuple[int, ...]]
 
 
-def header_only_source(tensors: list[Tensor], config: dict, files: int = 1,
-                       placement: dict[str, int] | None = None) -> Source:
+def header_only_source(
+    tensors: list[Tensor], config: dict, files: int = 1, placement: dict[str, int] | None = None
+) -> Source:
     """Tensors spread round-robin over `files` shards (or as `placement` says), in order."""
     per_file: dict[str, list[Tensor]] = {}
     for i, t in enumerate(tensors):

@@ -21,8 +21,11 @@ QC = SOURCE["quantization_config"]
 
 
 def ckpt(tmp_path: Path, *, converted: bool = True, **text) -> Path:
-    cfg = contract.converted_config(SOURCE, contract.make_block(4.0, 25.0)) if converted \
+    cfg = (
+        contract.converted_config(SOURCE, contract.make_block(4.0, 25.0))
+        if converted
         else json.loads(json.dumps(SOURCE))
+    )
     cfg["text_config"].update(text)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path
@@ -31,9 +34,16 @@ def ckpt(tmp_path: Path, *, converted: bool = True, **text) -> Path:
 def test_default_command(tmp_path):
     plan = plan_serve(ckpt(tmp_path), python="py")
     assert plan.argv == [
-        "py", "-m", "sglang.launch_server", "--model-path", str(tmp_path),
-        "--moe-runner-backend", "flashinfer_mxfp4", "--tp-size", "1",
-    ]  # fmt: skip
+        "py",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(tmp_path),
+        "--moe-runner-backend",
+        "flashinfer_mxfp4",
+        "--tp-size",
+        "1",
+    ]
     assert plan.env == {}
 
 
@@ -62,8 +72,10 @@ def test_aligned_moe_tp_is_accepted(tmp_path, tp, ep):
     plan_serve(ckpt(tmp_path), tp=tp, ep=ep)
 
 
-@pytest.mark.parametrize("extra", [["--tp-size", "5"], ["--tp-size=16"], ["--tp", "5"],
-                                   ["--tp-size", "32", "--ep-size", "2"]])
+@pytest.mark.parametrize(
+    "extra",
+    [["--tp-size", "5"], ["--tp-size=16"], ["--tp", "5"], ["--tp-size", "32", "--ep-size", "2"]],
+)
 def test_sglang_flags_after_the_dashes_are_checked_too(tmp_path, extra):
     with pytest.raises(ServeError, match="multiple of 128"):
         plan_serve(ckpt(tmp_path), extra, tp=8)
@@ -146,9 +158,17 @@ def test_cli_print_shows_the_command(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.output.strip())
     assert argv[1:] == [
-        "-m", "sglang.launch_server", "--model-path", str(root),
-        "--moe-runner-backend", "flashinfer_mxfp4", "--tp-size", "2", "--port", "1",
-    ]  # fmt: skip
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(root),
+        "--moe-runner-backend",
+        "flashinfer_mxfp4",
+        "--tp-size",
+        "2",
+        "--port",
+        "1",
+    ]
 
 
 def test_cli_refuses_on_failed_checks(tmp_path, monkeypatch):

@@ -68,8 +68,7 @@ def test_every_problem_is_reported_at_once():
 
 @pytest.mark.parametrize(
     "override",
-    [{"activation_situ_beta": 3.0}, {"activation_situ_linear_beta": 20.0},
-     {"hidden_act": "silu"}],
+    [{"activation_situ_beta": 3.0}, {"activation_situ_linear_beta": 20.0}, {"hidden_act": "silu"}],
 )
 def test_block_must_agree_with_the_model_config(override):
     with pytest.raises(LayoutError) as err:
@@ -82,8 +81,9 @@ def test_block_found_on_object_configs_top_level_and_text_config():
     top = types.SimpleNamespace(text_config=text, kimi_w31=dict(BLOCK))
     assert find_block(top) == BLOCK
     assert load_layout(top) == W31Layout(1, 4.0, 25.0, 32)
-    nested = types.SimpleNamespace(text_config=types.SimpleNamespace(**SOURCE["text_config"],
-                                                                     kimi_w31=BLOCK))
+    nested = types.SimpleNamespace(
+        text_config=types.SimpleNamespace(**SOURCE["text_config"], kimi_w31=BLOCK)
+    )
     assert find_block(nested) == BLOCK
     assert find_block(types.SimpleNamespace(text_config=text)) is None
 
@@ -137,6 +137,7 @@ def test_a_converted_synthetic_checkpoint_passes_the_adapters_checks(converted: 
     config = json.loads((converted / "config.json").read_text())
     assert load_layout(config) == W31Layout(1, 4.0, 25.0, 32)
     assert unwrap_quantization_config(copy.deepcopy(config)) == 1
-    _, is_converted = launch.check_checkpoint(converted, unconverted=False, tp=1, ep=1,
-                                              backend="marlin")
+    _, is_converted = launch.check_checkpoint(
+        converted, unconverted=False, tp=1, ep=1, backend="marlin"
+    )
     assert is_converted

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="the adapter works on torch tensors (make test "
-                            "installs the CPU build)")
+torch = pytest.importorskip(
+    "torch", reason="the adapter works on torch tensors (make test installs the CPU build)"
+)
 from kimi_w31.adapter.split import SplitError, SplitStats, split_w31_items  # noqa: E402
 
 P = "model.layers.3.mlp.experts.7."

@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"kimi_w31": ROOT / "kimi_w31", "kimi_w31.converter": ROOT / "converter",
-            "kimi_w31.adapter": ROOT / "adapter", "kimi_w31.manifests": ROOT / "manifests"}
+PACKAGES = {
+    "kimi_w31": ROOT / "kimi_w31",
+    "kimi_w31.converter": ROOT / "converter",
+    "kimi_w31.adapter": ROOT / "adapter",
+    "kimi_w31.manifests": ROOT / "manifests",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -62,7 +66,7 @@ def test_the_package_import_graph_has_no_cycle():
         stack.append(node)
         for nxt in GRAPH[node]:
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -75,8 +79,13 @@ def test_the_package_import_graph_has_no_cycle():
 
 
 def test_the_converter_never_imports_the_adapter():
-    bad = [f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kimi_w31.converter")
-           for t in ts if t.startswith("kimi_w31.adapter")]
+    bad = [
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        if m.startswith("kimi_w31.converter")
+        for t in ts
+        if t.startswith("kimi_w31.adapter")
+    ]
     assert bad == []
 
 

@@ -10,7 +10,6 @@ import json
 import struct
 
 import pytest
-
 from cli_helpers import run_cli
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
@@ -60,7 +59,8 @@ def test_wrong_expert_shape(source_copy, tmp_path):
     code, found = _convert(source_copy, tmp_path)
     assert code == 1
     assert [(p["tensor"], p["expected"], p["found"]) for p in found[Code.EXPERT_SHAPE]] == [
-        (name, "[64, 4]", "[32, 8]")]
+        (name, "[64, 4]", "[32, 8]")
+    ]
 
 
 def test_wrong_dtype(source_copy, tmp_path):
@@ -69,7 +69,8 @@ def test_wrong_dtype(source_copy, tmp_path):
     code, found = _convert(source_copy, tmp_path)
     assert code == 1
     assert [(p["tensor"], p["expected"], p["found"]) for p in found[Code.EXPERT_DTYPE]] == [
-        (name, "U8", "I8")]
+        (name, "U8", "I8")
+    ]
 
 
 def test_missing_w3_partner_and_all_problems_reported(source_copy, tmp_path):
@@ -92,11 +93,14 @@ def test_missing_w3_partner_and_all_problems_reported(source_copy, tmp_path):
     assert [p["tensor"] for p in found[Code.EXPERT_DTYPE]] == [bad_dtype]  # every problem
 
 
-@pytest.mark.parametrize(("damage", "code"), [
-    (lambda data: data[:-1000], Code.FILE_TRUNCATED),
-    (lambda data: struct.pack("<Q", len(data) * 2) + data[8:], Code.HEADER_BEYOND_FILE),
-    (lambda data: data[:9] + b"}" + data[10:], Code.HEADER_NOT_JSON),
-])
+@pytest.mark.parametrize(
+    ("damage", "code"),
+    [
+        (lambda data: data[:-1000], Code.FILE_TRUNCATED),
+        (lambda data: struct.pack("<Q", len(data) * 2) + data[8:], Code.HEADER_BEYOND_FILE),
+        (lambda data: data[:9] + b"}" + data[10:], Code.HEADER_NOT_JSON),
+    ],
+)
 def test_damaged_shard_is_named(source_copy, tmp_path, damage, code):
     shard = sorted(source_copy.glob("*.safetensors"))[1]
     shard.write_bytes(damage(shard.read_bytes()))
@@ -128,7 +132,8 @@ def test_pinned_manifest_mismatch_suggests_any(small_source, tmp_path):
     assert proc.returncode == 1
     found = problems(proc)
     assert ("num_experts", "896", "8") in {
-        (p["what"].split()[2], p["expected"], p["found"]) for p in found[Code.PINNED_MISMATCH]}
+        (p["what"].split()[2], p["expected"], p["found"]) for p in found[Code.PINNED_MISMATCH]
+    }
     assert "--manifest kimi-k3-any" in json.loads(proc.stdout)["hint"]
     assert not (tmp_path / "out").exists()
 
@@ -154,16 +159,22 @@ def test_source_already_carrying_our_markers_is_refused(source_copy, tmp_path, m
     if mark == "block":
         cfg["text_config"]["kimi_w31"] = {"format_version": 1}
     else:
-        cfg["quantization_config"] = {"quant_method": "kimi_w31",
-                                      "base": cfg["quantization_config"]}
+        cfg["quantization_config"] = {
+            "quant_method": "kimi_w31",
+            "base": cfg["quantization_config"],
+        }
     (source_copy / "config.json").write_text(json.dumps(cfg))
     code, found = _convert(source_copy, tmp_path)
     assert code == 1 and Code.ALREADY_MARKED in found
 
 
 def test_usage_errors_exit_2(small_source, tmp_path):
-    for args in (["--manifest", "nope"], ["--manifest", "no/such.json"],
-                 ["--max-shard-size", "lots"], ["--max-shard-size", "0"]):
+    for args in (
+        ["--manifest", "nope"],
+        ["--manifest", "no/such.json"],
+        ["--max-shard-size", "lots"],
+        ["--max-shard-size", "0"],
+    ):
         proc = run_cli(small_source, tmp_path / "o", *args)
         assert proc.returncode == 2, (args, proc.stderr)
     assert run_cli(small_source, small_source / "inside").returncode == 2
@@ -180,8 +191,10 @@ def test_non_empty_unrelated_output_is_never_cleared(small_source, tmp_path):
         proc = run_cli(small_source, out, "--manifest", "kimi-k3-any", "--json", *extra)
         assert proc.returncode == 1
         assert set(problems(proc)) == {Code.FOREIGN_OUTPUT if extra else Code.OUTPUT_NOT_EMPTY}
-    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors",
-                                                    "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model-00001-of-00002.safetensors",
+        "notes.txt",
+    ]
     assert (out / "notes.txt").read_text() == "mine"
 
 

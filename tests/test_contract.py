@@ -44,41 +44,69 @@ def test_grammar_is_full_match_ascii_and_canonical(name, parsed):
 
 def test_any_name_under_an_experts_component_must_follow_the_grammar():
     assert contract.split_expert_name(P + "shared_experts.w1.weight") is None
-    assert contract.split_expert_name(P + "experts.3.gate_proj.weight") == (
-        P, "3.gate_proj.weight")
+    assert contract.split_expert_name(P + "experts.3.gate_proj.weight") == (P, "3.gate_proj.weight")
     # The last `experts` component decides; an earlier one may be part of the prefix.
     assert contract.split_expert_name("a.experts.b.experts.2.w2.weight_scale") == (
-        "a.experts.b.", "2.w2.weight_scale")
+        "a.experts.b.",
+        "2.w2.weight_scale",
+    )
     # A look-alike `shared_experts` later in the name does not hide a real component.
     assert contract.split_expert_name("m.experts.0.w1.shared_experts.x")[1] == (
-        "0.w1.shared_experts.x")
+        "0.w1.shared_experts.x"
+    )
 
 
-@pytest.mark.parametrize(("prefix", "layer"), [
-    ("language_model.model.layers.12.mlp.", 12), ("model.layers.0.mlp.", 0),
-    ("layers.3.", 3), ("mtp.0.", None), ("model.layers.01.mlp.", None),
-    ("model.layers.\u0663.mlp.", None), ("model.xlayers.3.mlp.", None),
-])
+@pytest.mark.parametrize(
+    ("prefix", "layer"),
+    [
+        ("language_model.model.layers.12.mlp.", 12),
+        ("model.layers.0.mlp.", 0),
+        ("layers.3.", 3),
+        ("mtp.0.", None),
+        ("model.layers.01.mlp.", None),
+        ("model.layers.\u0663.mlp.", None),
+        ("model.xlayers.3.mlp.", None),
+    ],
+)
 def test_layer_of_a_prefix(prefix, layer):
     assert contract.layer_of(prefix) == layer
 
 
-_ALPHABET = st.sampled_from(list("0123456789.w_experts") + [
-    "\n", " ", "\t", "\x00", "\u0663", "\uff13", "\u00e9", "W", "1", "3", "31", "."])
-_PIECES = st.sampled_from(["experts.", "w1.", "w3.", "w31.", "w2.", "weight_packed",
-                           "weight_scale", "0.", "7.", "01.", "layers.1.", "mlp."])
+_ALPHABET = st.sampled_from(
+    list("0123456789.w_experts")
+    + ["\n", " ", "\t", "\x00", "\u0663", "\uff13", "\u00e9", "W", "1", "3", "31", "."]
+)
+_PIECES = st.sampled_from(
+    [
+        "experts.",
+        "w1.",
+        "w3.",
+        "w31.",
+        "w2.",
+        "weight_packed",
+        "weight_scale",
+        "0.",
+        "7.",
+        "01.",
+        "layers.1.",
+        "mlp.",
+    ]
+)
 
 
 @st.composite
 def hostile_names(draw) -> str:
     """A real expert name with a few generated edits (characters or grammar pieces)."""
-    e, proj, suffix = draw(st.integers(0, 1)), draw(st.sampled_from(["w1", "w2", "w3"])), \
-        draw(st.sampled_from(contract.SUFFIXES))
+    e, proj, suffix = (
+        draw(st.integers(0, 1)),
+        draw(st.sampled_from(["w1", "w2", "w3"])),
+        draw(st.sampled_from(contract.SUFFIXES)),
+    )
     name = f"{P}experts.{e}.{proj}.{suffix}"
     for _ in range(draw(st.integers(1, 3))):
         i = draw(st.integers(0, len(name)))
         piece = draw(st.one_of(_ALPHABET, _PIECES))
-        name = name[:i] + piece + name[i + draw(st.integers(0, 2)):]
+        name = name[:i] + piece + name[i + draw(st.integers(0, 2)) :]
     return name
 
 
@@ -118,8 +146,12 @@ def sglang_is_moe_layer(layers: int, dense: int | None, freq: int | None, i: int
     return i >= dense and i % freq == 0
 
 
-@given(layers=st.integers(1, 12), dense=st.one_of(st.none(), st.integers(0, 5)),
-       freq=st.one_of(st.none(), st.integers(1, 4)), nested=st.booleans())
+@given(
+    layers=st.integers(1, 12),
+    dense=st.one_of(st.none(), st.integers(0, 5)),
+    freq=st.one_of(st.none(), st.integers(1, 4)),
+    nested=st.booleans(),
+)
 def test_moe_layers_follow_sglang(layers, dense, freq, nested):
     text = {"num_hidden_layers": layers, "num_experts": 4}
     if dense is not None:
@@ -132,9 +164,16 @@ def test_moe_layers_follow_sglang(layers, dense, freq, nested):
     assert ids == [i for i in range(layers) if sglang_is_moe_layer(layers, dense, freq, i)]
 
 
-@pytest.mark.parametrize("bad", [{"moe_layer_freq": 0}, {"first_k_dense_replace": -1},
-                                 {"first_k_dense_replace": None}, {"num_experts": None},
-                                 {"num_hidden_layers": "4"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"moe_layer_freq": 0},
+        {"first_k_dense_replace": -1},
+        {"first_k_dense_replace": None},
+        {"num_experts": None},
+        {"num_hidden_layers": "4"},
+    ],
+)
 def test_unusable_rule_fields_are_config_problems(bad):
     config = {"num_hidden_layers": 4, "num_experts": 4, **bad}
     ids, problems = contract.moe_layer_ids(config)
@@ -157,11 +196,14 @@ def _experts_of(layer: int):
 
 
 @settings(max_examples=40, deadline=None)
-@given(layers=st.integers(2, 5), dense=st.integers(0, 2), freq=st.integers(1, 2),
-       experts=st.integers(1, 3))
+@given(
+    layers=st.integers(2, 5),
+    dense=st.integers(0, 2),
+    freq=st.integers(1, 2),
+    experts=st.integers(1, 3),
+)
 def test_missing_or_misplaced_experts_are_refused(layers, dense, freq, experts):
-    spec = SynthSpec(layers=layers, dense_layers=dense, moe_every=freq, experts=experts,
-                     k=64, n=32)
+    spec = SynthSpec(layers=layers, dense_layers=dense, moe_every=freq, experts=experts, k=64, n=32)
     moe = spec.moe_layers()
     if not moe:
         return
@@ -169,16 +211,28 @@ def test_missing_or_misplaced_experts_are_refused(layers, dense, freq, experts):
     first = moe[0]
     # A whole MoE layer gone (index and headers consistent).
     assert Code.LAYER_MISSING in _codes(
-        spec, lambda ts: [t for t in ts if not _experts_of(first)(t[0])])
+        spec, lambda ts: [t for t in ts if not _experts_of(first)(t[0])]
+    )
     # The same experts moved to a layer beyond num_hidden_layers, or to a dense layer.
     for target in [layers + 1, *[i for i in range(layers) if i not in moe][:1]]:
         moved = lambda ts, target=target: [  # noqa: E731
             (n.replace(f".layers.{first}.", f".layers.{target}."), d, s)
-            if _experts_of(first)(n) else (n, d, s) for n, d, s in ts]
+            if _experts_of(first)(n)
+            else (n, d, s)
+            for n, d, s in ts
+        ]
         assert Code.LAYER_UNEXPECTED in _codes(spec, moved)
+
     # Routed experts under other names: nothing would be fused.
-    renamed = lambda ts: [(n.replace(".w1.", ".gate_proj.").replace(".w3.", ".up_proj.")  # noqa: E731
-                           .replace(".w2.", ".down_proj."), d, s) for n, d, s in ts]
+    def renamed(ts):
+        names = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+        out = []
+        for n, d, s in ts:
+            for old, new in names.items():
+                n = n.replace(old, new)
+            out.append((n, d, s))
+        return out
+
     assert {Code.EXPERT_NAME, Code.NO_EXPERTS} <= _codes(spec, renamed)
 
 
@@ -205,26 +259,35 @@ def test_block_and_wrapper_round_trip():
     assert contract.marks(config) == [] and contract.marks(converted)
 
 
-@pytest.mark.parametrize(("edit", "code"), [
-    (lambda c: c.pop("kimi_w31"), Code.BLOCK_MISSING),
-    (lambda c: c["kimi_w31"].update(format_version=2), Code.BLOCK_FIELD),
-    (lambda c: c["kimi_w31"].update(fc1_order=["gate", "up"]), Code.BLOCK_FIELD),
-    (lambda c: c["kimi_w31"].update(group_size=32.0), Code.BLOCK_FIELD),
-    (lambda c: c["kimi_w31"].update(situ_beta=-1), Code.BLOCK_FIELD),
-    (lambda c: c["kimi_w31"].update(situ_beta=25.0), Code.BLOCK_MISMATCH),
-    (lambda c: c["text_config"].update(hidden_act="silu"), Code.BLOCK_MISMATCH),
-])
+@pytest.mark.parametrize(
+    ("edit", "code"),
+    [
+        (lambda c: c.pop("kimi_w31"), Code.BLOCK_MISSING),
+        (lambda c: c["kimi_w31"].update(format_version=2), Code.BLOCK_FIELD),
+        (lambda c: c["kimi_w31"].update(fc1_order=["gate", "up"]), Code.BLOCK_FIELD),
+        (lambda c: c["kimi_w31"].update(group_size=32.0), Code.BLOCK_FIELD),
+        (lambda c: c["kimi_w31"].update(situ_beta=-1), Code.BLOCK_FIELD),
+        (lambda c: c["kimi_w31"].update(situ_beta=25.0), Code.BLOCK_MISMATCH),
+        (lambda c: c["text_config"].update(hidden_act="silu"), Code.BLOCK_MISMATCH),
+    ],
+)
 def test_check_block_one_code_per_reason(edit, code):
     config = _converted()
     edit(config)
     assert code in {p.code for p in contract.check_block(config)}
 
 
-@pytest.mark.parametrize(("edit", "code"), [
-    (lambda c: c.update(quantization_config=c["quantization_config"]["base"]), Code.NOT_WRAPPED),
-    (lambda c: c["quantization_config"].update(base=None), Code.NOT_WRAPPED),
-    (lambda c: c.pop("quantization_config"), Code.NO_QUANTIZATION_CONFIG),
-])
+@pytest.mark.parametrize(
+    ("edit", "code"),
+    [
+        (
+            lambda c: c.update(quantization_config=c["quantization_config"]["base"]),
+            Code.NOT_WRAPPED,
+        ),
+        (lambda c: c["quantization_config"].update(base=None), Code.NOT_WRAPPED),
+        (lambda c: c.pop("quantization_config"), Code.NO_QUANTIZATION_CONFIG),
+    ],
+)
 def test_check_wrapped_one_code_per_reason(edit, code):
     config = _converted()
     edit(config)

@@ -44,9 +44,15 @@ def test_w31_is_up_then_gate_and_everything_else_identical(small_source, convert
         else:
             assert out[name] == data, name
     assert fused == FUSED * 2  # experts x (packed, scale)
-    assert set(out) == {n for n in src if not (".experts." in n and (".w1." in n or ".w3." in n)
-                        and "shared" not in n)} | {n.replace(".w3.", ".w31.") for n in src
-                        if ".experts." in n and ".w3." in n and "shared" not in n}  # fmt: skip
+    assert set(out) == {
+        n
+        for n in src
+        if not (".experts." in n and (".w1." in n or ".w3." in n) and "shared" not in n)
+    } | {
+        n.replace(".w3.", ".w31.")
+        for n in src
+        if ".experts." in n and ".w3." in n and "shared" not in n
+    }
 
 
 def test_w31_shapes_and_dtypes(converted):
@@ -87,9 +93,16 @@ def test_config_changed_exactly_as_the_contract_says(small_source, converted):
     out = json.loads((converted / "config.json").read_text())
     block = out["kimi_w31"]
     # The contract's eight fields, spelled out here rather than taken from the code under test.
-    for key, want in {"format_version": 1, "fc1_layout": "w31", "fc1_order": ["up", "gate"],
-                      "activation": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0,
-                      "weight_format": "mxfp4", "group_size": 32}.items():
+    for key, want in {
+        "format_version": 1,
+        "fc1_layout": "w31",
+        "fc1_order": ["up", "gate"],
+        "activation": "situ",
+        "situ_beta": 4.0,
+        "situ_linear_beta": 25.0,
+        "weight_format": "mxfp4",
+        "group_size": 32,
+    }.items():
         assert block[key] == want, key
     assert out["quantization_config"] == {
         "quant_method": "kimi_w31",
@@ -130,8 +143,9 @@ def test_single_file_source(tmp_path, small_source):
 
 
 def test_dry_run_writes_nothing(small_source, tmp_path):
-    proc = run_cli(small_source, tmp_path / "out", "--manifest", "kimi-k3-any", "--dry-run",
-                   "--json")  # fmt: skip
+    proc = run_cli(
+        small_source, tmp_path / "out", "--manifest", "kimi-k3-any", "--dry-run", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["output_bytes"] > 0 and summary["experts_fused"] == FUSED
@@ -164,8 +178,17 @@ def test_repo_id_from_local_hf_cache(small_source, tmp_path, monkeypatch):
 @pytest.mark.parametrize("workers", [1, 3])
 def test_output_independent_of_worker_count(small_source, converted, tmp_path, workers):
     out = tmp_path / "o"
-    proc = run_cli(small_source, out, "--manifest", "kimi-k3-any", "--max-shard-size", "600000",
-                   "--workers", workers, "-q")  # fmt: skip
+    proc = run_cli(
+        small_source,
+        out,
+        "--manifest",
+        "kimi-k3-any",
+        "--max-shard-size",
+        "600000",
+        "--workers",
+        workers,
+        "-q",
+    )
     assert proc.returncode == 0, proc.stderr
     for p in converted.iterdir():
         if p.is_file():

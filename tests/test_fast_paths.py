@@ -37,8 +37,9 @@ from kimi_w31.converter.validate import check_expert_tensors
 
 FAST = fl.fuzz(200)
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.floats(-2, 70),
-                    st.text("ab", max_size=2))  # fmt: skip
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 70), st.floats(-2, 70), st.text("ab", max_size=2)
+)
 values = st.one_of(
     scalars,
     st.lists(st.one_of(st.integers(0, 9), scalars), max_size=3),
@@ -49,25 +50,36 @@ entry_keys = st.sampled_from(["dtype", "shape", "data_offsets", "x"])
 
 def _valid_entry(t: tuple[str, list[int], int]) -> list[tuple[str, object]]:
     dtype, shape, begin = t
-    return [("dtype", dtype), ("shape", shape),
-            ("data_offsets", [begin, begin + tensor_nbytes(dtype, shape)])]  # fmt: skip
+    return [
+        ("dtype", dtype),
+        ("shape", shape),
+        ("data_offsets", [begin, begin + tensor_nbytes(dtype, shape)]),
+    ]
 
 
 # Entries as lists of (key, value) pairs so key order and duplicates can be drawn too.
 entries = st.one_of(
-    st.tuples(st.sampled_from(sorted(DTYPE_BITS)), st.lists(st.integers(0, 6), max_size=3),
-              st.integers(0, 3)).map(_valid_entry),
+    st.tuples(
+        st.sampled_from(sorted(DTYPE_BITS)),
+        st.lists(st.integers(0, 6), max_size=3),
+        st.integers(0, 3),
+    ).map(_valid_entry),
     st.lists(st.tuples(entry_keys, values), max_size=4),
     scalars,
-)  # fmt: skip
+)
 
 
 def _object(pairs) -> str:
     """JSON text of an object given as pairs, keeping order and duplicate keys."""
     if not isinstance(pairs, list):
         return json.dumps(pairs)
-    return "{" + ",".join(f"{json.dumps(k)}:{_object(v) if _is_pairs(v) else json.dumps(v)}"
-                          for k, v in pairs) + "}"  # fmt: skip
+    return (
+        "{"
+        + ",".join(
+            f"{json.dumps(k)}:{_object(v) if _is_pairs(v) else json.dumps(v)}" for k, v in pairs
+        )
+        + "}"
+    )
 
 
 def _is_pairs(v) -> bool:
@@ -76,10 +88,9 @@ def _is_pairs(v) -> bool:
 
 @FAST
 @given(
-    doc=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "__metadata__"]), entries),
-                 max_size=4),
+    doc=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "__metadata__"]), entries), max_size=4),
     data_start=st.integers(8, 64),
-)  # fmt: skip
+)
 def test_fast_header_parse_agrees_with_the_strict_one(doc, data_start: int) -> None:
     text = _object(doc)
     fast = _parse_common_header(text, data_start)
@@ -122,8 +133,11 @@ def test_headers_real_writers_emit_take_the_fast_path(tmp_path) -> None:
     entries = [HeaderEntry(f"m.layers.{i}.w", "U8", (4, 2), 8) for i in range(5)]
     ours = build_header(entries)[8:].decode()
     lib = tmp_path / "lib.safetensors"
-    safetensors.numpy.save_file({"b": np.zeros((3, 2), np.float32), "a": np.ones(4, np.uint8)},
-                                lib, metadata={"format": "np"})  # fmt: skip
+    safetensors.numpy.save_file(
+        {"b": np.zeros((3, 2), np.float32), "a": np.ones(4, np.uint8)},
+        lib,
+        metadata={"format": "np"},
+    )
     blob = lib.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
     for text in (ours, blob[8 : 8 + n].decode()):
@@ -179,9 +193,9 @@ def test_expert_check_counts_whole_layers_and_details_broken_ones(drop: str | No
         for n, d, s in tensor_specs(spec)
         if drop is None or not (n.endswith(drop) or drop in n and ".layers.2." in n)
     ]
-    table, problems = check_expert_tensors(manifest, dims, infos,
-                                           set(moe_layer_ids(make_config(spec))[0]),
-                                           converted=False)
+    table, problems = check_expert_tensors(
+        manifest, dims, infos, set(moe_layer_ids(make_config(spec))[0]), converted=False
+    )
     layers = table.experts
     assert sorted(layers.values()) == ([5, 6] if drop == "experts.5." else [6, 6])
     if drop is None:

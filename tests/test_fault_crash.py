@@ -24,8 +24,14 @@ def test_sigkill_anywhere_resumes_identical(template: Path, tmp_path: Path, work
     assert len(rows) >= 20
     # Every phase of a run is hit, not just the copy loop.
     labels = {r.name.split(" #")[0] for r in rows}
-    assert {"shard.header", "shard.piece", "ledger.append", "finalize.config",
-            "finalize.index", "lock.acquired"} <= labels  # fmt: skip
+    assert {
+        "shard.header",
+        "shard.piece",
+        "ledger.append",
+        "finalize.config",
+        "finalize.index",
+        "lock.acquired",
+    } <= labels
     assert not fl.bad_rows(rows, {fl.RESUMED}), fl.bad_rows(rows, {fl.RESUMED})
 
 

@@ -32,8 +32,21 @@ FAST = fl.fuzz(150)
 
 # dtypes the safetensors library maps one byte or more per element (used for the
 # differential check; sub-byte F4/F6 are checked by our own rules only).
-LIB_DTYPES = ["U8", "I8", "BOOL", "F16", "BF16", "I16", "U16", "F32", "I32", "U32", "F64",
-              "I64", "U64"]  # fmt: skip
+LIB_DTYPES = [
+    "U8",
+    "I8",
+    "BOOL",
+    "F16",
+    "BF16",
+    "I16",
+    "U16",
+    "F32",
+    "I32",
+    "U32",
+    "F64",
+    "I64",
+    "U64",
+]
 
 
 def parse_or_error(raw: bytes, file_size: int) -> ShardHeader | Fatal:
@@ -67,9 +80,12 @@ def test_random_bytes_never_crash(raw: bytes, file_size: int) -> None:
 
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(allow_nan=True),
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 70), 1 << 70),
+    st.floats(allow_nan=True),
     st.text(max_size=6),
-)  # fmt: skip
+)
 offsets = st.one_of(
     st.lists(st.integers(-64, 4096), min_size=2, max_size=2),
     st.lists(json_scalars, max_size=3),
@@ -119,8 +135,11 @@ def test_structured_headers_never_crash(doc: dict, meta, data_len: int, dup: boo
 
 @st.composite
 def valid_shards(draw) -> tuple[list[HeaderEntry], dict[str, str]]:
-    names = draw(st.lists(st.text("abcdefgh.0123", min_size=1, max_size=10), unique=True,
-                          min_size=1, max_size=8))  # fmt: skip
+    names = draw(
+        st.lists(
+            st.text("abcdefgh.0123", min_size=1, max_size=10), unique=True, min_size=1, max_size=8
+        )
+    )
     out = []
     for name in names:
         dtype = draw(st.sampled_from(LIB_DTYPES))
@@ -151,8 +170,9 @@ def test_valid_headers_roundtrip_and_the_library_agrees(shard) -> None:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 s = f.get_slice(name)
                 assert (s.get_dtype(), tuple(s.get_shape())) == (
-                    header.tensors[name].dtype, header.tensors[name].shape
-                )  # fmt: skip
+                    header.tensors[name].dtype,
+                    header.tensors[name].shape,
+                )
 
 
 MUTATIONS = {
@@ -167,8 +187,12 @@ MUTATIONS = {
 
 
 @FAST
-@given(shard=valid_shards(), which=st.sampled_from(sorted(MUTATIONS)), delta=st.integers(1, 64),
-       trailing=st.integers(-8, 8))  # fmt: skip
+@given(
+    shard=valid_shards(),
+    which=st.sampled_from(sorted(MUTATIONS)),
+    delta=st.integers(1, 64),
+    trailing=st.integers(-8, 8),
+)
 def test_one_wrong_field_is_always_reported(shard, which: str, delta: int, trailing: int) -> None:
     entries, meta = shard
     nonempty = [e for e in entries if e.nbytes]
@@ -191,10 +215,13 @@ def test_one_wrong_field_is_always_reported(shard, which: str, delta: int, trail
 
 
 @FAST
-@given(length=st.one_of(st.integers(0, (1 << 64) - 1), st.sampled_from([0, MAX_HEADER_BYTES + 1])),
-       body=st.binary(max_size=64))  # fmt: skip
-def test_read_header_length_field(tmp_path_factory: pytest.TempPathFactory, length: int,
-                                  body: bytes) -> None:  # fmt: skip
+@given(
+    length=st.one_of(st.integers(0, (1 << 64) - 1), st.sampled_from([0, MAX_HEADER_BYTES + 1])),
+    body=st.binary(max_size=64),
+)
+def test_read_header_length_field(
+    tmp_path_factory: pytest.TempPathFactory, length: int, body: bytes
+) -> None:
     path = tmp_path_factory.getbasetemp() / "len.safetensors"
     path.write_bytes(struct.pack("<Q", length) + body)
     try:

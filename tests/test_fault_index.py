@@ -11,8 +11,8 @@ import faultlib as fl
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.contract import INDEX_NAME
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.source import read_source
 from kimi_w31.converter.source.local import LocalOrigin
 
@@ -24,8 +24,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
     """A small valid source, plus links inside and outside it for the map to point at."""
     base = tmp_path_factory.mktemp("index")
     src = fl.make_source(base / "src", layers=2, experts=2, shards=2)
-    (base / "outside.safetensors").write_bytes((src / "model-00001-of-00002.safetensors")
-                                               .read_bytes())  # fmt: skip
+    (base / "outside.safetensors").write_bytes(
+        (src / "model-00001-of-00002.safetensors").read_bytes()
+    )
     os.symlink(base / "outside.safetensors", src / "escape.safetensors")
     os.symlink("model-00001-of-00002.safetensors", src / "alias.safetensors")
     (src / "sub").mkdir()
@@ -34,18 +35,35 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
 
 
 hostile_names = st.one_of(
-    st.sampled_from([
-        "/etc/passwd", "/abs/model.safetensors", "../outside.safetensors",
-        "sub/../../outside.safetensors", "escape.safetensors", "alias.safetensors",
-        "config.json", "model.safetensors.index.json", "sub", "sub/", "missing.safetensors",
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "",
-        "\\\\server\\share.safetensors", "./model-00001-of-00002.safetensors",
-        "model-00001-of-00002.safetensors\x00.txt", "a\x00.safetensors",
-    ]),
+    st.sampled_from(
+        [
+            "/etc/passwd",
+            "/abs/model.safetensors",
+            "../outside.safetensors",
+            "sub/../../outside.safetensors",
+            "escape.safetensors",
+            "alias.safetensors",
+            "config.json",
+            "model.safetensors.index.json",
+            "sub",
+            "sub/",
+            "missing.safetensors",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "",
+            "\\\\server\\share.safetensors",
+            "./model-00001-of-00002.safetensors",
+            "model-00001-of-00002.safetensors\x00.txt",
+            "a\x00.safetensors",
+        ]
+    ),
     st.text(max_size=12),
     st.text(max_size=6).map(lambda s: s + ".safetensors"),
-    st.integers(), st.none(), st.booleans(), st.lists(st.text(max_size=3), max_size=2),
-)  # fmt: skip
+    st.integers(),
+    st.none(),
+    st.booleans(),
+    st.lists(st.text(max_size=3), max_size=2),
+)
 
 
 @FAST
@@ -59,12 +77,14 @@ def test_index_reader_never_crashes(tiny, data) -> None:
     for tensor in data.draw(st.lists(st.sampled_from(names), max_size=2, unique=True)):
         weight_map.pop(tensor, None)
     weight_map.update(data.draw(st.dictionaries(st.text(max_size=5), hostile_names, max_size=2)))
-    index = data.draw(st.one_of(
-        st.just({"metadata": {"total_size": 1}, "weight_map": weight_map}),
-        st.just({"weight_map": weight_map}),
-        st.just(weight_map),
-        st.just({"weight_map": list(weight_map)}),
-    ))  # fmt: skip
+    index = data.draw(
+        st.one_of(
+            st.just({"metadata": {"total_size": 1}, "weight_map": weight_map}),
+            st.just({"weight_map": weight_map}),
+            st.just(weight_map),
+            st.just({"weight_map": list(weight_map)}),
+        )
+    )
     (src / INDEX_NAME).write_text(json.dumps(index))
     try:
         source = read_source(src, str(src), LocalOrigin())

@@ -27,16 +27,22 @@ FAST = fl.fuzz(150)
 MANIFEST = load_manifest("kimi-k3-any")
 K, N = 64, 32
 PREFIX = "language_model.model.layers.{L}.mlp."
-SHAPES = {"w1.weight_packed": (N, K // 2), "w1.weight_scale": (N, K // 32),
-          "w3.weight_packed": (N, K // 2), "w3.weight_scale": (N, K // 32),
-          "w2.weight_packed": (K, N // 2), "w2.weight_scale": (K, N // 32)}  # fmt: skip
+SHAPES = {
+    "w1.weight_packed": (N, K // 2),
+    "w1.weight_scale": (N, K // 32),
+    "w3.weight_packed": (N, K // 2),
+    "w3.weight_scale": (N, K // 32),
+    "w2.weight_packed": (K, N // 2),
+    "w2.weight_scale": (K, N // 32),
+}
 
 
 def valid_tensors(layers: int, experts: int) -> list[tuple[str, str, tuple[int, ...]]]:
     out = [("embed.weight", "BF16", (16, 8)), ("norm.weight", "F32", (8,))]
     for layer in range(layers):
-        out.append((f"language_model.model.layers.{layer}.mlp.shared_experts.w1.weight",
-                    "BF16", (4, 8)))  # fmt: skip
+        out.append(
+            (f"language_model.model.layers.{layer}.mlp.shared_experts.w1.weight", "BF16", (4, 8))
+        )
         for e in range(experts):
             for key, shape in SHAPES.items():
                 out.append((f"{PREFIX.format(L=layer)}experts.{e}.{key}", "U8", shape))
@@ -58,12 +64,19 @@ def hostile_sources(draw) -> tuple[Source, int]:
         elif kind == "dtype":
             tensors[i] = (name, draw(st.sampled_from(["I8", "BF16", "F4", "U8"])), shape)
         elif kind == "rename":
-            new = draw(st.sampled_from([
-                name.replace("experts.", "experts.0"), name.replace(".w1.", ".w31."),
-                name.replace(".w3.", ".w2."), name.replace("experts.0.", f"experts.{experts}."),
-                name.replace(".mlp.", ".mlp.x."), name.replace("layers.0", "layers.7"),
-                name + "_extra",
-            ]))  # fmt: skip
+            new = draw(
+                st.sampled_from(
+                    [
+                        name.replace("experts.", "experts.0"),
+                        name.replace(".w1.", ".w31."),
+                        name.replace(".w3.", ".w2."),
+                        name.replace("experts.0.", f"experts.{experts}."),
+                        name.replace(".mlp.", ".mlp.x."),
+                        name.replace("layers.0", "layers.7"),
+                        name + "_extra",
+                    ]
+                )
+            )
             if all(new != t[0] for t in tensors):
                 tensors[i] = (new, dtype, shape)
         elif kind == "add":
@@ -90,9 +103,13 @@ def hostile_sources(draw) -> tuple[Source, int]:
         headers[file] = ShardHeader(file, cursor, data_start, infos, {}, "0" * 64)
     config = make_config(SynthSpec(layers=layers, dense_layers=0, experts=experts, k=K, n=N))
     if draw(st.booleans()):
-        config["text_config"][draw(st.sampled_from(
-            ["num_experts", "moe_intermediate_size", "routed_expert_hidden_size"]
-        ))] = draw(st.sampled_from([0, 1, 33, experts + 1, -1, "8", None]))  # fmt: skip
+        config["text_config"][
+            draw(
+                st.sampled_from(
+                    ["num_experts", "moe_intermediate_size", "routed_expert_hidden_size"]
+                )
+            )
+        ] = draw(st.sampled_from([0, 1, 33, experts + 1, -1, "8", None]))
     source = Source(Path("/nonexistent"), "hyp", config, sorted(headers), headers)
     return source, draw(st.integers(1, 20_000))
 

@@ -23,8 +23,9 @@ KILL_AFTER_TWO = {"KIMI_W31_FAULT_AT": "ledger.appended:2"}  # SIGKILL the drive
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                   logging_level="warning")  # fmt: skip
+    ctx = ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning"
+    )
     address = ctx.address_info["address"]
     assert address.startswith("127.0.0.1:")
     yield address
@@ -52,8 +53,9 @@ def _killed_after_two(src, out, *args):
     assert len(ledger) == 3  # the fingerprint and two finished shards
 
 
-def test_ray_output_is_byte_identical_to_the_local_executor(small_source, converted, tmp_path,
-                                                            ray_address):  # fmt: skip
+def test_ray_output_is_byte_identical_to_the_local_executor(
+    small_source, converted, tmp_path, ray_address
+):
     out = tmp_path / "out"
     r = _run(small_source, out, *_ray(ray_address), "--json")
     assert r.returncode == 0, r.stderr
@@ -73,8 +75,9 @@ def test_killed_ray_driver_resumes_on_ray(small_source, converted, tmp_path, ray
     assert _files(out) == _files(converted)
 
 
-def test_local_run_finished_on_ray_and_ray_run_finished_locally(small_source, converted,
-                                                                tmp_path, ray_address):  # fmt: skip
+def test_local_run_finished_on_ray_and_ray_run_finished_locally(
+    small_source, converted, tmp_path, ray_address
+):
     local_first, ray_first = tmp_path / "a", tmp_path / "b"
     _killed_after_two(small_source, local_first, "--workers", "1")
     _killed_after_two(small_source, ray_first, *_ray(ray_address))
@@ -85,8 +88,9 @@ def test_local_run_finished_on_ray_and_ray_run_finished_locally(small_source, co
         assert _files(out) == _files(converted)
 
 
-def test_corrupted_shard_is_found_by_a_ray_task_and_redone(small_source, converted, tmp_path,
-                                                           ray_address):  # fmt: skip
+def test_corrupted_shard_is_found_by_a_ray_task_and_redone(
+    small_source, converted, tmp_path, ray_address
+):
     out = tmp_path / "out"
     _killed_after_two(small_source, out, "--workers", "1")
     done = json.loads((out / ".kimi_w31" / "ledger.jsonl").read_text().splitlines()[1])["shard"]

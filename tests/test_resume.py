@@ -40,8 +40,9 @@ def _shards(out) -> list:
     return sorted(out.glob("model-*.safetensors"))
 
 
-def test_interrupt_midway_then_resume_is_byte_identical(small_source, converted, tmp_path,
-                                                        monkeypatch):
+def test_interrupt_midway_then_resume_is_byte_identical(
+    small_source, converted, tmp_path, monkeypatch
+):
     out = tmp_path / "out"
     real = shard_mod.write_shard
     calls = {"n": 0}
@@ -63,12 +64,16 @@ def test_interrupt_midway_then_resume_is_byte_identical(small_source, converted,
     summary = _rerun(small_source, out)
     total = len(_shards(converted))
     assert (summary["mode"], summary["shards_kept"], summary["shards_written"]) == (
-        "resume", 2, total - 2)
+        "resume",
+        2,
+        total - 2,
+    )
     # Honest figures: what this run wrote, what it kept, and a speed of this run's bytes only.
     assert summary["bytes_kept"] == sum(p.stat().st_size for p in kept)
     assert summary["bytes_written"] == summary["output_bytes"] - summary["bytes_kept"]
     assert summary["throughput_mb_s"] == pytest.approx(
-        summary["bytes_written"] / summary["seconds"] / 1e6, rel=0.05, abs=0.2)
+        summary["bytes_written"] / summary["seconds"] / 1e6, rel=0.05, abs=0.2
+    )
     assert _files(out) == _files(converted)
 
 
@@ -115,20 +120,21 @@ def test_rerun_on_complete_output_proves_it_and_changes_nothing(small_source, co
 
 
 @pytest.mark.parametrize("force", [[], ["--force"]])
-def test_rerun_repairs_a_complete_output_missing_a_shard(small_source, converted, output_copy,
-                                                         force):
+def test_rerun_repairs_a_complete_output_missing_a_shard(
+    small_source, converted, output_copy, force
+):
     victim = _shards(output_copy)[2]
     victim.unlink()
     summary = _rerun(small_source, output_copy, *force)
     assert summary["already_complete"] is False
-    assert victim.name in summary["redone"] or summary["shards_written"] == len(
-        _shards(converted))
+    assert victim.name in summary["redone"] or summary["shards_written"] == len(_shards(converted))
     assert _files(output_copy) == _files(converted)
 
 
 @pytest.mark.parametrize("force", [[], ["--force"]])
-def test_rerun_repairs_a_complete_output_missing_other_files(small_source, converted,
-                                                             output_copy, force):
+def test_rerun_repairs_a_complete_output_missing_other_files(
+    small_source, converted, output_copy, force
+):
     (output_copy / "tokenizer.json").unlink()
     (output_copy / "config.json").write_text("{}")
     summary = _rerun(small_source, output_copy, *force)
@@ -160,8 +166,7 @@ def test_source_rewritten_in_place_under_a_complete_output(source_copy, tmp_path
     assert _files(out) == _files(fresh)  # no old bytes mixed with new
 
 
-def test_source_rewritten_in_place_between_interrupt_and_resume(source_copy, tmp_path,
-                                                                monkeypatch):
+def test_source_rewritten_in_place_between_interrupt_and_resume(source_copy, tmp_path, monkeypatch):
     out = tmp_path / "out"
     _interrupted_before_finalize(source_copy, out, monkeypatch)
     victim = sorted(source_copy.glob("*.safetensors"))[0]
@@ -174,8 +179,9 @@ def test_source_rewritten_in_place_between_interrupt_and_resume(source_copy, tmp
     assert _files(out) == _files(fresh)
 
 
-def test_dry_run_on_a_half_finished_output_says_what_would_be_kept(small_source, tmp_path,
-                                                                   monkeypatch):
+def test_dry_run_on_a_half_finished_output_says_what_would_be_kept(
+    small_source, tmp_path, monkeypatch
+):
     out = tmp_path / "out"
     _interrupted_before_finalize(small_source, out, monkeypatch)
     shards = _shards(out)
@@ -187,8 +193,7 @@ def test_dry_run_on_a_half_finished_output_says_what_would_be_kept(small_source,
     assert {p.name for p in out.rglob("*")} == before  # nothing written
 
 
-def test_state_folder_removed_mid_run_gives_a_true_message(small_source, tmp_path,
-                                                           monkeypatch):
+def test_state_folder_removed_mid_run_gives_a_true_message(small_source, tmp_path, monkeypatch):
     out = tmp_path / "out"
     real = shard_mod.write_shard
     calls = {"n": 0}

@@ -31,13 +31,16 @@ def _codes(proc) -> list[str]:
     return [p["code"] for p in json.loads(proc.stdout)["problems"]]
 
 
-def test_sigterm_is_an_interruption_with_a_message_and_resumes(small_source, converted,
-                                                               tmp_path):
+def test_sigterm_is_an_interruption_with_a_message_and_resumes(small_source, converted, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "KIMI_W31_FAULT_AT": "shard.piece:5:stop"}
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_w31", str(small_source), str(out),
-                             *ARGS], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi_w31", str(small_source), str(out), *ARGS],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, status = os.waitpid(proc.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status)
     os.kill(proc.pid, signal.SIGTERM)
@@ -66,8 +69,12 @@ def test_a_full_disk_while_finalizing_names_the_file_then_resumes(source_copy, t
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))
 
-    proc = subprocess.run([sys.executable, "-m", "kimi_w31", str(source_copy), str(out), *ARGS,
-                           "--json"], capture_output=True, text=True, preexec_fn=limit)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimi_w31", str(source_copy), str(out), *ARGS, "--json"],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+    )
     assert proc.returncode == 1, proc.stderr
     (problem,) = json.loads(proc.stdout)["problems"]
     assert problem["code"] == Code.NO_SPACE.value
@@ -80,12 +87,27 @@ def test_a_full_disk_while_finalizing_names_the_file_then_resumes(source_copy, t
 
 def test_extra_files_are_streamed_whatever_their_size(source_copy, tmp_path):
     _with_big_extra(source_copy, 300_000_000)
-    code = ("import resource, subprocess, sys; "
-            "rc = subprocess.call(sys.argv[1:]); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "kimi_w31",
-                           str(source_copy), str(tmp_path / "out"), *ARGS, "-q"],
-                          capture_output=True, text=True)
+    code = (
+        "import resource, subprocess, sys; "
+        "rc = subprocess.call(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            sys.executable,
+            "-m",
+            "kimi_w31",
+            str(source_copy),
+            str(tmp_path / "out"),
+            *ARGS,
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     peak_mib = int(proc.stdout.split()[-1]) / 1024
     assert peak_mib < 150, f"peak RSS {peak_mib:.0f} MiB for a 300 MB extra file"
@@ -94,9 +116,13 @@ def test_extra_files_are_streamed_whatever_their_size(source_copy, tmp_path):
 def test_a_file_appearing_in_the_output_is_never_finalized_into_it(small_source, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "KIMI_W31_FAULT_AT": "shard.renamed:2:stop"}
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_w31", str(small_source), str(out),
-                             *ARGS, "--json"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi_w31", str(small_source), str(out), *ARGS, "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, status = os.waitpid(proc.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status)
     (out / "README-of-another-model.md").write_text("not from this conversion\n")
@@ -126,9 +152,11 @@ def test_our_own_artefacts_in_a_source_are_not_carried_over(source_copy, tmp_pat
 def test_synth_never_mixes_two_checkpoints(tmp_path, content):
     target = tmp_path / "target"
     target.mkdir()
-    (target / ("old.txt" if content == "file" else "sub")).mkdir() if content == "dir" else \
-        (target / "old.txt").write_text("x")
+    (target / ("old.txt" if content == "file" else "sub")).mkdir() if content == "dir" else (
+        target / "old.txt"
+    ).write_text("x")
     proc = run_cli("synth", target)
     assert proc.returncode == 2
-    assert sorted(p.name for p in target.iterdir()) == (["old.txt"] if content == "file"
-                                                        else ["sub"])
+    assert sorted(p.name for p in target.iterdir()) == (
+        ["old.txt"] if content == "file" else ["sub"]
+    )

@@ -48,8 +48,11 @@ def test_written_file_reads_back_through_safetensors(tmp_path):
 
 def test_reader_accepts_library_written_files(tmp_path):
     path = tmp_path / "lib.safetensors"
-    save_file({"w": np.zeros((4, 8), dtype=np.float16), "s": np.ones(3, dtype=np.uint8)},
-              str(path), metadata={"format": "pt"})
+    save_file(
+        {"w": np.zeros((4, 8), dtype=np.float16), "s": np.ones(3, dtype=np.uint8)},
+        str(path),
+        metadata={"format": "pt"},
+    )
     header = read_header(path)
     assert header.tensors["w"].dtype == "F16" and header.tensors["w"].nbytes == 64
     assert header.tensors["s"].shape == (3,)
@@ -58,12 +61,18 @@ def test_reader_accepts_library_written_files(tmp_path):
 @pytest.mark.parametrize(
     ("header", "code"),
     [
-        (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a":{"dtype":"U8","shape":[2],'
-         b'"data_offsets":[0,2]}}', Code.HEADER_DUPLICATE_KEY),
+        (
+            b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a":{"dtype":"U8","shape":[2],'
+            b'"data_offsets":[0,2]}}',
+            Code.HEADER_DUPLICATE_KEY,
+        ),
         (b'{"a":{"dtype":"Q9","shape":[2],"data_offsets":[0,2]}}', Code.HEADER_DTYPE),
         (b'{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,2]}}', Code.HEADER_SIZE_MISMATCH),
-        (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],'
-         b'"data_offsets":[1,3]}}', Code.HEADER_OVERLAP),
+        (
+            b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],'
+            b'"data_offsets":[1,3]}}',
+            Code.HEADER_OVERLAP,
+        ),
         (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}', Code.HEADER_GAP),
         (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[2,0]}}', Code.HEADER_OFFSETS),
         (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0.0,2]}}', Code.HEADER_OFFSETS),
@@ -82,12 +91,15 @@ def test_header_rules_one_code_per_reason(header, code):
     assert exc.value.problems[0].file == "f.safetensors"
 
 
-@pytest.mark.parametrize(("prefix", "size", "code"), [
-    (b"\x01\x02", 2, Code.HEADER_TOO_SMALL),
-    ((0).to_bytes(8, "little"), 100, Code.HEADER_LENGTH_ZERO),
-    ((200_000_000).to_bytes(8, "little"), 300_000_000, Code.HEADER_TOO_LARGE),
-    ((500).to_bytes(8, "little"), 100, Code.HEADER_BEYOND_FILE),
-])
+@pytest.mark.parametrize(
+    ("prefix", "size", "code"),
+    [
+        (b"\x01\x02", 2, Code.HEADER_TOO_SMALL),
+        ((0).to_bytes(8, "little"), 100, Code.HEADER_LENGTH_ZERO),
+        ((200_000_000).to_bytes(8, "little"), 300_000_000, Code.HEADER_TOO_LARGE),
+        ((500).to_bytes(8, "little"), 100, Code.HEADER_BEYOND_FILE),
+    ],
+)
 def test_header_length_rules_one_code_per_reason(prefix, size, code):
     from kimi_w31.converter.safetensors_format import check_header_length
 
@@ -96,8 +108,9 @@ def test_header_length_rules_one_code_per_reason(prefix, size, code):
     assert exc.value.codes == [code]
 
 
-@pytest.mark.parametrize(("extra", "code"), [(5, Code.FILE_TRAILING_BYTES),
-                                             (-1, Code.FILE_TRUNCATED)])
+@pytest.mark.parametrize(
+    ("extra", "code"), [(5, Code.FILE_TRAILING_BYTES), (-1, Code.FILE_TRUNCATED)]
+)
 def test_file_size_must_match_the_header(extra, code):
     body = b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'
     with pytest.raises(Fatal) as exc:
@@ -125,18 +138,25 @@ def test_shape_formulas():
 
 def test_official_manifest_pins_real_model():
     m = load_manifest("kimi-k3")
-    assert m.pinned == {"num_hidden_layers": 93, "num_experts": 896,
-                        "routed_expert_hidden_size": 3584, "moe_intermediate_size": 3072,
-                        "num_experts_per_token": 16}
+    assert m.pinned == {
+        "num_hidden_layers": 93,
+        "num_experts": 896,
+        "routed_expert_hidden_size": 3584,
+        "moe_intermediate_size": 3072,
+        "num_experts_per_token": 16,
+    }
     assert (m.situ_beta, m.situ_linear_beta) == (4.0, 25.0)
 
 
-@pytest.mark.parametrize(("text", "code"), [
-    (None, Code.MANIFEST_NOT_FOUND),  # the path does not exist
-    ("[]", Code.MANIFEST_INVALID),
-    ("{", Code.MANIFEST_INVALID),
-    ('{"name": "x"}', Code.MANIFEST_INVALID),  # no dims: the missing key is named
-])
+@pytest.mark.parametrize(
+    ("text", "code"),
+    [
+        (None, Code.MANIFEST_NOT_FOUND),  # the path does not exist
+        ("[]", Code.MANIFEST_INVALID),
+        ("{", Code.MANIFEST_INVALID),
+        ('{"name": "x"}', Code.MANIFEST_INVALID),  # no dims: the missing key is named
+    ],
+)
 def test_manifest_errors_are_usage_errors_with_a_reason(tmp_path, text, code):
     path = tmp_path / "m.json"
     if text is not None:
@@ -174,8 +194,7 @@ def test_plan_fuses_up_then_gate_as_byte_ranges():
     gate_file = next(f for f, h in src.headers.items() if gate_name in h.tensors)
     gate = src.headers[gate_file].tensors[gate_name]
     pieces = [(p.file, p.offset, p.length) for p in w31.pieces]
-    assert pieces == [("s1.safetensors", up.begin, up.nbytes), (gate_file, gate.begin,
-                                                                gate.nbytes)]
+    assert pieces == [("s1.safetensors", up.begin, up.nbytes), (gate_file, gate.begin, gate.nbytes)]
     assert w31.shape == (2 * spec.n, spec.k // 2)
     assert plan.experts_fused == 8
     assert not any(".w1." in n or ".w3." in n for n in tensors if ".experts." in n)
@@ -186,8 +205,9 @@ def test_plan_never_splits_a_tensor_and_names_shards_like_hf():
     _, plan = _plan(SynthSpec(layers=2, experts=4), max_shard_size=20_000)
     n = len(plan.shards)
     assert n > 2
-    assert [s.name for s in plan.shards] == [f"model-{i:05d}-of-{n:05d}.safetensors"
-                                             for i in range(1, n + 1)]
+    assert [s.name for s in plan.shards] == [
+        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)
+    ]
     assert all(s.data_size <= 20_000 or len(s.tensors) == 1 for s in plan.shards)
     assert sum(len(s.tensors) for s in plan.shards) == plan.tensors
 
@@ -196,8 +216,11 @@ def test_validation_reports_every_problem_at_once():
     spec = SynthSpec(layers=2, experts=4)
     source, tensors = synth_source(spec)
     p = "language_model.model.layers.1.mlp.experts."
-    edited = [(n, "I8" if n == p + "2.w2.weight_scale" else d, s) for n, d, s in tensors
-              if n != p + "3.w1.weight_packed"]
+    edited = [
+        (n, "I8" if n == p + "2.w2.weight_scale" else d, s)
+        for n, d, s in tensors
+        if n != p + "3.w1.weight_packed"
+    ]
     source = header_only_source(edited, make_config(spec), files=2)
     _, problems = validate_source(source, load_manifest("kimi-k3-any"))
     assert {(p.code, p.tensor) for p in problems} >= {
@@ -207,23 +230,35 @@ def test_validation_reports_every_problem_at_once():
 
 
 def test_pack_shards_is_order_preserving():
-    ts = [OutputTensor(f"t{i}", "U8", (s,), (Piece("f", 0, s),), s)
-          for i, s in enumerate([5, 5, 5, 20, 1])]
+    ts = [
+        OutputTensor(f"t{i}", "U8", (s,), (Piece("f", 0, s),), s)
+        for i, s in enumerate([5, 5, 5, 20, 1])
+    ]
     shards = pack_shards(ts, 10)
     assert [[t.name for t in s.tensors] for s in shards] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
 
 
-@given(tensors=st.lists(st.tuples(st.integers(0, 50), st.text(
-    alphabet=st.sampled_from(list('ax"\\\n\x01\u00e9\U0001f600')), max_size=60)),
-    min_size=1, max_size=40), max_header=st.integers(400, 5000))
+@given(
+    tensors=st.lists(
+        st.tuples(
+            st.integers(0, 50),
+            st.text(alphabet=st.sampled_from(list('ax"\\\n\x01\u00e9\U0001f600')), max_size=60),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    max_header=st.integers(400, 5000),
+)
 @example(tensors=[(1, "\U0001f600" * 60)] * 40, max_header=2000)  # 12 bytes a character
 @example(tensors=[(1, '"\\' * 30)] * 40, max_header=2000)  # 2 bytes a character
 def test_pack_shards_bounds_every_header(tensors, max_header):
     """Many small tensors must not make a header the safetensors library cannot open: a
     shard starts before its header could pass the bound (unless one tensor alone does),
     whatever the names need in JSON escapes."""
-    ts = [OutputTensor(f"t{i}{name}", "U8", (s,), (Piece("f", 0, s),), s)
-          for i, (s, name) in enumerate(tensors)]
+    ts = [
+        OutputTensor(f"t{i}{name}", "U8", (s,), (Piece("f", 0, s),), s)
+        for i, (s, name) in enumerate(tensors)
+    ]
     shards = pack_shards(ts, 1 << 40, max_header)
     assert [t.name for s in shards for t in s.tensors] == [t.name for t in ts]
     for shard in shards:
@@ -251,9 +286,11 @@ def test_fast_header_formatting_equals_json_dumps(name):
     import json
 
     entries = [HeaderEntry(name, "U8", (4, 2), 8), HeaderEntry("s", "F32", (), 4)]
-    doc = {"__metadata__": {"format": "pt"},
-           name: {"dtype": "U8", "shape": [4, 2], "data_offsets": [0, 8]},
-           "s": {"dtype": "F32", "shape": [], "data_offsets": [8, 12]}}  # fmt: skip
+    doc = {
+        "__metadata__": {"format": "pt"},
+        name: {"dtype": "U8", "shape": [4, 2], "data_offsets": [0, 8]},
+        "s": {"dtype": "F32", "shape": [], "data_offsets": [8, 12]},
+    }
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % 8)
     assert build_header(entries) == struct.pack("<Q", len(body)) + body

@@ -1,5 +1,6 @@
 """`make bench`: conversion and verify speed against `cp`/`sha256sum` of the same bytes,
-peak memory, and planning at the real model's scale. Writes benchmarks.md + JSON (to .bench/report unless --out says otherwise).
+peak memory, and planning at the real model's scale. Writes benchmarks.md + JSON (to
+.reports/ unless --out says otherwise; `make bench UPDATE_DOCS=1` updates docs/).
 
 Every figure is a median of repeated runs and is reported as a ratio to a baseline measured
 in the same run on the same files. "warm": inputs in the page cache; "cold": every input
@@ -44,8 +45,9 @@ print(json.dumps({"rc": rc, "seconds": dt,
 
 def measure(cmd: list[str], shell: bool = False) -> dict:
     argv = ["/bin/sh", "-c", cmd[0]] if shell else cmd
-    out = subprocess.run([sys.executable, "-c", _MEASURE, *argv], capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *argv], capture_output=True, text=True, check=True
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if result["rc"] != 0:
         raise RuntimeError(f"benchmark command failed: {' '.join(argv)}")
@@ -99,8 +101,10 @@ def machine_facts(work: Path) -> dict:
     meminfo = Path("/proc/meminfo").read_text().splitlines()
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     mem = next((ln.split()[1] for ln in meminfo if ln.startswith("MemTotal")), "0")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")),
-               platform.processor())  # fmt: skip
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")),
+        platform.processor(),
+    )
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cores": os.cpu_count(),
@@ -130,8 +134,10 @@ def bench_throughput(work: Path, src: Path, repeats: int, workers: list[int]) ->
             "cp_sync": ([f"cp -r {src} {dst} && sync"], True),
         }
         for w in workers:
-            commands[f"w{w}"] = ([*CLI, str(src), str(dst), "--manifest", "kimi-k3-any",
-                                  "--workers", str(w), "-q"], False)  # fmt: skip
+            commands[f"w{w}"] = (
+                [*CLI, str(src), str(dst), "--manifest", "kimi-k3-any", "--workers", str(w), "-q"],
+                False,
+            )
         order = list(commands)
         for r in range(repeats):
             # Rotate the order each round: the first command of a round was seen to pay for
@@ -162,10 +168,14 @@ def bench_memory(work: Path, src: Path) -> dict:
     rows = {}
     for label, size in (("0.5GB", "500MB"), ("4GB", "4GB")):
         shutil.rmtree(dst, ignore_errors=True)
-        r = measure([*CLI, str(src), str(dst), "--manifest", "kimi-k3-any", "--max-shard-size",
-                     size, "-q"])  # fmt: skip
-        rows[label] = {"peak_rss": r["peak_rss"], "seconds": r["seconds"],
-                       "shards": len(list(dst.glob("*.safetensors")))}  # fmt: skip
+        r = measure(
+            [*CLI, str(src), str(dst), "--manifest", "kimi-k3-any", "--max-shard-size", size, "-q"]
+        )
+        rows[label] = {
+            "peak_rss": r["peak_rss"],
+            "seconds": r["seconds"],
+            "shards": len(list(dst.glob("*.safetensors"))),
+        }
     shutil.rmtree(dst, ignore_errors=True)
     return rows
 
@@ -181,8 +191,10 @@ def bench_verify(work: Path, src: Path, repeats: int, workers: list[int]) -> dic
     for w in workers:
         cmd = [*CLI, "verify", str(out), "--checksums", "--workers", str(w), "-q"]
         t = [measure(cmd)["seconds"] for _ in range(repeats)]
-        rows["verify"][w] = {"median_s": statistics.median(t), "vs_sha256sum":
-                             statistics.median(t) / rows["sha256sum_s"]}  # fmt: skip
+        rows["verify"][w] = {
+            "median_s": statistics.median(t),
+            "vs_sha256sum": statistics.median(t) / rows["sha256sum_s"],
+        }
     rows["bytes"] = du(out)
     shutil.rmtree(out, ignore_errors=True)
     return rows
@@ -319,9 +331,13 @@ def render(report: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=Path(".bench/report"),
-                    help="where the report goes (default: untracked; `--out docs` updates the "
-                    "committed one, as `make bench UPDATE_DOCS=1` does)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(".reports"),
+        help="where the report goes (default: untracked; `--out docs` updates the "
+        "committed one, as `make bench UPDATE_DOCS=1` does)",
+    )
     ap.add_argument("--work", type=Path, default=Path(".bench"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=60, help="per layer; 4x60 is ~4.2 GB")
@@ -337,8 +353,17 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     src = work / "src"
     shutil.rmtree(src, ignore_errors=True)
-    synth = [*CLI, "synth", str(src), "--layers", str(args.layers), "--experts",
-             str(args.experts), "--shards", "8"]  # fmt: skip
+    synth = [
+        *CLI,
+        "synth",
+        str(src),
+        "--layers",
+        str(args.layers),
+        "--experts",
+        str(args.experts),
+        "--shards",
+        "8",
+    ]
     synth += ["--k", "256", "--n", "128"] if args.tiny else ["--real-dims"]
     subprocess.run(synth, check=True, capture_output=True)
     workers = sorted({1, 2, os.cpu_count() or 1})
@@ -349,9 +374,20 @@ def main() -> None:
     report["memory"] = bench_memory(work, src)
     report["verify"] = bench_verify(work, src, args.repeats, workers)
     print("memory + verify done", flush=True)
-    report["planning"] = bench_planning(work, 1 if args.tiny else args.repeats) if not args.tiny \
-        else {"tensors": 0, "shards": 0, "apparent_bytes": 0, "disk_bytes": 0, "dry_run_s": 0,
-              "dry_run_rss": 0, "verify_structure_s": 0, "verify_structure_rss": 0}  # fmt: skip
+    report["planning"] = (
+        bench_planning(work, 1 if args.tiny else args.repeats)
+        if not args.tiny
+        else {
+            "tensors": 0,
+            "shards": 0,
+            "apparent_bytes": 0,
+            "disk_bytes": 0,
+            "dry_run_s": 0,
+            "dry_run_rss": 0,
+            "verify_structure_s": 0,
+            "verify_structure_rss": 0,
+        }
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     notes = DOCS / "benchmarks-notes.md"
     report["notes"] = notes.read_text() if notes.exists() else ""

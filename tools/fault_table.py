@@ -1,6 +1,7 @@
 """Run every fault class against the real converter and write the reliability table.
 
-    python tools/fault_table.py --out docs/reliability.md
+    python tools/fault_table.py --out .reports/reliability.md    # make faults
+    python tools/fault_table.py --out docs/reliability.md        # make faults UPDATE_DOCS=1
 
 Each scenario (shared with the `tests/test_fault_*.py` suites, in `tests/faultlib.py`) runs
 `kimi-convert` on small synthetic checkpoints and classifies every case by what a user
@@ -30,8 +31,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 import faultlib as fl  # noqa: E402  (lives beside the tests that share it)
 
 OUTCOMES = [fl.CLEAN, fl.RESUMED, fl.CORRECT, fl.CRASH, fl.WRONG]
-PROPERTY_FILES = ["tests/test_fault_headers.py", "tests/test_fault_index.py",
-                  "tests/test_fault_planner.py"]  # fmt: skip
+PROPERTY_FILES = [
+    "tests/test_fault_headers.py",
+    "tests/test_fault_index.py",
+    "tests/test_fault_planner.py",
+    "tests/test_contract.py",
+    "tests/test_units.py",
+]
 
 
 def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.Case]]]]:
@@ -53,6 +59,7 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("nan", fl.data_fault_cases),
         ("verify", fl.verify_hostile_cases),
         ("verifyfifo", fl.verify_fifo_case),
+        ("headerbound", fl.header_bound_cases),
     ]
 
 
@@ -61,10 +68,23 @@ def run_properties(scale: int) -> tuple[int, int, str, float]:
     env = dict(os.environ, KIMI_W31_FUZZ_SCALE=str(scale))
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not cli",
-         "--hypothesis-show-statistics", *PROPERTY_FILES],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "not cli",
+            "--hypothesis-show-statistics",
+            *PROPERTY_FILES,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     examples = sum(int(n) for n in re.findall(r"(\d+) passing(?: examples)?,", proc.stdout))
     failed = sum(int(n) for n in re.findall(r"(\d+) failed", proc.stdout.splitlines()[-1]))
     return (
@@ -142,9 +162,11 @@ def main() -> int:
             rows = scenario(template, work / key)
             cases += rows
             bad = sum(r.outcome in (fl.CRASH, fl.WRONG) for r in rows)
-            print(f"{rows[0].fault if rows else key:<36} {len(rows):>4} cases "
-                  f"{time.perf_counter() - t0:6.1f} s  {'FAIL ' + str(bad) if bad else 'ok'}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{rows[0].fault if rows else key:<36} {len(rows):>4} cases "
+                f"{time.perf_counter() - t0:6.1f} s  {'FAIL ' + str(bad) if bad else 'ok'}",
+                flush=True,
+            )
         for c in cases:  # temporary paths say nothing in a committed report
             c.detail = scrub(c.detail, str(work))
     examples, failed, last, fuzz_s = run_properties(args.fuzz_scale)
@@ -163,38 +185,37 @@ def main() -> int:
         print(f"  [{c.outcome}] {c.fault} / {c.name}: {c.detail}")
 
     if args.out:
-        command = "python tools/fault_table.py " + " ".join(
-            shlex.quote(a) for a in sys.argv[1:]
-        )  # fmt: skip
+        command = "python tools/fault_table.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         detail = markdown_table(
             ["fault class", "case", "outcome", "what the user sees / why"],
             [[c.fault, cell(c.name), c.outcome, cell(c.detail)] for c in cases],
         )
+        verdict = "FAILED: " + last if failed else "no other exception, no wrong result"
         text = f"""# Reliability: the fault table
 
 Generated {dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")} by
 `{command}` (also `make faults`) in {seconds:.0f} s, kimi-w31 on Python
 {sys.version.split()[0]}. Every case runs the real `kimi-convert` on a small synthetic
-Kimi-K3-format checkpoint (3 MoE layers x 8 experts, 4 source shards, `--max-shard-size
-300KB` so the output has 11 shards); the same scenarios are the `tests/test_fault_*.py`
-suites in `make test` (with fewer kill points and examples).
+Kimi-K3-format checkpoint (3 layers: one dense, two MoE, x 8 experts, 4 source shards,
+`--max-shard-size 300KB` so the output has 13 shards); the same scenarios are the
+`tests/test_fault_*.py` suites in `make test` (with fewer kill points and examples).
 
-Outcomes: **clean error**: exit 1 (2 for usage errors), an `error:` message naming the
-file (and tensor) and what is wrong, no traceback, no `model.safetensors.index.json`, nothing
-written outside the output directory. **resumed identical**: after the fault, rerunning the
-same command gave an output byte-identical (every file, hidden ones included) to an
-uninterrupted run, which itself passes `kimi-convert verify --checksums`. **correct**: a case
-that must simply work. **crash**: a traceback or unexpected exception. **silently wrong**:
-exit 0 on bad input, or an output that differs from the reference.
+Outcomes: **clean error**: exit 1 (2 for usage errors), the expected reason code in the
+`--json` report, with the file (and tensor) named, no traceback, no
+`model.safetensors.index.json`, nothing written outside the output directory (and not even
+an empty output directory when the input is refused). **resumed identical**: after the
+fault, rerunning the same command gave an output byte-identical (every file, hidden ones
+included) to an uninterrupted run, which itself passes `kimi-convert verify --checksums`.
+**correct**: a case that must simply work. **crash**: a traceback or unexpected exception.
+**silently wrong**: exit 0 on bad input, or an output that differs from the reference.
 
 {markdown_table(header, summary)}
 {open_items(cases)}
 Property tests (hypothesis, `KIMI_W31_FUZZ_SCALE={args.fuzz_scale}`): {examples} generated
 examples over the safetensors header parser, the file header reader, the index reader and
-the planner ({len(PROPERTY_FILES)} files); every example ended in a valid result (checked
-against the format rules and, for accepted headers, the safetensors library) or a
-`ConvertError`: {"FAILED: " + last if failed else "no other exception, no wrong result"}
-({fuzz_s:.0f} s).
+the validator, the planner and the name grammar ({len(PROPERTY_FILES)} files); every
+example ended in a valid result (checked against the format rules and, for accepted headers,
+the safetensors library) or problems with reason codes: {verdict} ({fuzz_s:.0f} s).
 
 How the faults are made: SIGKILL/SIGINT/SIGSTOP at exact points through the test-only hook
 `KIMI_W31_FAULT_AT=<label>:<n>[:kill|int|stop]` (`converter/faults.py`; inert when unset);

@@ -16,8 +16,9 @@ from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, make_config, tensor
 
 # The pinned dims of the official model, every layer a MoE layer: ~500k tensors, 1.46 TB of
 # routed experts (the real config's dense prefix, if any, changes this by one layer).
-REAL = SynthSpec(layers=93, dense_layers=0, experts=896, hidden=7168, k=3584, n=3072,
-                 top_k=16, vocab=163840)
+REAL = SynthSpec(
+    layers=93, dense_layers=0, experts=896, hidden=7168, k=3584, n=3072, top_k=16, vocab=163840
+)
 
 
 def _write_sparse(path: Path, header: bytes, size: int) -> None:

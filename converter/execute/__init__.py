@@ -23,5 +23,6 @@ OnDone = Callable[[ShardOutcome], None]
 class Executor(Protocol):
     """Schedules `settle` for every shard; returns the outcomes (ledger already updated)."""
 
-    def run(self, shards: list[OutputShard], job: Job, ledger: Ledger,
-            on_done: OnDone) -> list[ShardOutcome]: ...
+    def run(
+        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+    ) -> list[ShardOutcome]: ...

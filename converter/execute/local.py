@@ -27,8 +27,9 @@ def default_workers() -> int:
 class LocalExecutor:
     workers: int = 0  # 0: default_workers()
 
-    def run(self, shards: list[OutputShard], job: Job, ledger: Ledger,
-            on_done: OnDone) -> list[ShardOutcome]:
+    def run(
+        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+    ) -> list[ShardOutcome]:
         def task(shard: OutputShard) -> ShardOutcome:
             result = settle(shard, ledger.done.get(shard.name), job)
             commit(result, ledger)

@@ -58,30 +58,57 @@ def shard_task(
 
     try:
         if version != __version__:  # the plan fingerprint is only valid for one tool version
-            raise fail(Code.USAGE, "kimi-w31 on this node differs from the driver's",
-                       expected=version, found=__version__)
+            raise fail(
+                Code.USAGE,
+                "kimi-w31 on this node differs from the driver's",
+                expected=version,
+                found=__version__,
+            )
         sources = SourceFiles(Path(root), shard.source_files, header_sha256=headers)
         for f in shard.source_files:  # the same file as the driver saw, or nothing
             if list(sources.identity[f]) != list(identity[f]):
-                raise SourceChanged(f, "differs on this node from the driver's view (is the "
-                                    "source on one shared filesystem at the same path?)")
+                raise SourceChanged(
+                    f,
+                    "differs on this node from the driver's view (is the "
+                    "source on one shared filesystem at the same path?)",
+                )
         nan: list = []
-        job = Job(sources, Path(out_dir), Path(tmp_dir), hooks=Hooks(on_scale_nan=nan.append),
-                  check_scales=check_scales, rehash=rehash)
+        job = Job(
+            sources,
+            Path(out_dir),
+            Path(tmp_dir),
+            hooks=Hooks(on_scale_nan=nan.append),
+            check_scales=check_scales,
+            rehash=rehash,
+        )
         try:
             result = settle(shard, ShardRecord.from_json(record), job)
         finally:
             sources.close()
-        return {"status": result.outcome.value, "nan": nan, "reason": result.redo_reason,
-                "record": result.record.to_json() if result.record else None}
+        return {
+            "status": result.outcome.value,
+            "nan": nan,
+            "reason": result.redo_reason,
+            "record": result.record.to_json() if result.record else None,
+        }
     except Fatal as exc:
-        return {"status": "error", "kind": "fatal", "problems": exc.problems, "hint": exc.hint,
-                "exit_code": exc.exit_code}
+        return {
+            "status": "error",
+            "kind": "fatal",
+            "problems": exc.problems,
+            "hint": exc.hint,
+            "exit_code": exc.exit_code,
+        }
     except SourceChanged as exc:
         return {"status": "error", "kind": "source", "file": exc.file, "detail": exc.detail}
     except OSError as exc:
-        return {"status": "error", "kind": "os", "errno": exc.errno, "strerror": exc.strerror,
-                "filename": None if exc.filename is None else os.fsdecode(exc.filename)}
+        return {
+            "status": "error",
+            "kind": "os",
+            "errno": exc.errno,
+            "strerror": exc.strerror,
+            "filename": None if exc.filename is None else os.fsdecode(exc.filename),
+        }
 
 
 def _raise(result: dict) -> None:
@@ -98,8 +125,9 @@ class RayExecutor:
     address: str | None = None  # None: RAY_ADDRESS, else a local runtime on this machine
     num_cpus: int | None = None  # only for a local runtime
 
-    def run(self, shards: list[OutputShard], job: Job, ledger: Ledger,
-            on_done: OnDone) -> list[ShardOutcome]:
+    def run(
+        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+    ) -> list[ShardOutcome]:
         """Submit every shard; record results as they come. Ray places one task per free CPU
         across the cluster (`--workers` does not apply)."""
         ray = import_ray()
@@ -108,8 +136,13 @@ class RayExecutor:
         started_here = not ray.is_initialized()
         if started_here:
             address = self.address or os.environ.get("RAY_ADDRESS") or None
-            ray.init(address=address, num_cpus=None if address else self.num_cpus,
-                     include_dashboard=False, log_to_driver=False, logging_level="warning")
+            ray.init(
+                address=address,
+                num_cpus=None if address else self.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level="warning",
+            )
         # A crashed worker is retried (a rewrite of the same shard is idempotent); an error
         # our code reports is not.
         task = ray.remote(num_cpus=1, max_retries=2)(shard_task)
@@ -128,12 +161,23 @@ class RayExecutor:
             for shard in sorted(shards, key=lambda s: -s.file_size):  # largest first
                 record = ledger.done.get(shard.name)
                 identity = sources.fingerprint(shard.source_files)
-                headers = {f: sources.header_sha256[f] for f in shard.source_files
-                           if f in sources.header_sha256}
-                ref = task.remote(shard, str(sources.root), identity, headers,
-                                  str(job.out_dir), str(run_tmp),
-                                  record.to_json() if record else None, job.check_scales,
-                                  job.rehash, __version__)
+                headers = {
+                    f: sources.header_sha256[f]
+                    for f in shard.source_files
+                    if f in sources.header_sha256
+                }
+                ref = task.remote(
+                    shard,
+                    str(sources.root),
+                    identity,
+                    headers,
+                    str(job.out_dir),
+                    str(run_tmp),
+                    record.to_json() if record else None,
+                    job.check_scales,
+                    job.rehash,
+                    __version__,
+                )
                 pending[ref] = shard
             while pending:
                 if job.stop.is_set():
@@ -148,10 +192,13 @@ class RayExecutor:
                         if job.hooks.on_scale_nan:
                             job.hooks.on_scale_nan(problem)
                     outcome = Outcome(data["status"])
-                    result = ShardOutcome(shard.name, outcome,
-                                          ShardRecord.from_json(data["record"]),
-                                          shard.file_size if outcome is Outcome.WRITTEN else 0,
-                                          data["reason"])
+                    result = ShardOutcome(
+                        shard.name,
+                        outcome,
+                        ShardRecord.from_json(data["record"]),
+                        shard.file_size if outcome is Outcome.WRITTEN else 0,
+                        data["reason"],
+                    )
                     commit(result, ledger)
                     if job.hooks.on_bytes and outcome is Outcome.WRITTEN:
                         job.hooks.on_bytes(shard.file_size)

@@ -12,7 +12,6 @@ before the run, and renamed into place. The caller records the outcome in the le
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Callable
@@ -22,7 +21,14 @@ from pathlib import Path
 
 from .. import faults
 from ..errors import Code, Problem
-from ..hashing import Crc32, ScaleScan, ShortRead, crc32_of_ranges
+from ..hashing import (
+    Crc32,
+    ScaleScan,
+    ShortRead,
+    crc32_of_ranges,
+    sha256_bytes,
+    source_header_sha256,
+)
 from ..outdir import SPACE_ERRNOS, Ledger, ShardRecord, fsync_dir
 from ..plan import OutputShard
 from .streaming import RangeHasher, copy_range, write_all
@@ -49,8 +55,9 @@ def file_identity(path: Path) -> list[int]:
 class SourceFiles:
     """Source shards opened once, shared by all workers (pread is positional, thread-safe)."""
 
-    def __init__(self, root: Path, files: list[str],
-                 header_sha256: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, root: Path, files: list[str], header_sha256: dict[str, str] | None = None
+    ) -> None:
         self.root = root
         self.identity = {f: file_identity(root / f) for f in files}
         # The headers the plan was made from: a file rewritten between planning and this
@@ -67,7 +74,7 @@ class SourceFiles:
                     os.close(fd)
                     raise SourceChanged(file, "was replaced since the run started")
                 want = self.header_sha256.get(file)
-                if want and _header_sha256(fd) != want:
+                if want and source_header_sha256(fd) != want:
                     os.close(fd)
                     raise SourceChanged(file, "changed since it was planned (header differs)")
                 if hasattr(os, "posix_fadvise"):
@@ -82,8 +89,10 @@ class SourceFiles:
             except OSError:
                 raise SourceChanged(file, "disappeared during the run") from None
             if now != self.identity[file]:
-                raise SourceChanged(file, "changed during the run (size, modification or "
-                                    "change time, or inode differ)")
+                raise SourceChanged(
+                    file,
+                    "changed during the run (size, modification or change time, or inode differ)",
+                )
 
     def fingerprint(self, files: list[str]) -> dict[str, list]:
         """What a record says about the source files a shard was copied from."""
@@ -93,15 +102,6 @@ class SourceFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def _header_sha256(fd: int) -> str:
-    """sha256 of a safetensors header as `read_header` hashes it (bytes after the length)."""
-    prefix = os.pread(fd, 8, 0)
-    if len(prefix) < 8:
-        return ""
-    length = min(int.from_bytes(prefix, "little"), 100_000_000)
-    return hashlib.sha256(os.pread(fd, length, 8)).hexdigest()
 
 
 @dataclass
@@ -191,7 +191,7 @@ def prove(shard: OutputShard, record: ShardRecord, job: Job) -> str | None:
                 return "its header differs"
     except OSError:
         return "the file cannot be read"
-    if record.header_sha256 != hashlib.sha256(shard.header).hexdigest():
+    if record.header_sha256 != sha256_bytes(shard.header):
         return "its record belongs to another layout"
     if not job.rehash:
         return None
@@ -245,8 +245,15 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
         try:
             for tensor in shard.tensors:
                 for piece in tensor.pieces:
-                    copy_range(sources.fd(piece.file), piece.offset, piece.length, fd, job.stop,
-                               hooks.on_bytes, piece.file)
+                    copy_range(
+                        sources.fd(piece.file),
+                        piece.offset,
+                        piece.length,
+                        fd,
+                        job.stop,
+                        hooks.on_bytes,
+                        piece.file,
+                    )
                     faults.fault_point("shard.piece")  # between the w3 and w1 halves of a w31
         except BaseException:
             stop_hasher.set()
@@ -288,16 +295,21 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
     return ShardRecord(
         shard=shard.name,
         size=shard.file_size,
-        header_sha256=hashlib.sha256(shard.header).hexdigest(),
+        header_sha256=sha256_bytes(shard.header),
         tensors={name: h.hexdigest() for name, h in hashes.items()},
         sources=sources.fingerprint(shard.source_files),
     )
 
 
 def _nan_problem(tensor: str, file: str, scan: ScaleScan) -> Problem:
-    return Problem(Code.SCALE_NAN, f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at "
-                   f"byte {scan.first} of the tensor", file=file, tensor=tensor,
-                   expected="no 0xFF scale bytes", found=f"{scan.count}")
+    return Problem(
+        Code.SCALE_NAN,
+        f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {scan.first} of the tensor",
+        file=file,
+        tensor=tensor,
+        expected="no 0xFF scale bytes",
+        found=f"{scan.count}",
+    )
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -310,4 +322,3 @@ def _reserve(fd: int, size: int) -> None:
         if exc.errno in SPACE_ERRNOS:
             raise
         # EINVAL/EOPNOTSUPP: the filesystem cannot preallocate; writing still works.
-

@@ -96,8 +96,7 @@ class RangeHasher(threading.Thread):
     hashing (the only CPU-heavy part) runs beside the kernel copy instead of after it.
     """
 
-    def __init__(self, jobs: list[tuple[tuple, list[Range]]],
-                 stop: threading.Event | None) -> None:
+    def __init__(self, jobs: list[tuple[tuple, list[Range]]], stop: threading.Event | None) -> None:
         super().__init__(name="range-hasher", daemon=True)
         self.jobs = jobs
         self.stop = stop

@@ -81,8 +81,9 @@ def read_source(root: Path, label: str, origin: Origin) -> Source:
     """Config, index and every shard header, all cross-checked; every problem before failing."""
     config = read_json(root / CONFIG_NAME)
     if not isinstance(config, dict):
-        raise fail(Code.JSON_INVALID, "config.json is not a JSON object",
-                   file=str(root / CONFIG_NAME))
+        raise fail(
+            Code.JSON_INVALID, "config.json is not a JSON object", file=str(root / CONFIG_NAME)
+        )
     index_metadata: dict = {}
     if origin.has_file(root, INDEX_NAME):
         weight_map, index_metadata = read_index(root / INDEX_NAME)
@@ -93,8 +94,11 @@ def read_source(root: Path, label: str, origin: Origin) -> Source:
     elif origin.has_file(root, SINGLE_NAME):
         shard_files, weight_map = [SINGLE_NAME], {}
     else:
-        raise fail(Code.FILE_MISSING, f"no {INDEX_NAME} or {SINGLE_NAME} in the source "
-                   "directory", file=str(root))
+        raise fail(
+            Code.FILE_MISSING,
+            f"no {INDEX_NAME} or {SINGLE_NAME} in the source directory",
+            file=str(root),
+        )
 
     headers: dict[str, ShardHeader] = {}
     problems = []
@@ -157,9 +161,15 @@ def check_weight_map(root: Path, weight_map: dict, index_name: str) -> list[Prob
         if key not in verdicts:
             verdicts[key] = check_shard_name(root, shard)
         if verdicts[key]:
-            problems.append(Problem(Code.WEIGHT_MAP_ENTRY_UNSAFE, f"weight_map entry "
-                                    f"{verdicts[key]}", file=index_name, tensor=tensor,
-                                    found=repr(shard)))
+            problems.append(
+                Problem(
+                    Code.WEIGHT_MAP_ENTRY_UNSAFE,
+                    f"weight_map entry {verdicts[key]}",
+                    file=index_name,
+                    tensor=tensor,
+                    found=repr(shard),
+                )
+            )
     return problems
 
 
@@ -188,18 +198,37 @@ def check_index_against_headers(
     for tensor, shard in weight_map.items():
         header = headers.get(shard)
         if header is not None and tensor not in header.tensors:
-            problems.append(Problem(Code.INDEX_TENSOR_NOT_IN_SHARD, "index names a tensor its "
-                                    "shard does not hold", file=shard, tensor=tensor))
+            problems.append(
+                Problem(
+                    Code.INDEX_TENSOR_NOT_IN_SHARD,
+                    "index names a tensor its shard does not hold",
+                    file=shard,
+                    tensor=tensor,
+                )
+            )
     for shard, header in headers.items():
         for tensor in header.tensors:
             owner = weight_map.get(tensor)
             if owner is None:
-                problems.append(Problem(Code.INDEX_TENSOR_MISSING, f"tensor is missing from "
-                                        f"{index_name}", file=shard, tensor=tensor))
+                problems.append(
+                    Problem(
+                        Code.INDEX_TENSOR_MISSING,
+                        f"tensor is missing from {index_name}",
+                        file=shard,
+                        tensor=tensor,
+                    )
+                )
             elif owner != shard:
-                problems.append(Problem(Code.INDEX_WRONG_SHARD, "tensor is in a different "
-                                        "shard than the index says", file=shard,
-                                        tensor=tensor, expected=owner, found=shard))
+                problems.append(
+                    Problem(
+                        Code.INDEX_WRONG_SHARD,
+                        "tensor is in a different shard than the index says",
+                        file=shard,
+                        tensor=tensor,
+                        expected=owner,
+                        found=shard,
+                    )
+                )
     return problems
 
 
@@ -212,5 +241,4 @@ def read_json(path: Path):
     except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd numbers/nesting
         raise fail(Code.JSON_INVALID, f"not valid JSON ({exc})", file=str(path)) from None
     except OSError as exc:
-        raise fail(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror})",
-                   file=str(path)) from None
+        raise fail(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror})", file=str(path)) from None

@@ -25,14 +25,20 @@ def resolve_local(spec: str, revision: str | None = None) -> Path:
             return Path(snapshot_download(spec, revision=revision, local_files_only=True))
         except LocalEntryNotFoundError:
             where = f"{spec}@{revision}" if revision else spec
-            raise fail(Code.SOURCE_NOT_IN_CACHE, f"'{where}' is not a local directory and is "
-                       "not in the local Hugging Face cache",
-                       hint=f"download it first (`hf download {spec}"
-                       f"{f' --revision {revision}' if revision else ''}`), stream it with "
-                       "--download, or pass a directory") from None
-    raise fail(Code.SOURCE_NOT_FOUND, "source not found: expected a directory with "
-               "model.safetensors.index.json or model.safetensors, or a Hugging Face repo id "
-               "(org/name) in the local cache", file=spec)
+            raise fail(
+                Code.SOURCE_NOT_IN_CACHE,
+                f"'{where}' is not a local directory and is not in the local Hugging Face cache",
+                hint=f"download it first (`hf download {spec}"
+                f"{f' --revision {revision}' if revision else ''}`), stream it with "
+                "--download, or pass a directory",
+            ) from None
+    raise fail(
+        Code.SOURCE_NOT_FOUND,
+        "source not found: expected a directory with "
+        "model.safetensors.index.json or model.safetensors, or a Hugging Face repo id "
+        "(org/name) in the local cache",
+        file=spec,
+    )
 
 
 class LocalOrigin:
@@ -73,6 +79,14 @@ class LocalOrigin:
         # download pointing at ~/.ssh/...) would publish that file with the converted model.
         escaping = [rel for rel in extra if not stays_inside(root, root / rel)]
         if escaping:
-            raise Fatal([Problem(Code.LINK_ESCAPES, "file is a symlink that points outside the "
-                                 "source directory", file=rel) for rel in escaping])
+            raise Fatal(
+                [
+                    Problem(
+                        Code.LINK_ESCAPES,
+                        "file is a symlink that points outside the source directory",
+                        file=rel,
+                    )
+                    for rel in escaping
+                ]
+            )
         return extra
