@@ -198,26 +198,33 @@ def verify_structure(root: Path) -> list[str]:
     "serve",
     context_settings={"ignore_unknown_options": True},
 )
-@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument(
+    "checkpoint",
+    metavar="CHECKPOINT_DIR",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+)
 @click.option(
     "--tp",
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="Tensor-parallel size (GPUs).",
+    metavar="N",
+    help="Tensor-parallel size (GPUs); --tp-size after -- is checked the same way.",
 )
 @click.option(
     "--ep",
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
+    metavar="N",
     help="Expert-parallel size; must divide --tp (moe-TP = tp/ep).",
 )
 @click.option(
     "--backend",
     default=BACKEND,
     show_default=True,
-    help="--moe-runner-backend for SGLang (marlin is the fallback).",
+    metavar="BACKEND",
+    help="--moe-runner-backend for SGLang (marlin pads and is the fallback).",
 )
 @click.option(
     "--unconverted", is_flag=True, help=f"Serve an unconverted Kimi-K3 checkpoint ({OPT_IN_ENV}=1)."
@@ -235,9 +242,23 @@ def serve(
     skip_checks: bool,
     sglang_args: tuple[str, ...],
 ) -> None:
-    """Check CHECKPOINT and the SGLang stack, then run SGLang's server on it.
+    """Check CHECKPOINT_DIR and the SGLang stack, then run SGLang's server on it.
 
-    Arguments after `--` go to `python -m sglang.launch_server` unchanged.
+    Before starting anything: verify's structure level on the checkpoint, the kimi_w31 block
+    against the model config, the fail-closed wrapper, sglang 0.5.23 and flashinfer-python
+    >= 0.7.0 with the kimi_w31 plugin installed, and a MoE tensor-parallel size the CUTLASS
+    SiTU method can run. Arguments after `--` go to `python -m sglang.launch_server`
+    unchanged (a --tp-size or --moe-runner-backend there wins, and is checked).
+
+    \b
+    Examples:
+      kimi-convert serve out/ --tp 8                         check, then serve on 8 GPUs
+      kimi-convert serve out/ --tp 8 --print                 show the server command only
+      kimi-convert serve out/ --tp 16 --ep 2 -- --port 30000
+      kimi-convert serve out/ --backend marlin               SGLang's marlin MoE instead
+      kimi-convert serve SRC/ --unconverted                  the original checkpoint, SiTU
+
+    Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
     plan = plan_serve(
         checkpoint, sglang_args, tp=tp, ep=ep, backend=backend, unconverted=unconverted

@@ -405,12 +405,18 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
 @click.command()
 @click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
 @click.option(
-    "--layers", default=3, show_default=True, type=click.IntRange(1), help="num_hidden_layers."
+    "--layers",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1),
+    metavar="N",
+    help="Layers in all (num_hidden_layers).",
 )
 @click.option(
     "--dense-layers",
     default=None,
     type=click.IntRange(0),
+    metavar="N",
     help="first_k_dense_replace: leading layers with a dense MLP and no experts "
     "[default: 1, or 0 with --layers 1].",
 )
@@ -419,23 +425,31 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     default=1,
     show_default=True,
     type=click.IntRange(1),
-    help="moe_layer_freq: after the dense prefix, layer i is a MoE layer when i %% N == 0.",
+    metavar="N",
+    help="moe_layer_freq: after the dense prefix, layer i is a MoE layer when i % N == 0.",
 )
 @click.option(
     "--experts",
     default=8,
     show_default=True,
     type=click.IntRange(1),
+    metavar="N",
     help="Routed experts per MoE layer (num_experts).",
 )
 @click.option(
-    "--top-k", default=2, show_default=True, type=click.IntRange(1), help="num_experts_per_token."
+    "--top-k",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1),
+    metavar="N",
+    help="num_experts_per_token.",
 )
 @click.option(
     "--shards",
     default=3,
     show_default=True,
     type=click.IntRange(1),
+    metavar="N",
     help="Source shards to spread the tensors over.",
 )
 @click.option("--real-dims", is_flag=True, help="True per-expert shapes (K 3584, N 3072).")
@@ -444,6 +458,7 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     "k",
     type=click.IntRange(32),
     default=None,
+    metavar="N",
     help="routed_expert_hidden_size, a multiple of 32 [default: 128, 3584 with --real-dims].",
 )
 @click.option(
@@ -451,12 +466,14 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     "n",
     type=click.IntRange(32),
     default=None,
+    metavar="N",
     help="moe_intermediate_size, a multiple of 32 [default: 64, 3072 with --real-dims].",
 )
 @click.option(
     "--seed",
     default=0,
     show_default=True,
+    metavar="N",
     help="Seed of the random weights: the same seed writes the same bytes.",
 )
 def synth(
