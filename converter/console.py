@@ -83,7 +83,7 @@ def render_error(exc: Fatal, as_json: bool) -> None:
         return
     err.print(f"[bold red]error:[/] {escape(exc.summary())}")
     shown = exc.problems[:50]
-    if len(exc.problems) > 1 or exc.problems[0].expected is not None:
+    if len(exc.problems) > 1:  # one problem is the summary line itself
         for p in shown:
             err.print(f"  [red]-[/] {escape(p.render())}")
         if len(exc.problems) > len(shown):
@@ -229,10 +229,12 @@ class Progress:
         if self._bar is not None:
             self._bar.update(self._task, completed=self.done, status=self.status())
         elif self.mode == "lines" and self.total:
+            # A line at each tenth of the work too, but never more than one a second.
             with self._lock:
                 due = self.done * 10 >= self.total * self._next_tenth and self.done < self.total
                 if due:
                     self._next_tenth = self.done * 10 // self.total + 1
+                    due = time.monotonic() - self._last_line >= 1.0
             if due:
                 self._line()
 

@@ -178,6 +178,7 @@ def test_usage_errors_exit_2(small_source, tmp_path):
         proc = run_cli(small_source, tmp_path / "o", *args)
         assert proc.returncode == 2, (args, proc.stderr)
     assert run_cli(small_source, small_source / "inside").returncode == 2
+    assert run_cli(small_source, tmp_path / "o", "--revision", "main").returncode == 2
     assert run_cli("/definitely/not/here", tmp_path / "o").returncode == 1
     assert not (tmp_path / "o").exists()
 
