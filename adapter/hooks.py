@@ -12,9 +12,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from ..converter.errors import Code
 from . import flashinfer_moe as fm
 from .engage import Decision, MoeFacts, decide, unconverted_warning
 from .layout import (
+    LayoutError,
     W31Layout,
     find_block,
     load_layout,
@@ -59,7 +61,13 @@ def after_get_config(result: Any, *args: Any, **kwargs: Any) -> Any:
     Runs in the main process too, so a bad block stops the server before workers spawn.
     """
     if result is not None and not isinstance(result, (str, bytes)):
-        unwrap_quantization_config(result)
+        if unwrap_quantization_config(result) and find_block(result) is None:
+            raise LayoutError(
+                "quantization_config is wrapped as 'kimi_w31' but config.json has no "
+                "'kimi_w31' block: the checkpoint is half converted or was edited; convert it "
+                "again from the source",
+                (Code.BLOCK_MISSING.value,),
+            )
         load_layout(result)
     return result
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from ..converter import contract
+from ..converter.errors import Code
 from .layout import OPT_IN_ENV, find_block, text_config
 
 SGLANG_PIN = "0.5.23"
@@ -133,6 +134,12 @@ def check_checkpoint(
                 + "\n  - ".join(f"[{p.code.value}] {p.render()}" for p in problems)
                 + "\nConvert it again from the source."
             )
+    elif contract.marks(cfg):
+        raise ServeError(
+            f"{cfg_path}: [{Code.BLOCK_MISSING.value}] quantization_config is wrapped as "
+            f"'{contract.WRAPPER_METHOD}' but there is no '{contract.BLOCK_KEY}' block: the "
+            "checkpoint is half converted or was edited. Convert it again from the source."
+        )
     elif not unconverted:
         raise ServeError(
             f"{root} is not a converted checkpoint (no '{contract.BLOCK_KEY}' block in "

@@ -7,17 +7,16 @@ as it places an original checkpoint's tensors. SGLang-free: this works on any it
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..converter import contract
+
 # Names reach the text model after SGLang's renames: `weight_packed` may already be `weight`.
-_W31 = re.compile(r"^(?P<pre>.*experts\.)(?P<eid>\d+)\.w31\.(?P<suf>[A-Za-z_]+)$")
-_W13 = re.compile(r"^(?P<pre>.*experts\.)\d+\.w[13]\.")
-_SPLIT_SUFFIXES = ("weight_packed", "weight_scale", "weight")
+LOADED_SUFFIXES = (*contract.SUFFIXES, "weight")
 
 
 class SplitError(ValueError):
@@ -31,7 +30,6 @@ class SplitStats:
     w31_layers: set[str] = field(default_factory=set)
     w13_layers: set[str] = field(default_factory=set)
     w31_tensors: int = 0
-    dropped: list[str] = field(default_factory=list)
 
 
 def split_w31_items(
@@ -40,27 +38,36 @@ def split_w31_items(
 ) -> Iterator[tuple[Any, ...]]:
     """Yield items unchanged, except each `w31` tensor becomes its `w3` then `w1` half.
 
-    Extra tuple elements (SGLang passes kwargs as a third element) are kept. A 4-D scale
-    `[2N, 1, K/32, 1]` is squeezed first, as SGLang does for `w1`/`w3` scales.
+    Names are read with the contract's grammar (the converter's and `verify`'s): a fused
+    name outside it is refused, never passed on to be silently skipped. Extra tuple elements
+    (SGLang passes kwargs as a third element) are kept. A 4-D scale `[2N, 1, K/32, 1]` is
+    squeezed first, as SGLang does for `w1`/`w3` scales.
     """
     stats = stats if stats is not None else SplitStats()
     for item in items:
         name = item[0]
-        m = _W31.match(name) if isinstance(name, str) else None
-        if m is None:
-            w13 = _W13.match(name) if isinstance(name, str) else None
-            if w13 is not None:
-                stats.w13_layers.add(w13["pre"])
+        split = contract.split_expert_name(name) if isinstance(name, str) else None
+        if split is None:
             yield item
             continue
-        suffix = m["suf"]
-        if suffix not in _SPLIT_SUFFIXES:
-            # e.g. a compressed-tensors `weight_shape`: SGLang drops these for w1/w3 too.
-            stats.dropped.append(name)
+        prefix, tail = split
+        parsed = contract.parse_expert_tail(tail, LOADED_SUFFIXES)
+        if parsed is None and f".{contract.FUSED}." in f".{tail}":
+            raise SplitError(
+                f"{name}: a fused w31 tensor outside the checkpoint grammar "
+                "(experts.<id>.w31.<weight_packed|weight_scale>); the checkpoint was not "
+                "written by kimi-convert or was edited (run `kimi-convert verify`)"
+            )
+        if parsed is None or parsed.proj == contract.DOWN:
+            yield item
+            continue
+        if parsed.proj in (contract.GATE, contract.UP):
+            stats.w13_layers.add(prefix + "experts.")
+            yield item
             continue
         tensor: torch.Tensor = item[1]
         rest = tuple(item[2:])
-        if suffix == "weight_scale" and tensor.ndim == 4:
+        if parsed.suffix == "weight_scale" and tensor.ndim == 4:
             tensor = tensor[:, 0, :, 0]
         if tensor.ndim != 2 or tensor.shape[0] == 0 or tensor.shape[0] % 2:
             raise SplitError(
@@ -69,8 +76,15 @@ def split_w31_items(
                 "is damaged or was not written by kimi-convert (run `kimi-convert verify`)"
             )
         n = tensor.shape[0] // 2
-        stats.w31_layers.add(m["pre"])
+        stats.w31_layers.add(prefix + "experts.")
         stats.w31_tensors += 1
-        base = f"{m['pre']}{m['eid']}."
-        yield (f"{base}w3.{suffix}", tensor.narrow(0, 0, n), *rest)  # up: rows [0, N)
-        yield (f"{base}w1.{suffix}", tensor.narrow(0, n, n), *rest)  # gate: rows [N, 2N)
+        yield (
+            contract.expert_name(prefix, parsed.expert, contract.UP, parsed.suffix),
+            tensor.narrow(0, 0, n),
+            *rest,
+        )  # up: rows [0, N)
+        yield (
+            contract.expert_name(prefix, parsed.expert, contract.GATE, parsed.suffix),
+            tensor.narrow(0, n, n),
+            *rest,
+        )  # gate: rows [N, 2N)

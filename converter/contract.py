@@ -15,6 +15,7 @@ through `get`, so the adapter and the converter share the same rules.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -41,6 +42,8 @@ FIXED_FIELDS: dict[str, Any] = {
     "weight_format": "mxfp4",
     "group_size": GROUP_SIZE,
 }
+# The eight fields every consumer relies on (more, informational ones may follow them).
+REQUIRED_FIELDS = ("format_version", *FIXED_FIELDS, *SITU_CONFIG_KEYS)
 # File names of a converted checkpoint (a Hugging Face-style repo).
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -311,7 +314,10 @@ SUFFIXES = ("weight_packed", "weight_scale")
 # A routed-expert tensor name's tail after "experts.": matched in full, ASCII only, expert
 # ids without leading zeros (so "01" cannot alias "1"). Nothing else under an `experts`
 # path component is accepted (see `split_expert_name`).
-_TAIL = re.compile(r"(0|[1-9][0-9]*)\.(w1|w2|w3|w31)\.(weight_packed|weight_scale)", re.ASCII)
+@functools.cache
+def _tail_pattern(suffixes: tuple[str, ...]) -> re.Pattern[str]:
+    alternatives = "|".join(map(re.escape, suffixes))
+    return re.compile(rf"(0|[1-9][0-9]*)\.(w1|w2|w3|w31)\.({alternatives})", re.ASCII)
 _LAYER = re.compile(r"(?:^|\.)layers\.([^.]*)\.", re.ASCII)
 _DECIMAL = re.compile(r"0|[1-9][0-9]*", re.ASCII)
 
@@ -352,8 +358,10 @@ def split_expert_name(name: str) -> tuple[str, str] | None:
     return None
 
 
-def parse_expert_tail(tail: str) -> ExpertTail | None:
-    m = _TAIL.fullmatch(tail)
+def parse_expert_tail(tail: str, suffixes: tuple[str, ...] = SUFFIXES) -> ExpertTail | None:
+    """A tail "E.proj.suffix" under the grammar (`suffixes`: a loader that renames
+    `weight_packed` to `weight` passes its own list), else None."""
+    m = _tail_pattern(suffixes).fullmatch(tail)
     return None if m is None else ExpertTail(int(m[1]), m[2], m[3])
 
 

@@ -304,7 +304,7 @@ def final_files(source: Source, plan: Plan, manifest: Manifest) -> list[FinalFil
     """The source's other files, then config.json and the index (always the last two),
     computed before any write."""
     identity = {
-        "path": str(source.root),
+        "path": source.label,  # as given: a repo id, or a path (no machine-local absolute)
         "files": {
             f: {"size": h.file_size, "header_sha256": h.header_sha256}
             for f, h in sorted(source.headers.items())

@@ -88,6 +88,18 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
         )
     dims, dim_problems = resolve_dims(manifest, config)
     problems += dim_problems
+    act = contract.config_value(config, "hidden_act")
+    if act != contract.FIXED_FIELDS["activation"]:
+        problems.append(
+            Problem(
+                Code.SITU_MISMATCH,
+                "config's hidden_act is not 'situ': the converted block would announce an "
+                "activation the model does not use",
+                file=contract.CONFIG_NAME,
+                expected="'situ'",
+                found=repr(act),
+            )
+        )
     moe_ids, rule_problems = contract.moe_layer_ids(config)
     problems += rule_problems
     table, tensor_problems = check_expert_tensors(

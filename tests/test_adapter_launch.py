@@ -98,6 +98,16 @@ def test_bad_block_is_refused_before_launch(tmp_path):
         plan_serve(ckpt(tmp_path, activation_situ_beta=3.0))
 
 
+def test_wrapper_without_a_block_is_refused(tmp_path):
+    root = ckpt(tmp_path)
+    cfg = json.loads((root / "config.json").read_text())
+    del cfg["kimi_w31"]
+    (root / "config.json").write_text(json.dumps(cfg))
+    for unconverted in (False, True):
+        with pytest.raises(ServeError, match=Code.BLOCK_MISSING.value):
+            plan_serve(root, unconverted=unconverted)
+
+
 def test_block_without_wrapped_quantization_is_refused(tmp_path):
     root = ckpt(tmp_path)
     cfg = json.loads((root / "config.json").read_text())

@@ -52,10 +52,30 @@ def test_other_names_pass_through_untouched():
     assert all(a[1] is b[1] for a, b in zip(out, items, strict=True))
 
 
-def test_unknown_w31_suffix_is_dropped_and_recorded():
-    stats = SplitStats()
-    assert list(split_w31_items([(P + "w31.weight_shape", torch.tensor([8, 8]))], stats)) == []
-    assert stats.dropped == [P + "w31.weight_shape"]
+@pytest.mark.parametrize("tail", ["w31.weight_shape", "w31.weight_packed\n"])
+def test_a_fused_name_outside_the_grammar_is_refused(tail):
+    with pytest.raises(SplitError, match=r"experts\.7\.w31"):
+        list(split_w31_items([(P + tail, torch.tensor([8, 8]))]))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.3.mlp.experts.07.w31.weight_packed",
+        "model.layers.3.mlp.experts.\u0667.w31.weight_packed",
+    ],
+)
+def test_look_alike_expert_ids_are_refused(name):
+    with pytest.raises(SplitError):
+        list(split_w31_items([(name, _w31())]))
+
+
+def test_names_outside_the_experts_component_pass_untouched():
+    items = [
+        ("model.layers.3.mlp.shared_experts.0.w31.weight_packed", _w31()),
+        ("model.layers.3.mlp.gate.weight", _w31()),
+    ]
+    assert [n for n, _ in split_w31_items(items)] == [n for n, _ in items]
 
 
 def test_stats_record_fused_and_unfused_layers():

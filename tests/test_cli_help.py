@@ -8,6 +8,7 @@ import re
 import click
 import pytest
 from click.testing import CliRunner
+
 from kimi_w31.cli import main
 
 COMMANDS = sorted(main.commands)
