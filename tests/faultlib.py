@@ -579,6 +579,10 @@ PLAN_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
         _config_edit(lambda c: c.pop("quantization_config")),
         C.NO_QUANTIZATION_CONFIG,
     ),
+    "hidden_act is not situ": (
+        _config_edit(lambda c: c["text_config"].update(hidden_act="silu")),
+        C.SITU_MISMATCH,
+    ),
     "SiTU beta disagrees with the manifest": (
         _config_edit(lambda c: c["text_config"].update(activation_situ_beta=5.0)),
         C.SITU_MISMATCH,

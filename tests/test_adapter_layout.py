@@ -141,3 +141,17 @@ def test_a_converted_synthetic_checkpoint_passes_the_adapters_checks(converted: 
         converted, unconverted=False, tp=1, ep=1, backend="marlin"
     )
     assert is_converted
+
+
+def test_the_plugin_refuses_a_wrapper_without_a_block():
+    pytest.importorskip("torch", reason="the plugin's hooks module imports torch")
+    from kimi_w31.adapter import hooks
+
+    config = converted_cfg()
+    del config["kimi_w31"]
+    with pytest.raises(LayoutError) as err:
+        hooks.after_get_config(config)
+    assert err.value.codes == (Code.BLOCK_MISSING.value,)
+    assert hooks.after_get_config(converted_cfg())["quantization_config"] == SOURCE[
+        "quantization_config"
+    ]  # a whole conversion is unwrapped for SGLang
