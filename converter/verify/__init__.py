@@ -46,8 +46,8 @@ def verify(
     """
     if numerics and not source:
         raise usage(
-            "--numerics needs --source SRC: it computes each expert from the source "
-            "and from the output"
+            "--numerics needs --source SRC: it computes each expert from the source and from the "
+            "output"
         )
     if sample is not None and sample < 1:
         raise usage(

@@ -28,6 +28,7 @@ from ..console import Progress
 from ..errors import Code, Fatal, Problem
 from ..hashing import CHUNK_SIZE, ShortRead
 from ..manifest import resolve_dims
+from ..safetensors_format import TensorInfo
 from ..source import Source, read_source
 from ..source.local import LocalOrigin, resolve_local
 from .derive import Expected, expected_tensors
@@ -92,9 +93,8 @@ def _check_block(out: Output, source: Source, report: VerifyReport) -> set[str]:
             problems.append(
                 _mismatch(
                     "manifest_sha256",
-                    f"is not the hash of manifest "
-                    f"{out.manifest.name} (pass --manifest with the one the "
-                    "conversion used)",
+                    f"is not the hash of manifest {out.manifest.name} (pass --manifest with the "
+                    "one the conversion used)",
                     out.manifest.sha256,
                     block["manifest_sha256"],
                 )
@@ -147,9 +147,8 @@ def _identity(recorded: object, source: Source) -> tuple[set[str], list[Problem]
             problems.append(
                 Problem(
                     Code.SOURCE_CHANGED_SINCE,
-                    "source shard is not the one "
-                    "the output was converted from (the source changed since, "
-                    "or this is another source): not output corruption",
+                    "source shard is not the one the output was converted from (the source "
+                    "changed since, or this is another source): not output corruption",
                     file=name,
                     expected=json.dumps(then),
                     found=json.dumps(now),
@@ -193,9 +192,8 @@ def _check_config(out: Output, source: Source, report: VerifyReport) -> None:
         problems.append(
             Problem(
                 Code.CONFIG_DIFFERS,
-                "config.json differs from the source "
-                "config beyond the kimi_w31 block and the wrapped "
-                "quantization_config",
+                "config.json differs from the source config beyond the kimi_w31 block and the "
+                "wrapped quantization_config",
                 file=contract.CONFIG_NAME,
                 found="differs at " + ", ".join(keys[:10]),
             )
@@ -211,8 +209,11 @@ _ABSENT = object()
 
 @dataclass
 class _ShardJob:
+    """The tensors of one output shard to compare, and how many bytes they hold."""
+
     file: str
     tensors: list[tuple[str, Expected]] = field(default_factory=list)
+    nbytes: int = 0
 
 
 def _compare(
@@ -227,8 +228,7 @@ def _compare(
     problems, jobs = _match_tensors(out, expected)
     del expected
     files, file_problems = _match_files(out, source)
-    total = sum(info.nbytes for job in jobs for info in _outputs(out, job))
-    total += sum(size for _, size in files)
+    total = sum(job.nbytes for job in jobs) + sum(size for _, size in files)
     compared = sum(len(j.tensors) for j in jobs)
     with Progress(progress_mode, "verify --source", total) as progress:
         problems += run_jobs(
@@ -257,11 +257,6 @@ def _compare(
     )
 
 
-def _outputs(out: Output, job: _ShardJob):
-    header = out.headers[job.file]
-    return (header.tensors[name] for name, _ in job.tensors)
-
-
 def _match_tensors(
     out: Output, expected: dict[str, Expected]
 ) -> tuple[list[Problem], list[_ShardJob]]:
@@ -282,13 +277,12 @@ def _match_tensors(
                     )
                 )
                 continue
-            why = _unlike(info, want)
-            if why is not None:
-                problems.append(
-                    Problem(why[0], why[1], file=file, tensor=name, expected=why[2], found=why[3])
-                )
+            problem = _unlike(file, name, info, want)
+            if problem is not None:
+                problems.append(problem)
                 continue
             job.tensors.append((name, want))
+            job.nbytes += info.nbytes
         jobs.append(job)
     # Tensors of shards that did not parse are not counted missing: structure said why.
     unread = set(out.shard_names) - out.headers.keys()
@@ -302,40 +296,42 @@ def _match_tensors(
     return problems, jobs
 
 
-def _unlike(info, want: Expected) -> tuple[Code, str, str, str] | None:
+def _unlike(file: str, name: str, info: TensorInfo, want: Expected) -> Problem | None:
     """Why an output tensor cannot be what the source says (dtype, shape), or None."""
+
+    def bad(code: Code, what: str, expected: str, found: str) -> Problem:
+        return Problem(code, what, file=file, tensor=name, expected=expected, found=found)
+
     if want.missing:
-        return (
+        return bad(
             Code.EXPERT_PARTNER_MISSING,
             "the source lacks a half of this w31 (w3 = up, w1 = gate)",
             "both halves in the source",
-            "missing " + ", ".join(want.missing),
+            ", ".join(want.missing),
         )
     infos = [p.info for p in want.parts]
     dtypes = {i.dtype for i in infos}
     if dtypes != {info.dtype}:
-        return (
+        return bad(
             Code.TENSOR_DTYPE_DIFFERS,
             "dtype differs from the source",
             " / ".join(sorted(dtypes)),
             info.dtype,
         )
-    if len(infos) == 1:
-        shape = infos[0].shape
-    elif infos[0].shape == infos[1].shape and infos[0].shape:
-        shape = (2 * infos[0].shape[0], *infos[0].shape[1:])
-    else:
-        return (
+    shapes = [list(i.shape) for i in infos]
+    if len(infos) == 2 and (shapes[0] != shapes[1] or not shapes[0]):
+        return bad(
             Code.TENSOR_SHAPE_DIFFERS,
             "the source's w3 and w1 shapes differ: no w31 can be formed",
-            str([list(i.shape) for i in infos]),
+            str(shapes),
             str(list(info.shape)),
         )
-    if info.shape != shape:
-        return (
+    shape = shapes[0] if len(infos) == 1 else [2 * shapes[0][0], *shapes[0][1:]]
+    if list(info.shape) != shape:
+        return bad(
             Code.TENSOR_SHAPE_DIFFERS,
             "shape differs from the source",
-            str(list(shape)),
+            str(shape),
             str(list(info.shape)),
         )
     return None

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 
 from .. import contract
-from ..console import Progress
+from ..console import Progress, human
 from ..errors import Code, Problem
 from ..hashing import CHUNK_SIZE, Crc32, ScaleScan, ShortRead, hash_ranges, shard_header_sha256
 from ..safetensors_format import ShardHeader
@@ -59,8 +59,8 @@ def check_checksums(out: Output, workers: int, progress_mode: str, report: Verif
         LEVEL,
         title,
         problems,
-        f"{tensors} tensors (CRC-32) in {shards} shards, {len(jobs) - shards} other "
-        f"files (sha256), {total} bytes read",
+        f"{tensors} tensors (CRC-32) in {shards} shards, {len(jobs) - shards} other files "
+        f"(sha256), {human(total)} read",
     )
 
 
@@ -184,8 +184,8 @@ def _check_shard(out: Output, job: _Job, stop: threading.Event, advance) -> list
             problems.append(
                 Problem(
                     Code.SCALE_NAN,
-                    f"{scan.count} E8M0 scale byte(s) are 0xFF "
-                    f"(NaN); first at byte {scan.first} of the tensor",
+                    f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {scan.first} "
+                    "of the tensor",
                     file=name,
                     tensor=tensor,
                 )

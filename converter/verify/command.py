@@ -31,24 +31,23 @@ DEFAULT_SAMPLE = 8
     "--checksums",
     is_flag=True,
     help="Re-read every byte and compare it with the checksums the conversion "
-    "recorded (CRC-32 per tensor, sha256 per file); also finds 0xFF (NaN) scales. "
-    "Catches accidents (bad disks, torn copies), not deliberate edits.",
+    "recorded (CRC-32 per tensor, sha256 per file); also finds 0xFF (NaN) scales. Catches "
+    "accidents (bad disks, torn copies), not deliberate edits.",
 )
 @click.option(
     "--source",
     metavar="SRC_DIR_OR_REPO_ID",
     default=None,
     help="Compare the output with its source byte for byte: w31 = w3 bytes then "
-    "w1 bytes, everything else identical, config and other files too. A "
-    "directory, or a repo id in the local Hugging Face cache. Includes "
-    "--checksums when the output has a checksums file.",
+    "w1 bytes, everything else identical, config and other files too. A directory, or a repo id "
+    "in the local Hugging Face cache. Includes --checksums when the output has a checksums file.",
 )
 @click.option(
     "--numerics",
     is_flag=True,
     help="With --source: compute sampled experts from the source (w1 gate, w3 up) "
-    "and from the output (w31 split by the block's fc1_order) with the SiTU MLP in "
-    "fp32; they must agree. One expert in memory at a time.",
+    "and from the output (w31 split by the block's fc1_order) with the SiTU MLP in fp32; they "
+    "must agree. One expert in memory at a time.",
 )
 @click.option(
     "--experts",

@@ -104,8 +104,8 @@ def check_experts(
         problems.append(
             Problem(
                 Code.NO_EXPERTS,
-                "no routed-expert tensors under the "
-                "contract's grammar: not a converted Kimi-K3 MXFP4 checkpoint",
+                "no routed-expert tensors under the contract's grammar: not a converted Kimi-K3 "
+                "MXFP4 checkpoint",
                 expected="experts.<id>.<w31|w2>.<weight_packed|weight_scale> in every MoE layer",
             )
         )
@@ -145,8 +145,8 @@ def _judge_names(prefix: str, group: _Group, expected: _Expected, files: _Files)
             problems.append(
                 Problem(
                     Code.EXPERT_NAME,
-                    "tensor under an 'experts' component is not a routed-expert "
-                    "tensor of the contract's grammar",
+                    "tensor under an 'experts' component is not a routed-expert tensor of the "
+                    "contract's grammar",
                     file=files(name),
                     tensor=name,
                     expected="experts.<id>.<w31|w2>.<weight_packed|weight_scale>",
@@ -156,8 +156,8 @@ def _judge_names(prefix: str, group: _Group, expected: _Expected, files: _Files)
             problems.append(
                 Problem(
                     Code.EXPERT_TENSOR_UNEXPECTED,
-                    "w1/w3 expert tensor left in a converted "
-                    "checkpoint (it must be fused into w31)",
+                    "w1/w3 expert tensor left in a converted checkpoint (it must be fused into "
+                    "w31)",
                     file=files(name),
                     tensor=name,
                 )
@@ -210,9 +210,8 @@ def _assign_layers(
             problems.append(
                 Problem(
                     Code.LAYER_UNEXPECTED,
-                    f"layer {layer} is not a MoE layer "
-                    "under the config's rule (num_hidden_layers, "
-                    "first_k_dense_replace, moe_layer_freq) but has routed "
+                    f"layer {layer} is not a MoE layer under the config's rule "
+                    "(num_hidden_layers, first_k_dense_replace, moe_layer_freq) but has routed "
                     "experts",
                     tensor=where,
                 )

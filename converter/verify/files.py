@@ -97,8 +97,8 @@ def load_checksums(root: Path, deep: bool = True) -> tuple[dict[str, dict] | Non
     if not os.path.lexists(path):
         return None, [
             bad(
-                "the checksums file is missing: the output cannot be proven intact "
-                "without the source"
+                "the checksums file is missing: the output cannot be proven intact without the "
+                "source"
             )
         ]
     if not is_regular(path):
@@ -152,8 +152,8 @@ def check_recorded(root: Path, files: list[str], table: dict[str, dict]) -> list
     problems = [
         Problem(
             Code.FILE_UNRECORDED,
-            "file in the output that the checksums file "
-            "does not record: the conversion did not write it",
+            "file in the output that the checksums file does not record: the conversion did not "
+            "write it",
             file=rel,
         )
         for rel in files

@@ -58,8 +58,8 @@ def check_numerics(
             problems.append(
                 Problem(
                     Code.NUMERICS_UNAVAILABLE,
-                    "no expert is complete in both "
-                    "the output and the source (see the checks above)",
+                    "no expert is complete in both the output and the source (see the checks "
+                    "above)",
                 )
             )
         report.add("numerics", LEVEL, title, problems, "not run")
@@ -83,8 +83,8 @@ def check_numerics(
         LEVEL,
         title,
         problems,
-        f"{len(chosen)} experts, SiTU({conv.beta:g}, {conv.linear_beta:g}) vs "
-        f"SiTU({src.beta:g}, {src.linear_beta:g}), worst rel. error {worst:.2g}",
+        f"{len(chosen)} experts, SiTU({conv.beta:g}, {conv.linear_beta:g}) vs SiTU({src.beta:g}, "
+        f"{src.linear_beta:g}), worst rel. error {worst:.2g}",
     )
 
 

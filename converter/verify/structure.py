@@ -106,13 +106,13 @@ def _incomplete(root: Path) -> Problem:
     running = (root / STATE_DIR).is_dir()
     return Problem(
         Code.INCOMPLETE_OUTPUT,
-        "no index: the conversion is incomplete (the index "
-        "is written last) or this is not a converted checkpoint",
+        "no index: the conversion is incomplete (the index is written last) or this is not a "
+        "converted checkpoint",
         file=contract.INDEX_NAME,
         expected="a complete conversion",
         found=(
-            f"a conversion in progress or interrupted ({STATE_DIR}/ is there): "
-            "rerun kimi-convert to finish it"
+            f"a conversion in progress or interrupted ({STATE_DIR}/ is there): rerun kimi-convert "
+            "to finish it"
         )
         if running
         else "no index",
