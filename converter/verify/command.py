@@ -12,13 +12,14 @@ import sys
 from pathlib import Path
 
 import click
+from rich.console import Console
 from rich.markup import escape
 
 from .. import console
 from ..console import err, out, run_guarded
 from ..errors import EXIT_PROBLEMS, usage
 from . import verify as run_verify
-from .report import Check, VerifyReport
+from .report import VerifyReport
 
 INTERRUPTED = "verification stopped; nothing was changed"
 SHOWN_PER_CHECK = 20  # problems printed per failed check (--json has up to 1000)
@@ -198,10 +199,11 @@ def _print_report(report: VerifyReport) -> None:
         out.print(f"  {_MARKS[check.ok]}  {escape(check.title)}{detail}{count}")
     _print_problems(report, out)
     if report.ok:
-        out.print("[green]passed[/]")
+        skipped = sum(c.ok is None for c in report.checks)
+        out.print("[green]passed[/]" + (f" ({skipped} check(s) skipped)" if skipped else ""))
 
 
-def _print_problems(report: VerifyReport, where) -> None:
+def _print_problems(report: VerifyReport, where: Console) -> None:
     for check in report.checks:
         if check.ok is not False:
             continue
@@ -213,4 +215,4 @@ def _print_problems(report: VerifyReport, where) -> None:
             where.print(f"  ... and {more} more (--json lists up to 1000 a check)")
 
 
-__all__ = ["Check", "verify"]
+__all__ = ["verify"]
