@@ -39,16 +39,27 @@ def expected_tensors(headers: dict[str, ShardHeader]) -> dict[str, Expected]:
         for name, info in header.tensors.items():
             where[name] = Part(file, info)
     expected: dict[str, Expected] = {}
-    fused: set[str] = set()
+    fused: dict[str, tuple[str, str]] = {}  # w31 name -> (up = w3, gate = w1) names
+    tails: dict[str, contract.ExpertTail | None] = {}  # a few thousand distinct at real scale
     for name, part in where.items():
-        parsed = contract.parse_expert_name(name)
+        split = contract.split_expert_name(name)
+        if split is None:
+            expected[name] = Expected((part,))
+            continue
+        prefix, tail = split
+        if tail not in tails:
+            tails[tail] = contract.parse_expert_tail(tail)
+        parsed = tails[tail]
         if parsed is None or parsed.proj not in (contract.GATE, contract.UP):
             expected[name] = Expected((part,))
-        else:
-            fused.add(parsed.with_proj(contract.FUSED))
-    for w31 in fused:
-        halves = contract.source_halves(w31)
-        assert halves is not None
+            continue
+        w31 = contract.expert_name(prefix, parsed.expert, contract.FUSED, parsed.suffix)
+        if w31 not in fused:
+            fused[w31] = (
+                contract.expert_name(prefix, parsed.expert, contract.UP, parsed.suffix),
+                contract.expert_name(prefix, parsed.expert, contract.GATE, parsed.suffix),
+            )
+    for w31, halves in fused.items():
         parts = tuple(where[h] for h in halves if h in where)
         expected[w31] = Expected(parts, tuple(h for h in halves if h not in where))
     return expected
