@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.verify import verify
+from kimi_w31.converter.verify.command import verify as command
 from verify_mutations import CONFIG, INDEX, Model, edit_json, read_shard, rerecord
 
 L1 = "language_model.model.layers.1.mlp."
@@ -536,9 +538,6 @@ def test_fifo_swapped_in_for_a_recorded_file_is_never_opened(output_copy):
 
 def test_hostile_outputs_never_crash_the_command(output_copy, tmp_path):
     """Every row through the real command line: exit 1 with codes, never a traceback."""
-    from click.testing import CliRunner
-    from kimi_w31.converter.verify.command import verify as command
-
     for i, (case, row) in enumerate(ROWS.items()):
         out = tmp_path / f"case{i}"
         shutil.copytree(output_copy, out, symlinks=True)

@@ -63,7 +63,8 @@ def _read(out: Output, spec: str, report: VerifyReport) -> Source | None:
             )
         return read_source(root, spec, LocalOrigin())
     except Fatal as exc:
-        report.add("source", LEVEL, title, exc.problems, f"source {spec}")
+        hint = f"; {exc.hint}" if exc.hint else ""
+        report.add("source", LEVEL, title, exc.problems, f"source {spec}{hint}")
         return None
 
 
