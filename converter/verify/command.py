@@ -1,12 +1,218 @@
-"""Interim placeholder for the `verify` command while the verification package is rebuilt."""
+"""The `verify` command: click parses, `verify()` proves, this module renders.
+
+One line per check (ok / FAIL / skip with what it covered), then every problem with its
+code; `--json` prints the report with each problem's `code`. Exit codes: 0 every check
+passed, 1 a check failed, 2 usage error, 130 interrupted, 143 terminated.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import click
+from rich.console import Console
+from rich.markup import escape
+
+from .. import console
+from ..console import err, out, run_guarded
+from ..errors import EXIT_PROBLEMS, usage
+from . import verify as run_verify
+from .report import VerifyReport
+
+INTERRUPTED = "verification stopped; nothing was changed"
+SHOWN_PER_CHECK = 20  # problems printed per failed check (--json has up to 1000)
+DEFAULT_SAMPLE = 8
 
 
-@click.command()
-@click.argument("output")
-def verify(output: str) -> None:
-    """Not available in this interim revision."""
-    raise click.UsageError("verify is being rebuilt in this revision")
+@click.command("verify")
+@click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
+@click.option(
+    "--checksums",
+    is_flag=True,
+    help="Re-read every byte and compare it with the checksums the conversion "
+    "recorded (CRC-32 per tensor, sha256 per file); also finds 0xFF (NaN) scales. Catches "
+    "accidents (bad disks, torn copies), not deliberate edits.",
+)
+@click.option(
+    "--source",
+    metavar="SRC_DIR_OR_REPO_ID",
+    default=None,
+    help="Compare the output with its source byte for byte: w31 = w3 bytes then "
+    "w1 bytes, everything else identical, config and other files too. A directory, or a repo id "
+    "in the local Hugging Face cache. Includes --checksums when the output has a checksums file.",
+)
+@click.option(
+    "--numerics",
+    is_flag=True,
+    help="With --source: compute sampled experts from the source (w1 gate, w3 up) "
+    "and from the output (w31 split by the block's fc1_order) with the SiTU MLP in fp32; they "
+    "must agree. One expert in memory at a time.",
+)
+@click.option(
+    "--experts",
+    "sample",
+    type=click.IntRange(1),
+    default=None,
+    metavar="N",
+    help=f"With --numerics: how many experts to sample [default: {DEFAULT_SAMPLE}].",
+)
+@click.option(
+    "--all",
+    "all_experts",
+    is_flag=True,
+    help="With --numerics: every expert of every MoE layer instead of a sample.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=None,
+    metavar="N",
+    help="With --numerics: seed of the expert sample and the random inputs; the "
+    "same seed checks the same experts [default: 0].",
+)
+@click.option(
+    "--manifest",
+    default=None,
+    metavar="NAME_OR_PATH",
+    help="Manifest to check against: kimi-k3, kimi-k3-any or a JSON path "
+    "[default: the one recorded in the output's kimi_w31 block, else kimi-k3-any].",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1),
+    default=2,
+    show_default=True,
+    metavar="N",
+    help="Files read at once by --checksums and --source (each holds at most two 8 MiB buffers).",
+)
+@click.option(
+    "--progress",
+    "progress_mode",
+    type=click.Choice(console.PROGRESS_MODES),
+    default="auto",
+    show_default=True,
+    help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
+    "bar on a terminal, lines otherwise.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the report as JSON: every check, every problem with its code.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no report; problems only.")
+def verify(
+    output: Path,
+    checksums: bool,
+    source: str | None,
+    numerics: bool,
+    sample: int | None,
+    all_experts: bool,
+    seed: int | None,
+    manifest: str | None,
+    workers: int,
+    progress_mode: str,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Prove that OUT_DIR is a complete, intact and correct conversion.
+
+    Always (seconds, headers only): the index against the shards, every shard header, the
+    config's kimi_w31 block, every routed expert of every MoE layer (derived from the
+    config, not from the converter), and every file recorded by the conversion.
+    --checksums, --source and --numerics read data (see each option); progress shows the
+    total and an ETA.
+
+    \b
+    Examples:
+      kimi-convert verify out/                          structure only (seconds)
+      kimi-convert verify out/ --checksums              every byte vs the recorded checksums
+      kimi-convert verify out/ --source /data/Kimi-K3   byte for byte against the source
+      kimi-convert verify out/ --source SRC --numerics --experts 16 --seed 3
+      kimi-convert verify out/ --checksums --json > report.json
+      nohup kimi-convert verify out/ --source SRC --progress lines > verify.log 2>&1 &
+
+    Exit codes: 0 every check passed, 1 a check failed (each problem has a code; see
+    --json), 2 usage error, 130 interrupted, 143 terminated. Verify never writes.
+    """
+
+    def body() -> None:
+        _check_usage(numerics, sample, all_experts, seed)
+        mode = console.resolve_mode(progress_mode, quiet or as_json)
+        report = run_verify(
+            output,
+            manifest=manifest,
+            checksums=checksums,
+            source=source,
+            numerics=numerics,
+            sample=None if all_experts else (sample or DEFAULT_SAMPLE),
+            seed=seed or 0,
+            workers=workers,
+            progress_mode=mode,
+        )
+        if as_json:
+            out.print_json(json.dumps(report.as_dict()))
+        elif quiet:
+            _print_problems(report, err)
+        else:
+            _print_report(report)
+        if not report.ok:
+            if not as_json:
+                failed = [c for c in report.checks if c.ok is False]
+                total = sum(c.problems_total for c in failed)
+                err.print(
+                    f"[bold red]error:[/] verification failed: {total} problem(s) in "
+                    f"{len(failed)} check(s)"
+                )
+            sys.exit(EXIT_PROBLEMS)
+
+    run_guarded(body, as_json, interrupted=INTERRUPTED)
+
+
+def _check_usage(numerics: bool, sample: int | None, all_experts: bool, seed: int | None) -> None:
+    if not numerics:
+        given = [
+            n
+            for n, v in (
+                ("--experts", sample),
+                ("--all", all_experts),
+                ("--seed", seed is not None),
+            )
+            if v
+        ]
+        if given:
+            raise usage(f"{', '.join(given)} only apply with --numerics")
+    if sample is not None and all_experts:
+        raise usage("--experts and --all do not combine: sample N experts, or check all")
+
+
+_MARKS = {True: "[green]ok[/]  ", False: "[bold red]FAIL[/]", None: "[dim]skip[/]"}
+
+
+def _print_report(report: VerifyReport) -> None:
+    out.print(f"verify {escape(report.output)} ({', '.join(report.levels)})")
+    for check in report.checks:
+        detail = f": {escape(check.detail)}" if check.detail else ""
+        count = f" ({check.problems_total} problem(s))" if check.ok is False else ""
+        out.print(f"  {_MARKS[check.ok]}  {escape(check.title)}{detail}{count}")
+    _print_problems(report, out)
+    if report.ok:
+        skipped = sum(c.ok is None for c in report.checks)
+        out.print("[green]passed[/]" + (f" ({skipped} check(s) skipped)" if skipped else ""))
+
+
+def _print_problems(report: VerifyReport, where: Console) -> None:
+    for check in report.checks:
+        if check.ok is not False:
+            continue
+        where.print(f"{escape(check.title)}:")
+        for p in check.problems[:SHOWN_PER_CHECK]:
+            where.print(f"  - [{p.code.value}] {p.render()}", markup=False)
+        more = check.problems_total - min(len(check.problems), SHOWN_PER_CHECK)
+        if more > 0:
+            where.print(f"  ... and {more} more (--json lists up to 1000 a check)")
+
+
+__all__ = ["verify"]

@@ -1,0 +1,194 @@
+"""Level 3, `--source SRC`: the output against its source, byte for byte.
+
+Everything is derived from the data contract and compared directly; the checksums file is
+not used (it may be missing):
+- every tensor and file against the source's bytes (`source_bytes.py`);
+- `config.json`: `contract.unwrap_config(output config)` equals the source config;
+- the `kimi_w31` block's informational fields: `dims` against the dimensions the manifest
+  resolves from the source config, `source.files` against the source's shard sizes and
+  header hashes (a difference means the source changed since the conversion, which is
+  reported as such, not as corruption), `manifest_sha256` against the manifest used.
+
+What this proves holds against deliberate tampering of the output too, as long as the
+source is the trusted original: no record in the output is trusted.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .. import contract
+from ..errors import Code, Fatal, Problem
+from ..manifest import resolve_dims
+from ..source import Source, read_source
+from ..source.local import LocalOrigin, resolve_local
+from .report import VerifyReport
+from .source_bytes import compare_with_source
+from .structure import Output
+
+LEVEL = "source"
+
+
+def check_against_source(
+    out: Output, spec: str, workers: int, progress_mode: str, report: VerifyReport
+) -> Source | None:
+    """Every source check; the source read (for --numerics), or None if it is unreadable."""
+    source = _read(out, spec, report)
+    if source is None:
+        return None
+    changed = _check_block(out, source, report)
+    _check_config(out, source, report)
+    compare_with_source(out, source, changed, workers, progress_mode, report)
+    return source
+
+
+def _read(out: Output, spec: str, report: VerifyReport) -> Source | None:
+    title = "source readable"
+    try:
+        root = resolve_local(spec)
+        if root == out.root.resolve():
+            raise Fatal(
+                [Problem(Code.USAGE, "--source is the output directory itself", file=str(root))]
+            )
+        return read_source(root, spec, LocalOrigin())
+    except Fatal as exc:
+        hint = f"; {exc.hint}" if exc.hint else ""
+        report.add("source", LEVEL, title, exc.problems, f"source {spec}{hint}")
+        return None
+
+
+# -- the block's informational fields ----------------------------------------------------------
+
+
+def _check_block(out: Output, source: Source, report: VerifyReport) -> set[str]:
+    """dims, source identity, manifest hash; returns the source files changed since."""
+    block, problems, notes = out.block, [], []
+    changed, identity = _identity(block.get("source"), source)
+    problems += identity
+    if "dims" in block and out.manifest is not None:
+        dims, _ = resolve_dims(out.manifest, source.config)  # problems: the config check's
+        if block["dims"] != dims.values:
+            problems.append(
+                _mismatch(
+                    "dims",
+                    "do not match the dimensions of the source config",
+                    dims.values,
+                    block["dims"],
+                )
+            )
+    else:
+        notes.append("no dims recorded")
+    if "manifest_sha256" in block and out.manifest is not None:
+        if block["manifest_sha256"] != out.manifest.sha256:
+            problems.append(
+                _mismatch(
+                    "manifest_sha256",
+                    f"is not the hash of manifest {out.manifest.name} (pass --manifest with the "
+                    "one the conversion used)",
+                    out.manifest.sha256,
+                    block["manifest_sha256"],
+                )
+            )
+    else:
+        notes.append("no manifest hash recorded")
+    detail = f"{len(source.headers)} source shards" + "".join(f"; {n}" for n in notes)
+    report.add("source-block", LEVEL, "kimi_w31 block vs source", problems, detail)
+    return changed
+
+
+def _mismatch(key: str, what: str, expected: object, found: object) -> Problem:
+    return Problem(
+        Code.BLOCK_MISMATCH,
+        f"{contract.BLOCK_KEY}.{key} {what}",
+        file=contract.CONFIG_NAME,
+        expected=json.dumps(expected, default=str),
+        found=json.dumps(found, default=str),
+    )
+
+
+def _identity(recorded: object, source: Source) -> tuple[set[str], list[Problem]]:
+    """The source shards the block records against the ones there now."""
+    if recorded is None:
+        return set(), []
+    files = recorded.get("files") if isinstance(recorded, dict) else None
+    if not isinstance(files, dict):
+        return set(), [
+            Problem(
+                Code.BLOCK_FIELD,
+                f"{contract.BLOCK_KEY}.source.files is not an object",
+                file=contract.CONFIG_NAME,
+            )
+        ]
+    changed, problems = set(), []
+    for name in sorted(files.keys() | source.headers.keys()):
+        entry, header = files.get(name), source.headers.get(name)
+        now = (
+            None
+            if header is None
+            else {"size": header.file_size, "header_sha256": header.header_sha256}
+        )
+        then = (
+            {k: entry.get(k) for k in ("size", "header_sha256")}
+            if isinstance(entry, dict)
+            else entry
+        )
+        if then != now:
+            changed.add(name)
+            problems.append(
+                Problem(
+                    Code.SOURCE_CHANGED_SINCE,
+                    "source shard is not the one the output was converted from (the source "
+                    "changed since, or this is another source): not output corruption",
+                    file=name,
+                    expected=json.dumps(then),
+                    found=json.dumps(now),
+                )
+            )
+    return changed, problems
+
+
+# -- config.json --------------------------------------------------------------------------------
+
+
+def _check_config(out: Output, source: Source, report: VerifyReport) -> None:
+    title = "config.json vs source config"
+    if out.config is None:
+        report.skip("source-config", LEVEL, title, "skipped: output config unreadable")
+        return
+    try:
+        unwrapped = contract.unwrap_config(out.config)
+    except ValueError as exc:
+        report.add(
+            "source-config",
+            LEVEL,
+            title,
+            [
+                Problem(
+                    Code.CONFIG_DIFFERS,
+                    f"the quantization_config wrapper cannot be undone ({exc})",
+                    file=contract.CONFIG_NAME,
+                )
+            ],
+            "",
+        )
+        return
+    problems = []
+    if unwrapped != source.config:
+        keys = sorted(
+            k
+            for k in unwrapped.keys() | source.config.keys()
+            if unwrapped.get(k, _ABSENT) != source.config.get(k, _ABSENT)
+        )
+        problems.append(
+            Problem(
+                Code.CONFIG_DIFFERS,
+                "config.json differs from the source config beyond the kimi_w31 block and the "
+                "wrapped quantization_config",
+                file=contract.CONFIG_NAME,
+                found="differs at " + ", ".join(keys[:10]),
+            )
+        )
+    report.add("source-config", LEVEL, title, problems, "source config + block + wrapper")
+
+
+_ABSENT = object()

@@ -1,0 +1,215 @@
+"""Level 2, `--checksums`: every byte of the output against what the conversion recorded.
+
+Per shard: size, the header's sha256 (length prefix + JSON, `shard_header_sha256`), and the
+CRC-32 of every tensor; E8M0 scale tensors are also scanned for 0xFF (NaN) bytes, counted
+with the first position. Every other recorded file: size and sha256. Files are read in
+parallel (`workers`), each through one bounded buffer.
+
+What this proves: the output is what the conversion wrote, against accidents (bad disks,
+torn or partial copies). It is not tamper-proof: the checksums live next to the data, and
+anyone who can edit a tensor can edit its record (or forge 4 bytes to keep a CRC-32). The
+proof against the source is `--source`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from .. import contract
+from ..console import Progress, human
+from ..errors import Code, Problem
+from ..hashing import CHUNK_SIZE, Crc32, ScaleScan, ShortRead, hash_ranges, shard_header_sha256
+from ..safetensors_format import ShardHeader
+from .files import is_regular, load_checksums
+from .report import VerifyReport
+from .streams import open_regular, run_jobs, sha256_of
+from .structure import Output
+
+LEVEL = "checksums"
+SCALE_DTYPES = ("U8", "F8_E8M0")
+
+
+@dataclass(frozen=True)
+class _Job:
+    file: str
+    record: dict
+    header: ShardHeader | None  # None: not a shard (sha256 of the whole file)
+    size: int  # bytes this job reads (for the progress total)
+
+
+def check_checksums(out: Output, workers: int, progress_mode: str, report: VerifyReport) -> None:
+    title = f"checksums ({contract.CHECKSUMS_NAME})"
+    table, problems = load_checksums(out.root)
+    if table is None:
+        report.add("checksums", LEVEL, title, problems, "cannot check")
+        return
+    jobs, unrecorded = _jobs(out, table)
+    problems += unrecorded
+    total = sum(j.size for j in jobs)
+    with Progress(progress_mode, "verify --checksums", total) as progress:
+        problems += run_jobs(
+            lambda job, stop: _run(out, job, stop, progress.advance), jobs, workers
+        )
+    tensors = sum(len(j.header.tensors) for j in jobs if j.header is not None)
+    shards = sum(j.header is not None for j in jobs)
+    report.add(
+        "checksums",
+        LEVEL,
+        title,
+        problems,
+        f"{tensors} tensors (CRC-32) in {shards} shards, {len(jobs) - shards} other files "
+        f"(sha256), {human(total)} read",
+    )
+
+
+def _jobs(out: Output, table: dict[str, dict]) -> tuple[list[_Job], list[Problem]]:
+    jobs, problems = [], []
+    for name, header in out.headers.items():
+        record = table.get(name)
+        if record is None or "header_sha256" not in record:
+            problems.append(
+                Problem(Code.CHECKSUMS_INVALID, "shard has no checksum record", file=name)
+            )
+        else:
+            jobs.append(_Job(name, record, header, header.file_size))
+    for name, record in table.items():
+        if "header_sha256" in record:
+            continue  # a shard: checked above if the index names it (structure says if not)
+        path = out.root / name
+        if not is_regular(path):  # missing or special: the structure level said which
+            continue
+        jobs.append(_Job(name, record, None, path.stat().st_size))
+    return jobs, problems
+
+
+def _run(out: Output, job: _Job, stop: threading.Event, advance) -> list[Problem]:
+    try:
+        if job.header is None:
+            return _check_file(out, job, stop, advance)
+        return _check_shard(out, job, stop, advance)
+    except ShortRead as exc:
+        return [
+            Problem(
+                Code.FILE_TRUNCATED,
+                "file ended while it was being read (changed during verify?)",
+                file=job.file,
+                found=f"ended at byte {exc.offset}",
+            )
+        ]
+    except OSError as exc:
+        return [
+            Problem(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror or exc})", file=job.file)
+        ]
+
+
+def _check_file(out: Output, job: _Job, stop: threading.Event, advance) -> list[Problem]:
+    record, size = job.record, job.size
+    if size != record["size"]:
+        advance(size)
+        return [
+            Problem(
+                Code.FILE_SIZE_MISMATCH,
+                "file size differs from the conversion record",
+                file=job.file,
+                expected=str(record["size"]),
+                found=str(size),
+            )
+        ]
+    if sha256_of(out.root / job.file, stop, advance) != record["sha256"]:
+        return [
+            Problem(
+                Code.CHECKSUM_MISMATCH,
+                "file differs from the conversion record (sha256)",
+                file=job.file,
+            )
+        ]
+    return []
+
+
+def _check_shard(out: Output, job: _Job, stop: threading.Event, advance) -> list[Problem]:
+    header, record, name = job.header, job.record, job.file
+    assert header is not None
+    problems = []
+    if header.file_size != record["size"]:
+        problems.append(
+            Problem(
+                Code.FILE_SIZE_MISMATCH,
+                "shard size differs from the conversion record",
+                file=name,
+                expected=str(record["size"]),
+                found=str(header.file_size),
+            )
+        )
+    if shard_header_sha256(out.root / name) != record["header_sha256"]:
+        problems.append(
+            Problem(
+                Code.HEADER_HASH_MISMATCH,
+                "shard header differs from the conversion record (sha256)",
+                file=name,
+            )
+        )
+    advance(header.data_start)
+    recorded = record["tensors"]
+    crcs, scans = _hash_tensors(out, header, stop, advance)
+    for tensor, crc in crcs.items():
+        want = recorded.get(tensor)
+        if want is None:
+            problems.append(
+                Problem(
+                    Code.CHECKSUMS_INVALID,
+                    "tensor has no recorded checksum",
+                    file=name,
+                    tensor=tensor,
+                )
+            )
+        elif want != crc:
+            problems.append(
+                Problem(
+                    Code.CHECKSUM_MISMATCH,
+                    "tensor bytes differ from the conversion record (CRC-32): corrupt",
+                    file=name,
+                    tensor=tensor,
+                    expected=want,
+                    found=crc,
+                )
+            )
+    problems += [
+        Problem(Code.CHECKSUMS_INVALID, "recorded tensor is not in the shard", file=name, tensor=t)
+        for t in sorted(recorded.keys() - crcs.keys())
+    ]
+    for tensor, scan in scans.items():
+        if scan.count:
+            problems.append(
+                Problem(
+                    Code.SCALE_NAN,
+                    f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {scan.first} "
+                    "of the tensor",
+                    file=name,
+                    tensor=tensor,
+                )
+            )
+    return problems
+
+
+def _hash_tensors(
+    out: Output, header: ShardHeader, stop: threading.Event, advance
+) -> tuple[dict[str, str], dict[str, ScaleScan]]:
+    """CRC-32 of every tensor of a shard, in offset order, and 0xFF scans of scales."""
+    crcs: dict[str, Crc32] = {}
+    scans: dict[str, ScaleScan] = {}
+    fd = open_regular(out.root / header.file)
+    try:
+        jobs = []
+        for info in header.tensors.values():
+            crcs[info.name] = Crc32()
+            targets: tuple = (crcs[info.name],)
+            if info.name.endswith(".weight_scale") and info.dtype in SCALE_DTYPES:
+                scans[info.name] = ScaleScan()
+                targets = (crcs[info.name], scans[info.name])
+            jobs.append((targets, [(fd, info.begin, info.nbytes, header.file)]))
+        hash_ranges(jobs, memoryview(bytearray(CHUNK_SIZE)), stop, advance)
+    finally:
+        os.close(fd)
+    return {n: c.hexdigest() for n, c in crcs.items()}, scans

@@ -1,0 +1,167 @@
+"""The files of an output directory, and the checksums file that should name them all.
+
+An output is untrusted input (it may have been copied from anywhere): every name read from
+it (index entries, checksums-file keys) is checked to be a plain relative path that stays
+inside the directory before anything is opened, and only regular files are ever read, so a
+symlink or a FIFO can neither lead a read elsewhere nor block it forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path, PurePosixPath
+
+from ..contract import CHECKSUMS_NAME
+from ..errors import Code, Problem
+from ..hashing import TENSOR_HASH
+from ..outdir import CHECKSUMS_FORMAT, STATE_DIR
+
+
+def list_files(root: Path) -> tuple[list[str], list[Problem]]:
+    """Every file under `root` (posix relative paths, sorted), the state folder left out;
+    anything that is not a regular file (symlink, FIFO, socket, device) is a problem."""
+    files, problems = [], []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        here = Path(dirpath)
+        if here == root and STATE_DIR in dirnames:
+            dirnames.remove(STATE_DIR)
+        links = [d for d in dirnames if (here / d).is_symlink()]
+        dirnames[:] = sorted(d for d in dirnames if d not in links)
+        for name in [*filenames, *links]:
+            path = here / name
+            rel = path.relative_to(root).as_posix()
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISREG(mode):
+                problems.append(
+                    Problem(
+                        Code.NOT_A_REGULAR_FILE,
+                        "not a regular file (a converted checkpoint holds only regular files)",
+                        file=rel,
+                        found=_kind(mode),
+                    )
+                )
+            else:
+                files.append(rel)
+    return sorted(files), problems
+
+
+def _kind(mode: int) -> str:
+    for test, what in (
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISDIR, "directory"),
+    ):
+        if test(mode):
+            return what
+    return "device or other special file"
+
+
+def unsafe_name(root: Path, name: object) -> str | None:
+    """Why a file name read from the output cannot be opened safely, or None."""
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        return "is not a plain file name"
+    parts = PurePosixPath(name).parts
+    if name.startswith("/") or ".." in parts or {".", ""} & set(name.split("/")):
+        return "is not a plain relative path"
+    if STATE_DIR in parts[:1]:
+        return "names the state folder"
+    real_root = root.resolve()
+    target = (root / name).resolve()
+    if real_root not in target.parents:
+        return "points outside the output directory"
+    return None
+
+
+def is_regular(path: Path) -> bool:
+    """A regular file, not through a symlink (never opens it)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def load_checksums(root: Path, deep: bool = True) -> tuple[dict[str, dict] | None, list[Problem]]:
+    """The checksums file's `files` table (safe names only) and every problem with it.
+
+    None when the file is missing or unusable as a whole. `deep=False` skips checking the
+    330k recorded tensor checksums one by one (the file list needs only the names).
+    """
+    path = root / CHECKSUMS_NAME
+
+    def bad(what: str, found: str | None = None, file: str = CHECKSUMS_NAME) -> Problem:
+        return Problem(Code.CHECKSUMS_INVALID, what, file=file, found=found)
+
+    if not os.path.lexists(path):
+        return None, [
+            bad(
+                "the checksums file is missing: the output cannot be proven intact without the "
+                "source"
+            )
+        ]
+    if not is_regular(path):
+        return None, [bad("the checksums file is not a regular file")]
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, [bad(f"the checksums file is not readable JSON ({exc})")]
+    if not isinstance(doc, dict):
+        return None, [bad("the checksums file is not a JSON object")]
+    if doc.get("format_version") != CHECKSUMS_FORMAT:
+        return None, [bad("unknown checksums file format", repr(doc.get("format_version")))]
+    if doc.get("tensor_checksum") != TENSOR_HASH:
+        return None, [bad("unknown tensor checksum algorithm", repr(doc.get("tensor_checksum")))]
+    files = doc.get("files")
+    if not isinstance(files, dict):
+        return None, [bad("the checksums file has no 'files' object")]
+    table, problems = {}, []
+    for name, entry in files.items():
+        why = unsafe_name(root, name)
+        if why is not None:
+            problems.append(bad(f"recorded file name {why}; it is not opened", repr(name)))
+        elif not _entry_ok(entry, deep):
+            problems.append(bad("malformed record", file=name, found=_short(entry)))
+        else:
+            table[name] = entry
+    return table, problems
+
+
+def _entry_ok(entry: object, deep: bool) -> bool:
+    if not isinstance(entry, dict) or type(entry.get("size")) is not int:
+        return False
+    if "header_sha256" in entry:  # a shard
+        tensors = entry.get("tensors")
+        return (
+            isinstance(entry["header_sha256"], str)
+            and isinstance(tensors, dict)
+            and (not deep or all(isinstance(v, str) for v in tensors.values()))
+        )
+    return isinstance(entry.get("sha256"), str)
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def check_recorded(root: Path, files: list[str], table: dict[str, dict]) -> list[Problem]:
+    """Every file of the output is in the checksums file, and every recorded file is there."""
+    present = set(files)
+    problems = [
+        Problem(
+            Code.FILE_UNRECORDED,
+            "file in the output that the checksums file does not record: the conversion did not "
+            "write it",
+            file=rel,
+        )
+        for rel in files
+        if rel != CHECKSUMS_NAME and rel not in table
+    ]
+    problems += [
+        Problem(Code.FILE_MISSING, "file recorded by the conversion is missing", file=rel)
+        for rel in sorted(table)
+        if rel not in present and not os.path.lexists(root / rel)
+    ]
+    return problems

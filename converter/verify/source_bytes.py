@@ -1,0 +1,298 @@
+"""Level 3, `--source SRC`, the data: every output tensor and file against the source's bytes.
+
+Each output tensor is matched with what the source's names make it (`derive.py`): its
+dtype and shape, then its bytes, streamed through two bounded buffers and compared chunk by
+chunk (a `w31` against the source's `w3` bytes followed by its `w1` bytes). Every other
+source file must be in the output, byte-identical, and the output may hold no file the
+conversion of this source would not write. No checksum is involved anywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .. import contract
+from ..console import Progress
+from ..errors import Code, Problem
+from ..hashing import CHUNK_SIZE, ShortRead
+from ..safetensors_format import TensorInfo
+from ..source import Source
+from .derive import Expected, expected_tensors
+from .files import is_regular
+from .report import VerifyReport
+from .streams import Buffers, OpenFiles, compare_ranges, run_jobs
+from .structure import Output
+
+LEVEL = "source"
+
+
+@dataclass
+class _ShardJob:
+    """The tensors of one output shard to compare, and how many bytes they hold."""
+
+    file: str
+    tensors: list[tuple[str, Expected]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def compare_with_source(
+    out: Output,
+    source: Source,
+    changed: set[str],
+    workers: int,
+    progress_mode: str,
+    report: VerifyReport,
+) -> None:
+    """Two checks: every tensor, then every other file; `changed` names the source shards
+    that changed since the conversion (a difference there is blamed on the source)."""
+    expected = expected_tensors(source.headers)
+    problems, jobs = _match_tensors(out, expected)
+    del expected
+    files, file_problems = _match_files(out, source)
+    total = sum(job.nbytes for job in jobs) + sum(size for _, size in files)
+    compared = sum(len(j.tensors) for j in jobs)
+    with Progress(progress_mode, "verify --source", total) as progress:
+        problems += run_jobs(
+            lambda job, stop: _compare_shard(out, source, changed, job, stop, progress.advance),
+            jobs,
+            workers,
+        )
+        file_problems += run_jobs(
+            lambda item, stop: _compare_file(out, source, item, stop, progress.advance),
+            files,
+            workers,
+        )
+    report.add(
+        "source-tensors",
+        LEVEL,
+        "every tensor equals its source bytes",
+        problems,
+        f"{compared} tensors compared byte for byte with {source.label}",
+    )
+    report.add(
+        "source-files",
+        LEVEL,
+        "other files equal the source's",
+        file_problems,
+        f"{len(files)} files compared",
+    )
+
+
+def _match_tensors(
+    out: Output, expected: dict[str, Expected]
+) -> tuple[list[Problem], list[_ShardJob]]:
+    """Names, dtypes and shapes; the tensors whose bytes are to be compared, by shard."""
+    problems, jobs, seen = [], [], set()
+    for file, header in out.headers.items():
+        job = _ShardJob(file)
+        for name, info in header.tensors.items():
+            seen.add(name)
+            want = expected.get(name)
+            if want is None:
+                problems.append(
+                    Problem(
+                        Code.TENSOR_NOT_FROM_SOURCE,
+                        "tensor has no counterpart in the source",
+                        file=file,
+                        tensor=name,
+                    )
+                )
+                continue
+            problem = _unlike(file, name, info, want)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            job.tensors.append((name, want))
+            job.nbytes += info.nbytes
+        jobs.append(job)
+    # Tensors of shards that did not parse are not counted missing: structure said why.
+    unread = set(out.shard_names) - out.headers.keys()
+    if not unread:
+        problems += [
+            Problem(
+                Code.TENSOR_MISSING, "tensor the source requires is not in the output", tensor=name
+            )
+            for name in sorted(expected.keys() - seen)
+        ]
+    return problems, jobs
+
+
+def _unlike(file: str, name: str, info: TensorInfo, want: Expected) -> Problem | None:
+    """Why an output tensor cannot be what the source says (dtype, shape), or None."""
+
+    def bad(code: Code, what: str, expected: str, found: str) -> Problem:
+        return Problem(code, what, file=file, tensor=name, expected=expected, found=found)
+
+    if want.missing:
+        return bad(
+            Code.EXPERT_PARTNER_MISSING,
+            "the source lacks a half of this w31 (w3 = up, w1 = gate)",
+            "both halves in the source",
+            ", ".join(want.missing),
+        )
+    infos = [p.info for p in want.parts]
+    dtypes = {i.dtype for i in infos}
+    if dtypes != {info.dtype}:
+        return bad(
+            Code.TENSOR_DTYPE_DIFFERS,
+            "dtype differs from the source",
+            " / ".join(sorted(dtypes)),
+            info.dtype,
+        )
+    shapes = [list(i.shape) for i in infos]
+    if len(infos) == 2 and (shapes[0] != shapes[1] or not shapes[0]):
+        return bad(
+            Code.TENSOR_SHAPE_DIFFERS,
+            "the source's w3 and w1 shapes differ: no w31 can be formed",
+            str(shapes),
+            str(list(info.shape)),
+        )
+    shape = shapes[0] if len(infos) == 1 else [2 * shapes[0][0], *shapes[0][1:]]
+    if list(info.shape) != shape:
+        return bad(
+            Code.TENSOR_SHAPE_DIFFERS,
+            "shape differs from the source",
+            str(shape),
+            str(list(info.shape)),
+        )
+    return None
+
+
+def _compare_shard(
+    out: Output, source: Source, changed: set[str], job: _ShardJob, stop: threading.Event, advance
+) -> list[Problem]:
+    header = out.headers[job.file]
+    bufs, problems = Buffers(), []
+    with OpenFiles() as files:
+        try:
+            fd = files.fd(out.root / job.file)
+            for name, want in job.tensors:
+                info = header.tensors[name]
+                right = [
+                    (files.fd(source.root / p.file), p.info.begin, p.info.nbytes, p.file)
+                    for p in want.parts
+                ]
+                pos = compare_ranges(
+                    (fd, info.begin, info.nbytes, job.file), right, bufs, stop, advance
+                )
+                if pos is not None:
+                    problems.append(_differs(job.file, name, want, pos, changed))
+        except ShortRead as exc:
+            problems.append(
+                Problem(
+                    Code.FILE_TRUNCATED,
+                    "file ended while it was being read (changed during verify?)",
+                    file=exc.file,
+                    found=f"ended at byte {exc.offset}",
+                )
+            )
+        except OSError as exc:
+            problems.append(
+                Problem(
+                    Code.FILE_UNREADABLE,
+                    f"cannot read ({exc.strerror or exc})",
+                    file=exc.filename or job.file,
+                )
+            )
+    return problems
+
+
+def _differs(file: str, name: str, want: Expected, pos: int, changed: set[str]) -> Problem:
+    if any(p.file in changed for p in want.parts):
+        return Problem(
+            Code.SOURCE_CHANGED_SINCE,
+            "tensor differs from the source, whose shard changed since the conversion",
+            file=file,
+            tensor=name,
+            found=f"first difference at byte {pos}",
+        )
+    if want.fused:
+        up = want.parts[0].info.nbytes
+        half = "up (w3)" if pos < up else "gate (w1)"
+        return Problem(
+            Code.W31_NOT_UP_GATE,
+            "w31 is not concat([w3, w1]) of the source ([up; gate])",
+            file=file,
+            tensor=name,
+            expected="w3 bytes then w1 bytes",
+            found=f"first difference at byte {pos}, in the {half} half",
+        )
+    return Problem(
+        Code.BYTES_DIFFER,
+        "tensor bytes differ from the source",
+        file=file,
+        tensor=name,
+        found=f"first difference at byte {pos}",
+    )
+
+
+def _match_files(out: Output, source: Source) -> tuple[list[tuple[str, int]], list[Problem]]:
+    """The source's other files to compare (name, size), and what is missing or extra."""
+    problems, todo = [], []
+    for rel in source.extra_files:
+        path = out.root / rel
+        if not is_regular(path):
+            problems.append(
+                Problem(
+                    Code.FILE_MISSING,
+                    "file of the source is missing from the output (or not a regular file)",
+                    file=rel,
+                )
+            )
+            continue
+        size, want = path.stat().st_size, (source.root / rel).stat().st_size
+        if size != want:
+            problems.append(
+                Problem(
+                    Code.BYTES_DIFFER,
+                    "file differs from the source (size)",
+                    file=rel,
+                    expected=str(want),
+                    found=str(size),
+                )
+            )
+        else:
+            todo.append((rel, size))
+    allowed = {
+        *out.shard_names,
+        *source.extra_files,
+        contract.CONFIG_NAME,
+        contract.INDEX_NAME,
+        contract.CHECKSUMS_NAME,
+    }
+    problems += [
+        Problem(
+            Code.FILE_NOT_FROM_SOURCE,
+            "file in the output that the conversion of this source would not write",
+            file=rel,
+        )
+        for rel in out.files
+        if rel not in allowed
+    ]
+    return todo, problems
+
+
+def _compare_file(
+    out: Output, source: Source, item: tuple[str, int], stop: threading.Event, advance
+) -> list[Problem]:
+    rel, size = item
+    bufs = Buffers(min(CHUNK_SIZE, max(size, 1)))  # most are a few kB
+    try:
+        with OpenFiles() as files:
+            mine, theirs = files.fd(out.root / rel), files.fd(source.root / rel)
+            pos = compare_ranges(
+                (mine, 0, size, rel), [(theirs, 0, size, rel)], bufs, stop, advance
+            )
+    except (OSError, ShortRead) as exc:
+        return [Problem(Code.FILE_UNREADABLE, f"cannot read ({exc})", file=rel)]
+    if pos is None:
+        return []
+    return [
+        Problem(
+            Code.BYTES_DIFFER,
+            "file differs from the source",
+            file=rel,
+            found=f"first difference at byte {pos}",
+        )
+    ]

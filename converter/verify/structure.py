@@ -1,0 +1,308 @@
+"""Level 1, structure: what can be proven from headers and small files, without tensor data.
+
+- the index against the shards: every entry safe to open (unsafe ones are never opened),
+  every named shard readable under the strict header reader, each tensor in exactly one
+  shard and in the shard the index names, no unreferenced `*.safetensors`, the right
+  `metadata.total_size`;
+- the config: the `kimi_w31` block (`contract.check_block`), every quantization_config
+  wrapped (`contract.check_wrapped`), the block against the manifest, the dimensions;
+- the routed experts, derived independently from the contract (`experts.py`);
+- the files: every file is one the checksums file records, and every recorded file exists.
+
+An output without an index is incomplete (the index is written last): nothing else is
+judged. The `Output` read here is what the deeper levels work from.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import contract
+from ..errors import Code, Fatal, Problem
+from ..manifest import Dims, Manifest, load_manifest, resolve_dims
+from ..outdir import STATE_DIR
+from ..safetensors_format import ShardHeader
+from ..source import (
+    check_index_against_headers,
+    check_shard_name,
+    check_weight_map,
+    read_index,
+    read_json,
+)
+from ..source.local import LocalOrigin
+from .experts import ExpertLayout, check_experts
+from .files import check_recorded, list_files, load_checksums, unsafe_name
+from .report import VerifyReport
+
+FALLBACK_MANIFEST = "kimi-k3-any"
+LEVEL = "structure"
+
+
+@dataclass
+class Output:
+    """A converted output as its headers and small files describe it."""
+
+    root: Path
+    index_read: bool = False  # the index parsed (a weight_map to follow)
+    shard_names: list[str] = field(default_factory=list)  # safe names the index gives
+    headers: dict[str, ShardHeader] = field(default_factory=dict)  # shards that parsed
+    config: dict | None = None
+    manifest: Manifest | None = None
+    dims: Dims | None = None
+    layout: ExpertLayout | None = None
+    files: list[str] = field(default_factory=list)  # regular files, state folder excluded
+
+    @property
+    def block(self) -> dict:
+        block = contract.find_block(self.config) if self.config is not None else None
+        return block if isinstance(block, dict) else {}
+
+    @property
+    def files_recorded(self) -> bool:
+        """Whether the output has a checksums file at all (usable or not)."""
+        return os.path.lexists(self.root / contract.CHECKSUMS_NAME)
+
+    def tensor_files(self) -> dict[str, str]:
+        """tensor name -> shard (built on demand: 334k entries at real scale)."""
+        return {name: f for f, h in self.headers.items() for name in h.tensors}
+
+
+def check_structure(root: Path, manifest: Manifest | None, report: VerifyReport) -> Output | None:
+    """Every structure check; None when the output is not there or not complete."""
+    if not root.is_dir():
+        what = "does not exist" if not os.path.lexists(root) else "is not a directory"
+        report.add(
+            "output",
+            LEVEL,
+            "output directory",
+            [Problem(Code.OUTPUT_NOT_DIRECTORY, f"output path {what}", file=str(root))],
+            "",
+        )
+        return None
+    if not os.path.lexists(root / contract.INDEX_NAME):
+        report.add("index", LEVEL, "shards and index", [_incomplete(root)], "no index")
+        return None
+    out = Output(root)
+    out.files, file_problems = list_files(root)
+    # 330k header entries and nothing that forms a cycle: the cyclic GC would rescan them
+    # over and over (~40% of the time at real scale). Paused here only, then restored.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _check_index(out, report)
+        _check_config(out, manifest, report)
+        _check_experts(out, report)
+        _check_files(out, file_problems, report)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return out
+
+
+def _incomplete(root: Path) -> Problem:
+    running = (root / STATE_DIR).is_dir()
+    return Problem(
+        Code.INCOMPLETE_OUTPUT,
+        "no index: the conversion is incomplete (the index is written last) or this is not a "
+        "converted checkpoint",
+        file=contract.INDEX_NAME,
+        expected="a complete conversion",
+        found=(
+            f"a conversion in progress or interrupted ({STATE_DIR}/ is there): rerun kimi-convert "
+            "to finish it"
+        )
+        if running
+        else "no index",
+    )
+
+
+# -- the index and the shards ---------------------------------------------------------------
+
+
+def _check_index(out: Output, report: VerifyReport) -> None:
+    title = "shards and index"
+    try:
+        weight_map, metadata = read_index(out.root / contract.INDEX_NAME)
+    except Fatal as exc:
+        report.add("index", LEVEL, title, exc.problems, "index unreadable")
+        return
+    out.index_read = True
+    problems = check_weight_map(out.root, weight_map, contract.INDEX_NAME)
+    # Only names that pass both checks are opened: never a path outside OUT, never the
+    # state folder, never a non-string.
+    weight_map, names = _string_entries(weight_map)
+    for name in sorted(names):
+        why = unsafe_name(out.root, name)
+        if why is None:
+            out.shard_names.append(name)
+        elif check_shard_name(out.root, name) is None:  # not reported by check_weight_map
+            problems.append(
+                Problem(
+                    Code.WEIGHT_MAP_ENTRY_UNSAFE,
+                    f"weight_map entry {why}",
+                    file=contract.INDEX_NAME,
+                    found=repr(name),
+                )
+            )
+    origin = LocalOrigin()
+    for name in out.shard_names:
+        try:
+            out.headers[name] = origin.read_header(out.root, name)
+        except Fatal as exc:
+            problems += exc.problems
+    problems += check_index_against_headers(weight_map, out.headers, contract.INDEX_NAME)
+    problems += _unreferenced(out)
+    tensors = sum(len(h.tensors) for h in out.headers.values())
+    if not problems:
+        # The reader proved each shard's tensors tile its data section exactly.
+        data = sum(h.file_size - h.data_start for h in out.headers.values())
+        total = metadata.get("total_size")
+        if total != data or type(total) is not int:
+            problems.append(
+                Problem(
+                    Code.INDEX_TOTAL_SIZE,
+                    "metadata.total_size is not the sum of the tensors' bytes",
+                    file=contract.INDEX_NAME,
+                    expected=str(data),
+                    found=repr(total),
+                )
+            )
+    report.add(
+        "index",
+        LEVEL,
+        title,
+        problems,
+        f"{len(out.shard_names)} shards, {tensors} tensors, headers parsed",
+    )
+
+
+def _string_entries(weight_map: dict) -> tuple[dict[str, str], set[str]]:
+    """The weight_map without entries whose value is not a string (check_weight_map has
+    reported them), and its distinct shard names; no copy in the common case."""
+    try:
+        names = set(weight_map.values())  # a C loop over 330k entries
+    except TypeError:  # a list or an object as a value
+        names = None
+    if names is None or not all(isinstance(f, str) for f in names):
+        weight_map = {t: f for t, f in weight_map.items() if isinstance(f, str)}
+        names = set(weight_map.values())
+    return weight_map, names
+
+
+def _unreferenced(out: Output) -> list[Problem]:
+    referenced = set(out.shard_names)
+    return [
+        Problem(Code.SHARD_UNREFERENCED, "safetensors file the index does not reference", file=rel)
+        for rel in out.files
+        if rel.endswith(".safetensors") and rel not in referenced
+    ]
+
+
+# -- the config -------------------------------------------------------------------------------
+
+
+def _check_config(out: Output, explicit: Manifest | None, report: VerifyReport) -> None:
+    title = "config.json kimi_w31 block"
+    try:
+        config = read_json(out.root / contract.CONFIG_NAME)
+    except Fatal as exc:
+        report.add("config", LEVEL, title, exc.problems, "config unreadable")
+        return
+    if not isinstance(config, dict):
+        report.add(
+            "config",
+            LEVEL,
+            title,
+            [
+                Problem(
+                    Code.JSON_INVALID, "config.json is not a JSON object", file=contract.CONFIG_NAME
+                )
+            ],
+            "config unreadable",
+        )
+        return
+    out.config = config
+    problems = contract.check_block(config) + contract.check_wrapped(config)
+    out.manifest, note = _manifest(explicit, out.block)
+    out.dims, dim_problems = resolve_dims(out.manifest, config)
+    problems += dim_problems + _block_vs_manifest(out.block, out.manifest)
+    report.add("config", LEVEL, title, problems, f"manifest {out.manifest.name}{note}")
+
+
+def _manifest(explicit: Manifest | None, block: dict) -> tuple[Manifest, str]:
+    """The manifest to check against: --manifest, else the block's, else kimi-k3-any."""
+    if explicit is not None:
+        return explicit, " (--manifest)"
+    name = block.get("manifest")
+    if isinstance(name, str) and name:
+        try:
+            return load_manifest(name), " (recorded in the block)"
+        except Fatal:  # a custom manifest not available here: the general rules still apply
+            return load_manifest(FALLBACK_MANIFEST), (
+                f" (block names {name!r}, not available here; pass --manifest PATH)"
+            )
+    return load_manifest(FALLBACK_MANIFEST), " (none recorded)"
+
+
+def _block_vs_manifest(block: dict, manifest: Manifest) -> list[Problem]:
+    problems = []
+    for key, want in (
+        ("situ_beta", manifest.situ_beta),
+        ("situ_linear_beta", manifest.situ_linear_beta),
+        ("group_size", manifest.group_size),
+    ):
+        value = block.get(key)
+        if key in block and value != want:
+            problems.append(
+                Problem(
+                    Code.BLOCK_MISMATCH,
+                    f"{contract.BLOCK_KEY}.{key} disagrees with manifest {manifest.name}",
+                    file=contract.CONFIG_NAME,
+                    expected=repr(want),
+                    found=repr(value),
+                )
+            )
+    return problems
+
+
+# -- the routed experts and the files -----------------------------------------------------------
+
+
+def _check_experts(out: Output, report: VerifyReport) -> None:
+    title = "routed experts (derived from the contract)"
+    if out.config is None or out.manifest is None or out.dims is None:
+        report.skip("experts", LEVEL, title, "skipped: no readable config")
+        return
+    if not out.index_read:
+        report.skip("experts", LEVEL, title, "skipped: no readable index")
+        return
+    out.layout, problems = check_experts(out.config, out.manifest, out.dims, out.headers)
+    layers, experts = len(out.layout.prefixes), out.layout.experts
+    report.add(
+        "experts",
+        LEVEL,
+        title,
+        problems,
+        f"{layers} MoE layers x {experts} experts, {out.layout.found} expert tensors",
+    )
+
+
+def _check_files(out: Output, problems: list[Problem], report: VerifyReport) -> None:
+    title = "every file recorded by the conversion"
+    table, _ = load_checksums(out.root, deep=False)  # its problems belong to --checksums
+    if table is None:
+        if problems:
+            report.add("files", LEVEL, title, problems, "")
+        else:
+            report.skip(
+                "files",
+                LEVEL,
+                title,
+                f"skipped: no usable {contract.CHECKSUMS_NAME} (--checksums reports why)",
+            )
+        return
+    problems += check_recorded(out.root, out.files, table)
+    report.add("files", LEVEL, title, problems, f"{len(out.files)} files")
