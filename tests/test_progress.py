@@ -14,8 +14,7 @@ LINE = re.compile(
 )
 
 
-def test_lines_mode_prints_at_the_interval_and_at_the_end(capsys, monkeypatch):
-    monkeypatch.setattr(console.err, "file", None)  # the console writes to the captured stderr
+def test_lines_mode_prints_at_the_interval_and_at_the_end(capsys):
     progress = console.Progress("lines", "work", total=1000, interval=0.1)
     for _ in range(5):
         progress.advance(10)  # 5% in all: no tenth is crossed, only the clock speaks
