@@ -7,7 +7,7 @@ Enough of the Hub for the real `huggingface_hub` client: `GET /api/models/{repo}
 ranges (206 + `Content-Range`). Every request is logged; faults can be switched on per file:
 an HTTP 500 for downloads, a connection dropped part-way (once), or a download held until
 released; and every download can be slowed to a set rate (a slow link, so that a run can be
-interrupted while its downloads are partly on disk).
+interrupted while its downloads are partly on disk). A repo can be gated.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class FakeHub:
     drop_once: dict[str, int] = field(default_factory=dict)  # file -> bytes before a drop
     hold: dict[str, threading.Event] = field(default_factory=dict)  # download waits on it
     rate: int | None = None  # bytes per second per download body; None: as fast as it goes
+    gated: set[str] = field(default_factory=set)  # repos whose terms were not accepted
     log: list[Request] = field(default_factory=list)
     files: dict[str, dict[str, Served]] = field(default_factory=dict)
 
@@ -136,6 +137,10 @@ class FakeHub:
         self._send_json(h, 404, {"error": "not found"})
 
     def _check(self, h: BaseHTTPRequestHandler, repo: str, rev: str) -> bool:
+        if repo in self.gated:
+            self._send_json(h, 403, {"error": "Access to this repository is restricted"},
+                            {"X-Error-Code": "GatedRepo"})  # fmt: skip
+            return False
         if repo not in self.files:
             self._send_json(h, 401, {"error": "Repository not found"},
                             {"X-Error-Code": "RepoNotFound"})  # fmt: skip

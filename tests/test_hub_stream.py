@@ -284,12 +284,19 @@ def test_window_smaller_than_the_layout_needs_is_refused_before_downloading(hub,
     assert not (tmp_path / "out").exists()
 
 
-def test_unknown_repo_and_revision_are_clear_errors(hub, tmp_path):
+def test_unknown_repo_gated_repo_and_bad_revision_are_clear_errors(hub, tmp_path):
     r = _run("org/missing", tmp_path / "o1", "--download", *ARGS, "--json",
              env=_env(hub, tmp_path))  # fmt: skip
     assert r.returncode == 1
     [problem] = _problems(r)
     assert (problem["code"], problem["file"]) == ("hub-error", "org/missing")
+    hub.gated.add(REPO)
+    r = _convert(hub, tmp_path, tmp_path / "o0", "--json")
+    hub.gated.clear()
+    assert r.returncode == 1
+    [problem] = _problems(r)
+    assert (problem["code"], problem["file"]) == ("hub-error", REPO)
+    assert not (tmp_path / "o0").exists()
     r = _convert(hub, tmp_path, tmp_path / "o2", "--revision", "nope", "--json")
     assert r.returncode == 1
     [problem] = _problems(r)
