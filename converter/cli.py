@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import click
+from rich.errors import LiveError
 from rich.markup import escape
 from rich.table import Table
 
@@ -30,13 +31,17 @@ RESUME_HINT = "rerun the same command to resume: finished shards are kept"
 
 class ProgressReporter(Reporter):
     """Conversion progress: bytes written (shards kept from an earlier run count as done,
-    not as speed), shards done, and what was kept."""
+    not as speed), shards done, and what was kept. With --download, a second quantity
+    beside it: source bytes arriving from the Hub (`download_*`, the Hub executor's
+    `DownloadProgress`), a second bar or its own `download: ...` lines."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.progress: console.Progress | None = None
+        self.download: console.Progress | None = None
         self.shards = 0
         self.done = self.kept = 0
+        self.files = self.fetched = 0
         self.lock = threading.Lock()
 
     def start(self, total_bytes: int, shards: int) -> None:
@@ -63,8 +68,42 @@ class ProgressReporter(Reporter):
         err.print(f"[yellow]warning:[/] {escape(message)}")
 
     def stop(self) -> None:
+        self.download_stop()
         if self.progress is not None:
             self.progress.stop()
+
+    def download_start(self, total_bytes: int, files: int) -> None:
+        self.files = files
+        if not files:  # every source shard needed is already here: nothing to show
+            return
+        try:
+            self.download = console.Progress(self.mode, "download", total_bytes)
+        except LiveError:  # a rich without nested live displays: lines beside the bar
+            self.download = console.Progress("lines", "download", total_bytes)
+        self.download.note(files=f"0/{files}")
+
+    def download_advance(self, nbytes: int) -> None:
+        download = self.download  # read once: download threads race `download_stop`
+        if download is not None:
+            download.advance(nbytes)
+        if self.progress is not None:  # its elapsed time keeps moving while it waits for
+            self.progress.note()  # the first source shards
+
+    def download_file_done(self, file: str, unreported: int) -> None:
+        with self.lock:
+            self.fetched += 1
+            note = f"{self.fetched}/{self.files}"
+        download = self.download
+        if download is not None:
+            if unreported:
+                download.advance(unreported, moved=False)
+            download.note(files=note)
+
+    def download_stop(self) -> None:
+        # Before the output bar stops: the download bar is the nested live display.
+        download, self.download = self.download, None
+        if download is not None:
+            download.stop()
 
 
 class DefaultConvert(click.Group):
@@ -326,7 +365,10 @@ def convert_cmd(
     def body() -> None:
         _origin_and_executor(opts, workers, **where)
         mode = console.resolve_mode(progress_mode, quiet or as_json)
-        result = convert(opts, ProgressReporter(mode))
+        reporter = ProgressReporter(mode)
+        if hasattr(opts.executor, "download_progress"):  # --download: bytes from the Hub
+            opts.executor.download_progress = reporter
+        result = convert(opts, reporter)
         summary = result.summary()
         extra = getattr(opts.executor, "summary", None)
         if extra is not None:

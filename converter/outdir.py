@@ -37,6 +37,7 @@ from .lock import OutputLock
 
 STATE_DIR = ".kimi_w31"
 _LOCK, _LEDGER, _JOURNAL, _TMP = "lock", "ledger.jsonl", "journal.jsonl", "tmp"
+_PARTIALS = "partials.jsonl"  # partial downloads a Hub run started (outside this directory)
 CHECKSUMS_FORMAT = 1
 _FAULT_LABELS = {
     CHECKSUMS_NAME: "finalize.checksums",
@@ -250,7 +251,7 @@ class OutputDir:
                 )
             self._remove_ours(entries)
         for path in self.state.iterdir():  # another plan's ledger and temporaries
-            if path.name != _LOCK:
+            if path.name not in (_LOCK, _PARTIALS):  # the partials are still to be removed
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def _recorded(self) -> dict[str, tuple[int, str | None]]:
@@ -466,6 +467,24 @@ class OutputDir:
         done = len(self.ledger.done) if self.ledger else 0
         kept = f"the {done} finished shard(s) are kept" if done else "it starts where it stopped"
         return f"{first}, then rerun the same command: {kept}"
+
+    # -- partial downloads -----------------------------------------------------------------
+    def note_partial(self, path: Path) -> None:
+        """Record a partial download this run started (fsynced), so that a later run, or this
+        one, may remove it: the only proof this tool has that the file is its own."""
+        with open(self.state / _PARTIALS, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"path": str(path)}) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def partials(self) -> list[Path]:
+        """Every partial download recorded by `note_partial` and not yet forgotten."""
+        entries = _read_lines(self.state / _PARTIALS)
+        return [Path(e["path"]) for e in entries if isinstance(e.get("path"), str)]
+
+    def forget_partials(self) -> None:
+        """Called once every recorded partial download is removed."""
+        (self.state / _PARTIALS).unlink(missing_ok=True)
 
     def release(self, finished: bool) -> None:
         """Let go of the lock; a finished run also removes its state folder."""

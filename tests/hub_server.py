@@ -6,7 +6,8 @@ Enough of the Hub for the real `huggingface_hub` client: `GET /api/models/{repo}
 (`X-Repo-Commit`, `ETag`, `X-Linked-Etag`, `X-Linked-Size`, `Content-Length`) and byte
 ranges (206 + `Content-Range`). Every request is logged; faults can be switched on per file:
 an HTTP 500 for downloads, a connection dropped part-way (once), or a download held until
-released.
+released; and every download can be slowed to a set rate (a slow link, so that a run can be
+interrupted while its downloads are partly on disk). A repo can be gated.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -54,6 +56,8 @@ class FakeHub:
     fail_download: set[str] = field(default_factory=set)  # -> HTTP 500 on downloads
     drop_once: dict[str, int] = field(default_factory=dict)  # file -> bytes before a drop
     hold: dict[str, threading.Event] = field(default_factory=dict)  # download waits on it
+    rate: int | None = None  # bytes per second per download body; None: as fast as it goes
+    gated: set[str] = field(default_factory=set)  # repos whose terms were not accepted
     log: list[Request] = field(default_factory=list)
     files: dict[str, dict[str, Served]] = field(default_factory=dict)
 
@@ -133,6 +137,10 @@ class FakeHub:
         self._send_json(h, 404, {"error": "not found"})
 
     def _check(self, h: BaseHTTPRequestHandler, repo: str, rev: str) -> bool:
+        if repo in self.gated:
+            self._send_json(h, 403, {"error": "Access to this repository is restricted"},
+                            {"X-Error-Code": "GatedRepo"})  # fmt: skip
+            return False
         if repo not in self.files:
             self._send_json(h, 401, {"error": "Repository not found"},
                             {"X-Error-Code": "RepoNotFound"})  # fmt: skip
@@ -222,6 +230,19 @@ class FakeHub:
             self._record(req)
             h.close_connection = True  # the peer sees a body shorter than Content-Length
             return
-        h.wfile.write(body)
-        req.sent = len(body)
+        self._send_body(h, body, req)
+
+    def _send_body(self, h: BaseHTTPRequestHandler, body: bytes, req: Request) -> None:
+        """The body, at `rate` for downloads; a client that hangs up ends it quietly."""
+        rate = self.rate if req.is_download else None  # read once: a test may change it
+        step = 16_384 if rate else max(len(body), 1)
+        try:
+            for start in range(0, len(body), step):
+                h.wfile.write(body[start : start + step])
+                req.sent += len(body[start : start + step])
+                if rate:
+                    h.wfile.flush()
+                    time.sleep(step / rate)
+        except (BrokenPipeError, ConnectionResetError):
+            h.close_connection = True
         self._record(req)

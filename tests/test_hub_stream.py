@@ -2,40 +2,52 @@
 
 The server (tests/hub_server.py) serves a synthetic six-shard repo the way the Hub's file
 endpoints do; `HF_ENDPOINT` points the client at it and the cache lives in tmp. Every run is
-the real CLI in a subprocess. The reference is a plain local conversion of the same files.
+the real convert command in a subprocess. The reference is a plain local conversion of the
+same files. Errors are checked by their `Code` (the `--json` problems), never by wording.
+
+Where a test interrupts downloads or reads their progress, the client's read chunk (10 MB,
+far larger than these shards) is scaled down with them, so partial downloads hold data and
+progress moves within a file, as on the real model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
 from hub_server import FakeHub
-from kimi_w31.converter.convert import ConvertOptions, convert
-from kimi_w31.converter.hub import download_order, estimate
-from kimi_w31.converter.manifest import load_manifest
-from kimi_w31.converter.plan import plan_conversion
-from kimi_w31.converter.source import read_source
+from kimi_w31.converter.console import human
+from kimi_w31.converter.execute.hub import download_order, estimate
+from kimi_w31.converter.outdir import OutputDir
+from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare
+from kimi_w31.converter.source.hub import remove_partial
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 REPO = "org/kimi-synth"
 SHARD_SIZE = "600000"
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", SHARD_SIZE]
 SHARDS = [f"model-0000{i}-of-00006.safetensors" for i in range(1, 7)]
+STATE = ".kimi_w31"
+# The convert command as `kimi-convert SRC OUT ...` runs it; SMALL_CHUNKS also scales the
+# client's read chunk down to these shards' size (see the module docstring).
+CONVERT = "from kimi_w31.converter.cli import main; main(prog_name='kimi-convert')"
+SMALL_CHUNKS = "import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 65536; "
 
 
 @pytest.fixture(scope="module")
 def hub_source(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hubsrc") / "repo"
-    synth_checkpoint(root, SynthSpec(layers=3, experts=8, shards=6))
+    synth_checkpoint(root, SynthSpec(layers=4, experts=8, shards=6))
     assert sorted(p.name for p in root.glob("*.safetensors")) == SHARDS
     return root
 
@@ -55,15 +67,38 @@ def hub(hub_source):
 
 
 def _env(hub: FakeHub, tmp: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KIMI_W31_"))}
     env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp / "hf_home"),
-               HF_HUB_CACHE=str(tmp / "hf_cache"), HF_HUB_DISABLE_TELEMETRY="1",
-               **extra)  # fmt: skip
+               HF_HUB_CACHE=str(tmp / "hf_cache"), HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
+    env.update(extra)
     return env
 
 
-def _convert(hub: FakeHub, tmp: Path, out: Path, *args: str, **env: str):
-    return run_cli(REPO, out, "--download", *ARGS, *args, env=_env(hub, tmp, **env))
+def _argv(*args: object, small_chunks: bool = False) -> list[str]:
+    code = (SMALL_CHUNKS if small_chunks else "") + CONVERT
+    return [sys.executable, "-c", code, *map(str, args)]
+
+
+def _run(*args: object, env: dict[str, str], small_chunks: bool = False,
+         **kw) -> subprocess.CompletedProcess:  # fmt: skip
+    return subprocess.run(_argv(*args, small_chunks=small_chunks), env=env,
+                          capture_output=True, text=True, **kw)  # fmt: skip
+
+
+def _convert(hub: FakeHub, tmp: Path, out: Path, *args: str, small_chunks: bool = False,
+             **env: str) -> subprocess.CompletedProcess:  # fmt: skip
+    return _run(REPO, out, "--download", *ARGS, *args, env=_env(hub, tmp, **env),
+                small_chunks=small_chunks)  # fmt: skip
+
+
+def _problems(r: subprocess.CompletedProcess) -> list[dict]:
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False
+    return doc["problems"]
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -73,6 +108,7 @@ def _files(root: Path) -> dict[str, bytes]:
 def _assert_same_as_reference(out: Path, reference: Path) -> None:
     """Byte-identical, except that config.json names its source as the user typed it."""
     got, want = _files(out), _files(reference)
+    want_source = _files(Path(json.loads(want["config.json"])["kimi_w31"]["source"]["path"]))
     assert sorted(got) == sorted(want)
     for name in want:
         if name not in ("config.json", "kimi_w31.checksums.json"):
@@ -82,18 +118,57 @@ def _assert_same_as_reference(out: Path, reference: Path) -> None:
         json.loads(want["kimi_w31.checksums.json"]),
     )
     assert sums_got["files"].pop("config.json") != sums_want["files"].pop("config.json")
+    # Source identities differ by kind: a Hub run names each source shard by content (size
+    # and the Hub's sha256), a local run by file (size, times, inode).
+    for name, entry in sums_got["files"].items():
+        for file, identity in entry.pop("sources", {}).items():
+            assert identity == [len(want_source[file]), sha256(want_source[file])], name
+        sums_want["files"][name].pop("sources", None)
     assert sums_got == sums_want  # per-tensor checksums and the plan fingerprint agree
     cfg_got, cfg_want = json.loads(got["config.json"]), json.loads(want["config.json"])
-    assert cfg_got["kimi_w31"]["source"]["path"] == REPO
     cfg_got["kimi_w31"]["source"].pop("path")
     cfg_want["kimi_w31"]["source"].pop("path")
     assert cfg_got == cfg_want
 
 
+def _without_sources(checksums: bytes) -> dict:
+    doc = json.loads(checksums)
+    for entry in doc["files"].values():
+        entry.pop("sources", None)
+    return doc
+
+
+def _repo_cache(tmp: Path) -> Path:
+    return tmp / "hf_cache" / "models--org--kimi-synth"
+
+
 def _cached_shards(tmp: Path) -> list[Path]:
     """Source shard bytes still on disk in the HF cache (blobs larger than any small file)."""
-    blobs = tmp / "hf_cache" / "models--org--kimi-synth" / "blobs"
+    blobs = _repo_cache(tmp) / "blobs"
     return [p for p in blobs.iterdir() if p.stat().st_size > 100_000] if blobs.exists() else []
+
+
+def _partials(root: Path) -> list[Path]:
+    """huggingface_hub's temporary download files anywhere under root."""
+    try:
+        return sorted(root.rglob("*.incomplete"))
+    except OSError:  # not there yet, or a folder removed while it was listed
+        return []
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # completed (renamed) or removed since it was listed
+        return 0
+
+
+def _wait_for(what: str, done: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 def test_streamed_conversion_with_deletion_matches_local_and_bounds_disk(
@@ -107,17 +182,21 @@ def test_streamed_conversion_with_deletion_matches_local_and_bounds_disk(
     assert _cached_shards(tmp_path) == []  # every source shard deleted once consumed
     for shard in SHARDS:
         assert len(hub.downloads(shard)) == 1, shard  # each fetched exactly once
-    h = json.loads(r.stdout)["hub"]
+    summary = json.loads(r.stdout)
+    h = summary["hub"]
+    shard_bytes = sum(hub.files[REPO][s].size for s in SHARDS)
+    assert h["commit"] == hub.commit and h["source_bytes"] == shard_bytes
+    assert h["window"] == 3 and h["min_window"] == 3
+    assert (h["downloaded_files"], h["downloaded_bytes"]) == (6, shard_bytes)
+    assert (h["deleted_files"], h["deleted_bytes"]) == (6, shard_bytes)
+    for path in (summary["source"], summary["output"], h["download_dir"]):
+        assert os.path.isabs(path), path
     source = sum(p.stat().st_size for p in hub_source.iterdir())
     output = sum(p.stat().st_size for p in out.iterdir())
     # The measured high-water mark of cache + output stays under the plan's bound and well
     # under keeping everything (source + output).
     assert 0 < h["peak_disk_measured"] <= h["peak_disk_bound"]
     assert h["peak_disk_measured"] < 0.8 * (source + output)
-    print(
-        f"peak disk {h['peak_disk_measured']} B vs source+output {source + output} B "
-        f"(bound {h['peak_disk_bound']} B)"
-    )
 
 
 def test_without_deletion_the_cache_is_a_normal_snapshot_and_converts_identically(
@@ -128,68 +207,104 @@ def test_without_deletion_the_cache_is_a_normal_snapshot_and_converts_identicall
     assert r.returncode == 0, r.stderr
     _assert_same_as_reference(out, reference)
     assert len(_cached_shards(tmp_path)) == 6
+    assert json.loads(r.stdout)["hub"]["deleted_files"] == 0
     # The snapshot huggingface_hub left behind converts offline to the very same bytes,
-    # config.json included (both runs name the source "org/kimi-synth").
+    # config.json included (both runs name the source "org/kimi-synth"); only the source
+    # identities in the checksums file differ in kind (files offline, content from the Hub).
     offline = tmp_path / "offline"
-    r2 = run_cli(REPO, offline, *ARGS, env=_env(hub, tmp_path, HF_HUB_OFFLINE="1"))
+    r2 = _run(REPO, offline, *ARGS, env=_env(hub, tmp_path, HF_HUB_OFFLINE="1"))
     assert r2.returncode == 0, r2.stderr
-    assert _files(offline) == _files(out)
+    got, want = _files(offline), _files(out)
+    sums = "kimi_w31.checksums.json"
+    assert _without_sources(got.pop(sums)) == _without_sources(want.pop(sums))
+    assert got == want
     # Rerunning the download command on a complete output downloads nothing.
     before = len(hub.downloads())
     r3 = _convert(hub, tmp_path, out, "--json")
     assert r3.returncode == 0, r3.stderr
-    assert json.loads(r3.stdout)["already_complete"] is True
+    summary = json.loads(r3.stdout)
+    assert summary["already_complete"] is True
+    assert (summary["hub"]["downloaded_files"], summary["hub"]["downloaded_bytes"]) == (0, 0)
     assert len(hub.downloads()) == before
 
 
 def test_download_dir_instead_of_cache(hub, reference, tmp_path):
     out, dl = tmp_path / "out", tmp_path / "dl"
-    r = _convert(hub, tmp_path, out, "--download-dir", str(dl), "--delete-source-shards")
+    r = _convert(hub, tmp_path, out, "--download-dir", dl, "--delete-source-shards", "--json")
     assert r.returncode == 0, r.stderr
     _assert_same_as_reference(out, reference)
     assert (dl / "config.json").is_file() and not list(dl.glob("*.safetensors"))
     meta = dl / ".cache" / "huggingface" / "download"
     assert not list(meta.glob("*.safetensors.metadata"))
-    assert not (tmp_path / "hf_cache" / "models--org--kimi-synth").exists()
+    assert not _repo_cache(tmp_path).exists()
+    assert json.loads(r.stdout)["hub"]["download_dir"] == str(dl)
 
 
 def test_manifest_check_happens_before_any_shard_is_downloaded(hub, tmp_path):
     out = tmp_path / "out"
     # The pinned official manifest rejects the scaled-down checkpoint, from headers alone.
-    r = run_cli(REPO, out, "--download", "--max-shard-size", SHARD_SIZE,
-                env=_env(hub, tmp_path))  # fmt: skip
+    r = _run(REPO, out, "--download", "--max-shard-size", SHARD_SIZE, "--json",
+             env=_env(hub, tmp_path))  # fmt: skip
     assert r.returncode == 1
-    assert "kimi-k3-any" in r.stderr
+    assert "pinned-mismatch" in {p["code"] for p in _problems(r)}
     assert hub.downloads(None) and all(d.file not in SHARDS for d in hub.downloads())
     assert not out.exists()
 
 
-def test_dry_run_prints_the_peak_and_downloads_nothing(hub, tmp_path):
+def test_dry_run_prints_the_window_and_peak_and_downloads_nothing(hub, tmp_path):
     out = tmp_path / "out"
     r = _convert(hub, tmp_path, out, "--dry-run", "--delete-source-shards",
                  "--max-source-window", "3")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "peak disk (at most)" in r.stdout and "at least 3 needed" in r.stdout
+    # --json: the same figures, every path absolute even with a relative cache folder.
+    r = _run(REPO, "out", "--download", *ARGS, "--dry-run", "--delete-source-shards",
+             "--max-source-window", "2", "--json", cwd=tmp_path,
+             env=_env(hub, tmp_path, HF_HUB_CACHE="rel_cache"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    h = summary["hub"]
+    assert (h["window"], h["min_window"]) == (2, 3)
+    assert h["peak_disk_bound"] > 0 and h["peak_disk_measured"] is None
+    for path in (summary["source"], summary["output"], h["download_dir"]):
+        assert os.path.isabs(path), path
+    assert h["download_dir"] == str(tmp_path / "rel_cache" / "models--org--kimi-synth")
     assert all(d.file not in SHARDS for d in hub.downloads())
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "out").exists()
 
 
 def test_window_smaller_than_the_layout_needs_is_refused_before_downloading(hub, tmp_path):
     r = _convert(hub, tmp_path, tmp_path / "out", "--delete-source-shards",
-                 "--max-source-window", "2")  # fmt: skip
+                 "--max-source-window", "2", "--json")  # fmt: skip
     assert r.returncode == 2
-    assert "--max-source-window is too small" in r.stderr and "at least 3" in r.stderr
+    [problem] = _problems(r)
+    assert problem["code"] == "window-too-small"
+    assert (problem["expected"], problem["found"]) == ("at least 3", "2")
     assert all(d.file not in SHARDS for d in hub.downloads())
+    assert not (tmp_path / "out").exists()
 
 
-def test_unknown_repo_and_revision_are_clear_errors(hub, tmp_path):
-    r = run_cli("org/missing", tmp_path / "o1", "--download", *ARGS, env=_env(hub, tmp_path))
-    assert r.returncode == 1 and "repository not found" in r.stderr
-    r = _convert(hub, tmp_path, tmp_path / "o2", "--revision", "nope")
-    assert r.returncode == 1 and "revision not found" in r.stderr
-    r = run_cli(REPO, tmp_path / "o3", "--delete-source-shards", *ARGS,
-                env=_env(hub, tmp_path))  # fmt: skip
-    assert r.returncode == 2 and "only apply with --download" in r.stderr
+def test_unknown_repo_gated_repo_and_bad_revision_are_clear_errors(hub, tmp_path):
+    r = _run("org/missing", tmp_path / "o1", "--download", *ARGS, "--json",
+             env=_env(hub, tmp_path))  # fmt: skip
+    assert r.returncode == 1
+    [problem] = _problems(r)
+    assert (problem["code"], problem["file"]) == ("hub-error", "org/missing")
+    hub.gated.add(REPO)
+    r = _convert(hub, tmp_path, tmp_path / "o0", "--json")
+    hub.gated.clear()
+    assert r.returncode == 1
+    [problem] = _problems(r)
+    assert (problem["code"], problem["file"]) == ("hub-error", REPO)
+    assert not (tmp_path / "o0").exists()
+    r = _convert(hub, tmp_path, tmp_path / "o2", "--revision", "nope", "--json")
+    assert r.returncode == 1
+    [problem] = _problems(r)
+    assert (problem["code"], problem["found"]) == ("hub-error", "nope")  # the bad revision
+    r = _run(REPO, tmp_path / "o3", "--delete-source-shards", *ARGS, "--json",
+             env=_env(hub, tmp_path))  # fmt: skip
+    assert r.returncode == 2
+    assert [p["code"] for p in _problems(r)] == ["usage"]
 
 
 def _completed(hub: FakeHub) -> set[str]:
@@ -203,10 +318,11 @@ def test_failed_download_midway_then_resume_completes_without_refetching(hub, re
     out = tmp_path / "out"
     hub.fail_download.add(SHARDS[3])  # HTTP 500 for every download of shard 4
     r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3",
-                 "--workers", "1")  # fmt: skip
+                 "--workers", "1", "--json")  # fmt: skip
     assert r.returncode == 1
-    assert SHARDS[3] in r.stderr and "download failed" in r.stderr and "rerun" in r.stderr
-    assert "Traceback" not in r.stderr
+    [problem] = _problems(r)
+    assert (problem["code"], problem["file"]) == ("hub-error", SHARDS[3])
+    assert json.loads(r.stdout)["hint"]  # says how to resume
     assert not (out / "model.safetensors.index.json").exists()
     first = _completed(hub)
     assert first and SHARDS[3] not in first
@@ -216,10 +332,11 @@ def test_failed_download_midway_then_resume_completes_without_refetching(hub, re
                  "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
-    assert summary["shards_reused"] >= 1
+    assert summary["shards_kept"] >= 1
     _assert_same_as_reference(out, reference)
     assert not (first & _completed(hub)), "a finished source shard was downloaded again"
     assert _cached_shards(tmp_path) == []
+    assert _partials(tmp_path / "hf_cache") == []
 
 
 def test_dropped_connection_is_retried_by_the_client(hub, reference, tmp_path):
@@ -238,20 +355,16 @@ def test_killed_run_resumes_without_downloading_finished_shards_again(hub, refer
                                                                       tmp_path):  # fmt: skip
     out = tmp_path / "out"
     held = hub.hold[SHARDS[4]] = threading.Event()  # the run stalls on shard 5
-    args = [sys.executable, "-m", "kimi_w31.converter", REPO, str(out), "--download", *ARGS,
-            "--delete-source-shards", "--max-source-window", "3", "--workers", "1"]  # fmt: skip
-    proc = subprocess.Popen(args, env=_env(hub, tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    ledger = out / ".kimi_w31" / "ledger.jsonl"
-    deadline = time.monotonic() + 60
+    proc = subprocess.Popen(
+        _argv(REPO, out, "--download", *ARGS, "--delete-source-shards", "--max-source-window",
+              "3", "--workers", "1"),
+        env=_env(hub, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    ledger = out / STATE / "ledger.jsonl"
     try:
-        while time.monotonic() < deadline:
-            lines = ledger.read_text().splitlines() if ledger.exists() else []
-            if len(lines) >= 3:  # the fingerprint and two finished shards
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the run did not get to two finished shards")
+        # the fingerprint line and two finished shards
+        _wait_for("two finished shards", lambda: ledger.exists()
+                  and len(ledger.read_text().splitlines()) >= 3)  # fmt: skip
         time.sleep(0.3)
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -265,25 +378,150 @@ def test_killed_run_resumes_without_downloading_finished_shards_again(hub, refer
     r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3",
                  "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["shards_reused"] >= 2
+    assert json.loads(r.stdout)["shards_kept"] >= 2
     _assert_same_as_reference(out, reference)
     assert not (first & _completed(hub)), "a finished source shard was downloaded again"
+
+
+# -- partial downloads: recorded as they appear, removed, never another's -------------------
+
+
+@pytest.mark.parametrize("where", ["cache", "download-dir"])
+def test_interrupted_downloads_leave_no_partial_files(hub, reference, tmp_path, where):
+    """Ctrl-C, then two kills, each while downloads are partly on disk; then a resume."""
+    out, dl = tmp_path / "out", tmp_path / "dl"
+    args = ["--delete-source-shards", "--max-source-window", "3"]
+    if where == "cache":
+        storage = _repo_cache(tmp_path)
+    else:
+        storage = dl
+        args += ["--download-dir", str(dl)]
+    temp_dir = storage / "blobs" if where == "cache" else dl / ".cache/huggingface/download"
+    # Another process's partial download of the same file: never ours to remove.
+    etag = hub.files[REPO][SHARDS[5]].etag
+    foreign = temp_dir / f"{etag}.0badf00d.incomplete"
+    hub.rate = 300_000  # bytes/s per download: each shard takes about 2.5 s
+
+    def with_data() -> list[Path]:
+        return [p for p in _partials(storage) if p != foreign and _size(p) > 0]
+
+    for sig in (signal.SIGINT, signal.SIGKILL, signal.SIGKILL):
+        proc = subprocess.Popen(
+            _argv(REPO, out, "--download", *ARGS, *args, small_chunks=True),
+            env=_env(hub, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            _wait_for("a partial download holding data", lambda: bool(with_data()))
+            if not foreign.exists():
+                foreign.write_bytes(b"not ours")
+        finally:
+            proc.send_signal(sig)
+            _, stderr = proc.communicate(timeout=60)
+        if sig == signal.SIGINT:  # the run removes its own partial downloads as it stops
+            assert proc.returncode == 130, stderr
+            assert _partials(storage) == [foreign]
+        else:  # a kill leaves them, each recorded before it held any data
+            left = set(_partials(storage)) - {foreign}
+            assert left, stderr
+            journal = out / STATE / "partials.jsonl"
+            recorded = {Path(json.loads(line)["path"]) for line in journal.read_text().splitlines()}
+            assert {p.resolve() for p in left} <= recorded
+    hub.rate = None
+    r = _convert(hub, tmp_path, out, *args, "--json")
+    assert r.returncode == 0, r.stderr
+    _assert_same_as_reference(out, reference)
+    assert _partials(storage) == [foreign]  # ours removed, the other process's kept
+    assert not (out / STATE).exists()
+    h = json.loads(r.stdout)["hub"]
+    assert h["partial_downloads_removed"] >= 1 and h["partial_bytes_removed"] > 0
+    assert 0 < h["peak_disk_measured"] <= h["peak_disk_bound"]
+
+
+def test_only_recorded_partial_downloads_are_removed(tmp_path):
+    """The journal is the only proof: an unrecorded file stays, and a recorded name that is
+    not one of the client's temporaries (a finished blob, a link) is never removed."""
+    out = OutputDir(tmp_path / "out")
+    out.state.mkdir(parents=True)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    etag = "a" * 64
+    ours, other = blobs / f"{etag}.0123abcd.incomplete", blobs / f"{etag}.89abcdef.incomplete"
+    blob, link = blobs / etag, blobs / f"{etag}.fedcba98.incomplete"
+    ours.write_bytes(b"x" * 10)
+    other.write_bytes(b"y")
+    blob.write_bytes(b"z")
+    link.symlink_to(blob)
+    for path in (ours, blob, link, blobs / f"{etag}.00000000.incomplete"):  # the last: gone
+        out.note_partial(path)
+    assert out.partials() == [ours, blob, link, blobs / f"{etag}.00000000.incomplete"]
+    assert [remove_partial(p) for p in out.partials()] == [10, None, None, None]
+    out.forget_partials()
+    assert out.partials() == []
+    assert not ours.exists() and other.exists() and blob.exists() and link.is_symlink()
+
+
+# -- download progress: network bytes beside the output ------------------------------------
+
+PROGRESS_LINE = re.compile(r"download: (?P<done>[\d.]+ [KMGT]?B)/(?P<total>[\d.]+ [KMGT]?B)"
+                           r" \((?P<pct>\d+)%\)(?P<rest>.*)")  # fmt: skip
+
+
+def _download_lines(stderr: str) -> list[re.Match]:
+    lines = [line for line in stderr.splitlines() if line.startswith("download:")]
+    matches = [PROGRESS_LINE.fullmatch(line) for line in lines]
+    assert all(matches), lines
+    return matches  # type: ignore[return-value]
+
+
+def test_download_progress_lines_count_source_bytes_to_fetch(hub, reference, tmp_path):
+    hub.rate = 1_500_000
+    env = _env(hub, tmp_path, KIMI_W31_PROGRESS_INTERVAL="0.1")
+    r = _run(REPO, tmp_path / "out", "--download", *ARGS, "--progress", "lines", env=env,
+             small_chunks=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = _download_lines(r.stderr)
+    total = human(sum(hub.files[REPO][s].size for s in SHARDS))
+    assert {m["total"] for m in lines} == {total}
+    assert lines[-1]["done"] == total and lines[-1]["pct"] == "100"
+    assert lines[-1]["rest"].endswith("; files 6/6")
+    during = [m for m in lines if 0 < int(m["pct"]) < 100]
+    assert during and all("/s, ETA " in m["rest"] for m in during)
+    assert any(line.startswith("convert: ") for line in r.stderr.splitlines())
+    # Nothing else is printed while working (the small files download quietly, no client
+    # progress bars): the progress lines, then the summary table on stdout.
+    assert all(line.startswith(("convert: ", "download: ")) for line in r.stderr.splitlines())
+    _assert_same_as_reference(tmp_path / "out", reference)
+
+    # Two shards missing from the cache: the total is theirs alone.
+    snapshot = next((_repo_cache(tmp_path) / "snapshots").iterdir())
+    for name in (SHARDS[0], SHARDS[5]):
+        (snapshot / name).resolve().unlink()
+        (snapshot / name).unlink()
+    r = _run(REPO, tmp_path / "out2", "--download", *ARGS, "--progress", "lines", env=env,
+             small_chunks=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = _download_lines(r.stderr)
+    total = human(hub.files[REPO][SHARDS[0]].size + hub.files[REPO][SHARDS[5]].size)
+    assert {m["total"] for m in lines} == {total}
+    assert lines[-1]["done"] == total and lines[-1]["rest"].endswith("; files 2/2")
 
 
 # -- the schedule, on the plan alone ------------------------------------------------------------
 
 
-def test_schedule_follows_the_plan_and_finds_the_smallest_window(hub_source):
-    source = read_source(hub_source)
-    plan = plan_conversion(source, load_manifest("kimi-k3-any"), int(SHARD_SIZE))
+def test_schedule_follows_the_plan_and_finds_the_smallest_window(hub_source, tmp_path):
+    source, _, plan = prepare(ConvertOptions(str(hub_source), tmp_path / "out",
+                                             manifest="kimi-k3-any",
+                                             max_shard_size=int(SHARD_SIZE)))  # fmt: skip
     order = download_order(plan.shards, source.shard_files)
-    # synth moves one w3 into the last shard, so output shard 2 (which holds that w31) needs
-    # source shard 6 right after 2 and 3; the rest follow in file order.
-    assert set(plan.shards[1].source_files) == {SHARDS[1], SHARDS[2], SHARDS[5]}
-    assert order == [SHARDS[0], SHARDS[1], SHARDS[2], SHARDS[5], SHARDS[3], SHARDS[4]]
+    # synth moves one w3 into the last shard, so the output shard holding that w31 needs
+    # source shard 6 right after 3 and 4; the rest follow in file order.
+    assert {SHARDS[2], SHARDS[3], SHARDS[5]} in [set(s.source_files) for s in plan.shards]
+    assert order == [SHARDS[0], SHARDS[1], SHARDS[2], SHARDS[3], SHARDS[5], SHARDS[4]]
     sizes = {f: source.headers[f].file_size for f in SHARDS}
     est = estimate(plan.shards, source.shard_files, sizes, 0, 3, delete=True)
-    assert est.min_window == 3  # 2, 3 and 6 must be present together for output shard 2
+    assert est.min_window == 3  # 3, 4 and 6 must be present together for that shard
     largest3 = sum(sorted(sizes.values())[-3:])
     assert est.peak_bound == plan.output_bytes + largest3
     keep = estimate(plan.shards, source.shard_files, sizes, 10, 3, delete=False)

@@ -10,13 +10,21 @@ the window of source shards.
 Resume: records of a Hub run name source shards by content (size and the Hub's ETag, the
 sha256 of an LFS file), not by inode, so an output shard whose source shards were deleted is
 still proven and nothing it needed is downloaded again.
+
+Partial downloads: a download cut short by Ctrl-C or a kill leaves huggingface_hub's
+temporary file behind, which no later download reuses. Each one this run starts is recorded
+in the output's state folder as it appears (`_DownloadWatch`), and every recorded one is
+removed when the run ends, however it ends, and at the start of the next run (after a kill).
+Files nobody recorded, another process's among them, are never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -24,9 +32,17 @@ from pathlib import Path
 
 from ..errors import EXIT_USAGE, Code, fail
 from ..hashing import Interrupted
-from ..outdir import Ledger
-from ..plan import OutputShard
-from ..source.hub import HubOrigin, HubRepo
+from ..outdir import Ledger, OutputDir
+from ..plan import OutputShard, Plan
+from ..source.hub import (
+    PARTIAL_NAME,
+    DownloadBar,
+    HubOrigin,
+    HubRepo,
+    PartialCreated,
+    open_partials,
+    remove_partial,
+)
 from . import OnDone
 from .shard import (
     Job,
@@ -41,6 +57,26 @@ from .shard import (
 
 DEFAULT_WINDOW = 4
 _MAX_DOWNLOADS = 4  # parallel source downloads, within the window
+_WATCH_INTERVAL = 0.05  # s between looks for new partial downloads (cheap: /proc/self/fd)
+_METER_INTERVAL = 0.5  # s between disk samples, so bytes still arriving are seen too
+_STOP_GRACE = 2.0  # s a stopping run gives downloads to end at their next chunk
+
+
+class DownloadProgress:
+    """What the Hub executor says about downloads while it runs; the default shows nothing.
+    Called from download threads."""
+
+    def download_start(self, total_bytes: int, files: int) -> None:
+        """`total_bytes`: the source shards this run must download (not those present)."""
+
+    def download_advance(self, nbytes: int) -> None:
+        """Bytes that arrived (negative when the client rewinds a retried transfer)."""
+
+    def download_file_done(self, file: str, unreported: int) -> None:
+        """A source shard is complete; `unreported` of its bytes came without `advance`
+        (found complete after all): done, but not network speed."""
+
+    def download_stop(self) -> None: ...
 
 
 def download_order(shards: list[OutputShard], file_order: list[str]) -> list[str]:
@@ -63,8 +99,14 @@ class DiskEstimate:
     small_bytes: int
 
 
-def estimate(shards: list[OutputShard], file_order: list[str], sizes: dict[str, int],
-             small_bytes: int, window: int, delete: bool) -> DiskEstimate:
+def estimate(
+    shards: list[OutputShard],
+    file_order: list[str],
+    sizes: dict[str, int],
+    small_bytes: int,
+    window: int,
+    delete: bool,
+) -> DiskEstimate:
     """Window feasibility and the peak-disk bound, from the plan alone.
 
     Sequential in-order streaming with eager deletion: just after source shard k arrives,
@@ -92,8 +134,14 @@ def estimate(shards: list[OutputShard], file_order: list[str], sizes: dict[str, 
         live = {g for g in live if consumers[g]}
     needed = sorted((sizes[f] for f in order), reverse=True)
     source_part = sum(needed[: max(window, 1)]) if delete else sum(needed)
-    return DiskEstimate(min_window, window, output_bytes + small_bytes + source_part,
-                        output_bytes, sum(sizes[f] for f in file_order), small_bytes)
+    return DiskEstimate(
+        min_window,
+        window,
+        output_bytes + small_bytes + source_part,
+        output_bytes,
+        sum(sizes[f] for f in file_order),
+        small_bytes,
+    )
 
 
 class HubSourceFiles(SourceFiles):
@@ -103,8 +151,9 @@ class HubSourceFiles(SourceFiles):
     `fingerprint` (what records keep) names content instead.
     """
 
-    def __init__(self, root: Path, repo: HubRepo, files: list[str],
-                 header_sha256: dict[str, str]) -> None:
+    def __init__(
+        self, root: Path, repo: HubRepo, files: list[str], header_sha256: dict[str, str]
+    ) -> None:
         # No file is there yet: identities are taken as shards arrive. A downloaded shard
         # must still carry the very header the plan was made from.
         super().__init__(root, [], header_sha256=header_sha256)
@@ -156,6 +205,64 @@ def _tree_bytes(*roots: Path) -> int:
     return total
 
 
+class _DownloadWatch:
+    """While the run lasts: records each partial download this process opens as it appears,
+    and samples disk use.
+
+    `scan` runs the moment huggingface_hub has created a temporary file (`PartialCreated`),
+    so a run killed at any time leaves no unrecorded partial download, bar one killed within
+    microseconds of creating it (empty then). The polling, and `scan` when a download's
+    progress bar is made (after the file is created, before a byte is written to it), are
+    the fallback should the client stop naming the file there.
+    """
+
+    def __init__(self, storage: Path, journal: OutputDir, measure: Callable[[], None]) -> None:
+        self.storage = Path(os.path.realpath(storage))  # as the kernel names open files
+        self.journal = journal
+        self.measure = measure
+        self.noted: set[Path] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="download-watch", daemon=True)
+        self._created = PartialCreated(self.scan)
+
+    def scan(self, created: Path | None = None) -> None:
+        """Record new partial downloads: `created` (one this process has just made), or
+        those this process holds open."""
+        with self._lock:
+            found = [created] if created is not None else open_partials(self.storage)
+            for path in found:
+                if path not in self.noted and self._holds(path):
+                    self.journal.note_partial(path)
+                    self.noted.add(path)
+
+    def _holds(self, path: Path) -> bool:
+        """A partial download of this run's storage (a name the client gave, in its folder)."""
+        return PARTIAL_NAME.fullmatch(path.name) is not None and path.is_relative_to(self.storage)
+
+    def _loop(self) -> None:
+        sampled = 0.0
+        while not self._stop.wait(_WATCH_INTERVAL):
+            try:
+                self.scan()
+                if time.monotonic() - sampled >= _METER_INTERVAL:
+                    sampled = time.monotonic()
+                    self.measure()
+            except OSError:  # the state folder went away: the run reports that itself
+                continue
+
+    def start(self) -> None:
+        self._created.install()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._created.remove()
+        with contextlib.suppress(OSError):  # the state folder went away: reported elsewhere
+            self.scan()  # one last look: a download may have opened its file since
+
+
 @dataclass
 class HubExecutor:
     origin: HubOrigin
@@ -163,13 +270,19 @@ class HubExecutor:
     delete_source_shards: bool = False
     workers: int = 1
     file_order: list[str] = field(default_factory=list)  # source shards in index order
+    download_progress: DownloadProgress = field(default_factory=DownloadProgress)
     peak_disk_measured: int = 0
-    downloaded: list[str] = field(default_factory=list)
+    downloaded: list[str] = field(default_factory=list)  # source shards fetched in full
     deleted: list[str] = field(default_factory=list)
-    _meter_lock: threading.Lock = field(default_factory=threading.Lock)
+    downloaded_bytes: int = 0
+    deleted_bytes: int = 0
+    partials_removed: int = 0  # partial downloads of this or earlier runs, removed
+    partial_bytes_removed: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # the meter, the counters
 
-    def source_files(self, root: Path, shard_files: list[str],
-                     header_sha256: dict[str, str]) -> HubSourceFiles:
+    def source_files(
+        self, root: Path, shard_files: list[str], header_sha256: dict[str, str]
+    ) -> HubSourceFiles:
         assert self.origin.repo is not None
         self.file_order = list(shard_files)
         return HubSourceFiles(root, self.origin.repo, shard_files, header_sha256)
@@ -179,14 +292,79 @@ class HubExecutor:
         assert repo is not None
         sizes = {f: repo.files[f].size for f in self.file_order}
         small = sum(repo.files[f].size for f in self.origin.small_files)
-        return estimate(shards, self.file_order, sizes, small, self.window,
-                        self.delete_source_shards)
+        return estimate(
+            shards, self.file_order, sizes, small, self.window, self.delete_source_shards
+        )
 
-    def run(self, shards: list[OutputShard], job: Job, ledger: Ledger,
-            on_done: OnDone) -> list[ShardOutcome]:
+    # -- what the CLI shows: the dry run's rows, the --json block --------------------------
+    def plan_rows(self, plan: Plan) -> list[tuple[str, str]]:
+        from ..console import human
+
+        est = self.estimate(plan.shards)
+        repo = self.origin.repo
+        assert repo is not None
+        window = f"{est.window} shards (at least {est.min_window} needed)"
+        if est.window < est.min_window:
+            window = (
+                f"{est.window} shards: too small, at least {est.min_window} needed (a run "
+                "is refused)"
+            )
+        rows = [
+            ("Hub repo", f"{repo.repo_id} (revision {self.origin.revision or 'main'})"),
+            ("commit", repo.commit),
+            ("downloads to", str(self.origin.storage)),
+            (
+                "source bytes (download)",
+                f"{human(est.source_bytes)} in {len(self.file_order)} "
+                f"shards, {human(est.small_bytes)} other files",
+            ),
+            ("source window", window),
+            (
+                "peak disk (at most)",
+                f"{human(est.peak_bound)} (source + output: "
+                f"{human(est.source_bytes + est.output_bytes + est.small_bytes)})",
+            ),
+        ]
+        if not self.delete_source_shards:
+            rows.append(("note", "without --delete-source-shards every source shard stays"))
+        return rows
+
+    def summary(self, plan: Plan) -> dict:
+        est = self.estimate(plan.shards)
+        repo = self.origin.repo
+        assert repo is not None
+        return {
+            "hub": {
+                "repo": repo.repo_id,
+                "revision": self.origin.revision,
+                "commit": repo.commit,
+                "download_dir": str(self.origin.storage),
+                "source_bytes": est.source_bytes,
+                "small_files_bytes": est.small_bytes,
+                "output_bytes": est.output_bytes,
+                "window": est.window,
+                "min_window": est.min_window,
+                "delete_source_shards": self.delete_source_shards,
+                "peak_disk_bound": est.peak_bound,
+                "peak_disk_measured": self.peak_disk_measured or None,
+                "downloaded_files": len(self.downloaded),
+                "downloaded_bytes": self.downloaded_bytes,
+                "deleted_files": len(self.deleted),
+                "deleted_bytes": self.deleted_bytes,
+                "partial_downloads_removed": self.partials_removed,
+                "partial_bytes_removed": self.partial_bytes_removed,
+            }
+        }
+
+    def run(
+        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+    ) -> list[ShardOutcome]:
         sources = job.sources
         assert isinstance(sources, HubSourceFiles)
+        assert self.origin.storage is not None
         root = sources.root
+        journal = OutputDir(job.out_dir)  # the claimed output's state folder (its journal)
+        self._remove_partials(journal)  # an earlier run's, killed mid-download
         results: list[ShardOutcome] = []
         # 1. What is already done: proven as a local run proves it, before any download.
         pending, reasons = [], {}
@@ -201,14 +379,7 @@ class HubExecutor:
                 ledger.forget(shard.name)
                 pending.append(shard)
                 reasons[shard.name] = reason if record is not None else None
-        est = estimate(pending, self.file_order, {f: sources.content[f].size
-                                                  for f in self.file_order}, 0, self.window,
-                       self.delete_source_shards)
-        if pending and self.window < est.min_window:
-            raise fail(Code.WINDOW_TOO_SMALL, "--max-source-window is too small for this "
-                       "checkpoint's layout", expected=f"at least {est.min_window}",
-                       found=str(self.window), exit_code=EXIT_USAGE,
-                       hint=f"rerun with --max-source-window {est.min_window}")
+        self._check_window(pending, sources)
         order = download_order(pending, self.file_order)
         consumers: dict[str, set[str]] = {f: set() for f in order}
         for s in pending:
@@ -220,6 +391,12 @@ class HubExecutor:
                 if f not in consumers and os.path.lexists(root / f):
                     self._delete(root, f)
         self._check_space(job.out_dir, pending, order, root)
+        missing = {f for f in order if not (root / f).exists()}
+        self.download_progress.download_start(
+            sum(sources.content[f].size for f in missing), len(missing)
+        )
+        watch = _DownloadWatch(self.origin.storage, journal, lambda: self._measure(job.out_dir))
+        watch.start()
 
         arrived: set[str] = set()
         submitted: set[str] = set()
@@ -230,15 +407,21 @@ class HubExecutor:
         pool = ThreadPoolExecutor(max_workers=max(1, self.workers), thread_name_prefix="shard")
 
         def start_downloads() -> None:
-            while (queue and len(live) < self.window and len(downloads) < _MAX_DOWNLOADS
-                   and not job.stop.is_set()):
+            while (
+                queue
+                and len(live) < self.window
+                and len(downloads) < _MAX_DOWNLOADS
+                and not job.stop.is_set()
+            ):
                 f = queue.pop(0)
                 live.add(f)
-                downloads[_in_daemon_thread(self._get_source, f, job.stop)] = f
+                fut = _in_daemon_thread(self._get_source, root, f, f in missing, job.stop, watch)
+                downloads[fut] = f
 
         def on_arrival(f: str) -> None:
             sources.arrived(f)
             arrived.add(f)
+            self._measure(job.out_dir)  # a whole source shard more on disk
             for name in sorted(consumers[f]):
                 shard = by_name[name]
                 if name not in submitted and set(shard.source_files) <= arrived:
@@ -274,8 +457,9 @@ class HubExecutor:
                 if not downloads and not writes and queue:  # pragma: no cover - see estimate
                     raise RuntimeError("download schedule stalled: window too small")
         except BaseException:
-            # Writes stop at their next chunk; a download cannot be interrupted, so it is left
-            # to finish or die with the process (huggingface_hub renames only whole files).
+            # Writes stop at their next chunk, downloads at their next chunk of data (the
+            # client then removes its temporary file itself); `finally` waits a little for
+            # them, then removes whatever partial downloads are left.
             job.stop.set()
             for fut in writes:
                 fut.cancel()
@@ -287,39 +471,98 @@ class HubExecutor:
             raise
         finally:
             pool.shutdown(wait=True)
+            if downloads:  # a download blocked on the network is not waited for
+                wait(list(downloads), timeout=_STOP_GRACE)
+            watch.stop()
+            self._remove_partials(journal)
             self._measure(job.out_dir)
+            self.download_progress.download_stop()
         return results
 
-    def _get_source(self, file: str, stop: threading.Event) -> None:
+    def _check_window(self, pending: list[OutputShard], sources: HubSourceFiles) -> None:
+        """Refuse, before any download, a window the pending shards' layout cannot run in."""
+        sizes = {f: sources.content[f].size for f in self.file_order}
+        est = estimate(pending, self.file_order, sizes, 0, self.window, self.delete_source_shards)
+        if pending and self.window < est.min_window:
+            raise fail(
+                Code.WINDOW_TOO_SMALL,
+                "--max-source-window is too small for this checkpoint's layout",
+                expected=f"at least {est.min_window}",
+                found=str(self.window),
+                exit_code=EXIT_USAGE,
+                hint=f"rerun with --max-source-window {est.min_window}: downloaded in "
+                "the order the output needs them, that many source shards must be "
+                "present at once (--dry-run shows it before any download)",
+            )
+
+    def _get_source(
+        self, root: Path, file: str, expected: bool, stop: threading.Event, watch: _DownloadWatch
+    ) -> None:
+        """Download one source shard (a no-op if present); progress and partials reported."""
         if stop.is_set():
             raise Interrupted()
-        self.origin.fetch(file)
-        self.downloaded.append(file)
+        reported = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal reported
+            reported += n
+            self.download_progress.download_advance(n)
+
+        present = (root / file).exists()
+        bar = DownloadBar.bound(on_open=watch.scan, on_bytes=on_bytes, stop=stop.is_set)
+        self.origin.fetch(file, bar)
+        assert self.origin.repo is not None
+        size = self.origin.repo.files[file].size
+        with self._lock:
+            if not present:
+                self.downloaded.append(file)
+                self.downloaded_bytes += size
+        if expected:
+            self.download_progress.download_file_done(file, max(size - reported, 0))
 
     def _delete(self, root: Path, file: str) -> None:
         self.origin.delete(root, file)
         self.deleted.append(file)
+        assert self.origin.repo is not None
+        self.deleted_bytes += self.origin.repo.files[file].size
+
+    def _remove_partials(self, journal: OutputDir) -> None:
+        """Remove every partial download the journal records (none was another's), then
+        forget them: at the start of a run (a killed run's) and at its end (this run's)."""
+        for path in journal.partials():
+            freed = remove_partial(path)
+            if freed is not None:  # None: renamed into place when it completed
+                self.partials_removed += 1
+                self.partial_bytes_removed += freed
+        journal.forget_partials()
 
     def _measure(self, out_dir: Path) -> None:
         """Disk use of downloads + output right now; called at every high-water point."""
         assert self.origin.storage is not None
         now = _tree_bytes(self.origin.storage, out_dir)
-        with self._meter_lock:
+        with self._lock:
             self.peak_disk_measured = max(self.peak_disk_measured, now)
 
-    def _check_space(self, out_dir: Path, pending: list[OutputShard], order: list[str],
-                     root: Path) -> None:
+    def _check_space(
+        self, out_dir: Path, pending: list[OutputShard], order: list[str], root: Path
+    ) -> None:
         """The source window must fit beside the output (the output itself is checked too)."""
         repo, storage = self.origin.repo, self.origin.storage
         assert repo is not None and storage is not None
-        absent = sorted((repo.files[f].size for f in order if not os.path.lexists(root / f)),
-                        reverse=True)
+        absent = sorted(
+            (repo.files[f].size for f in order if not os.path.lexists(root / f)), reverse=True
+        )
         need = sum(absent[: self.window]) if self.delete_source_shards else sum(absent)
         free = shutil.disk_usage(storage).free
         if os.stat(storage).st_dev == os.stat(out_dir).st_dev:
             need += sum(s.file_size for s in pending)
         if need > free:
-            raise fail(Code.NO_SPACE, "not enough free space for the downloads and the output",
-                       file=str(storage), expected=f"{need} bytes free",
-                       found=f"{free} bytes free", hint="pass --delete-source-shards and a "
-                       "smaller --max-source-window, or free space; --dry-run shows the peak")
+            raise fail(
+                Code.NO_SPACE,
+                "not enough free space for the downloads and the output",
+                file=str(storage),
+                expected=f"{need} bytes free",
+                found=f"{free} bytes free",
+                hint="pass --delete-source-shards and a "
+                "smaller --max-source-window, or free space; --dry-run shows the peak",
+            )

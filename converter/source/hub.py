@@ -9,22 +9,35 @@ large download. The header bytes are the very bytes a local read would see, so t
 Shards themselves are fetched later, when the Hub executor (`execute/hub.py`) schedules
 them, through `huggingface_hub` (its resumable, size-checked downloads, into its cache or
 `--download-dir`). The revision is pinned to one commit at the start.
+
+`huggingface_hub` downloads each file to a temporary `*.incomplete` file of a name unique to
+the download and renames it when complete. A process that is killed leaves that file behind.
+`open_partials` finds the ones this process holds open (the proof that this run started
+them) so the executor can record them and remove them later; `PartialCreated` says when to
+look; `DownloadBar` is the progress hook `hf_hub_download` reports bytes through.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import os
+import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from ..errors import EXIT_USAGE, Code, Fatal, fail
+from ..hashing import Interrupted
 from ..safetensors_format import ShardHeader, check_header_length, parse_header_bytes
 
 HEADER_PROBE = 100_000  # one request covers the header of almost every shard
-RESUME_HINT = ("rerun the same command once the cause is fixed: finished output shards and "
-               "fully downloaded source shards are kept")
+RESUME_HINT = (
+    "rerun the same command once the cause is fixed: finished output shards and "
+    "fully downloaded source shards are kept"
+)
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,9 @@ class HubRepo:
     files: dict[str, RemoteFile]
 
 
-def hub_error(exc: BaseException, what: str, file: str | None = None,
-              revision: str | None = None) -> Fatal:
+def hub_error(
+    exc: BaseException, what: str, file: str | None = None, revision: str | None = None
+) -> Fatal:
     """One clear line for the errors `huggingface_hub` and its HTTP client raise."""
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -55,15 +69,24 @@ def hub_error(exc: BaseException, what: str, file: str | None = None,
     elif isinstance(exc, RepositoryNotFoundError):
         msg = "repository not found (or private: log in with hf auth login or set HF_TOKEN)"
     elif isinstance(exc, RevisionNotFoundError):
-        msg = f"revision {revision!r} not found in the repository (check --revision)"
+        # Named as `found`: in the message, and for scripts reading --json.
+        return fail(
+            Code.HUB_ERROR,
+            "revision not found in the repository",
+            file=file,
+            expected="a branch, tag or commit",
+            found=str(revision),
+            hint="check --revision (without it: the default branch, main)",
+        )
     else:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         msg = f"{what} failed: {detail}"
     return fail(Code.HUB_ERROR, msg, file=file, hint=RESUME_HINT)
 
 
-def open_repo(repo_id: str, revision: str | None, endpoint: str | None = None,
-              token: str | bool | None = None) -> HubRepo:
+def open_repo(
+    repo_id: str, revision: str | None, endpoint: str | None = None, token: str | bool | None = None
+) -> HubRepo:
     """Pin the revision to a commit and list every file with its size and content id."""
     from huggingface_hub import HfApi
 
@@ -78,17 +101,22 @@ def open_repo(repo_id: str, revision: str | None, endpoint: str | None = None,
         size = s.lfs.size if s.lfs else s.size
         etag = s.lfs.sha256 if s.lfs else s.blob_id
         if size is None or not etag:
-            raise fail(Code.HUB_ERROR, "the Hub did not report size and content id for a file",
-                       file=s.rfilename)
+            raise fail(
+                Code.HUB_ERROR,
+                "the Hub did not report size and content id for a file",
+                file=s.rfilename,
+            )
         files[s.rfilename] = RemoteFile(s.rfilename, int(size), str(etag))
     if not info.sha:
-        raise fail(Code.HUB_ERROR, "the Hub did not report a commit for this revision",
-                   file=repo_id)
+        raise fail(
+            Code.HUB_ERROR, "the Hub did not report a commit for this revision", file=repo_id
+        )
     return HubRepo(repo_id, info.sha, files)
 
 
-def read_remote_header(repo: HubRepo, file: str, endpoint: str | None = None,
-                       token: str | bool | None = None) -> ShardHeader:
+def read_remote_header(
+    repo: HubRepo, file: str, endpoint: str | None = None, token: str | bool | None = None
+) -> ShardHeader:
     """A shard's header through HTTP range requests; the same checks as `read_header`."""
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -99,8 +127,11 @@ def read_remote_header(repo: HubRepo, file: str, endpoint: str | None = None,
 
     def get(first: int, last: int) -> bytes:
         try:
-            resp = get_session().get(url, headers={**headers, "range": f"bytes={first}-{last}"},
-                                     timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+            resp = get_session().get(
+                url,
+                headers={**headers, "range": f"bytes={first}-{last}"},
+                timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+            )
             hf_raise_for_status(resp)
         except Exception as exc:
             raise hub_error(exc, "reading the safetensors header", file) from None
@@ -117,6 +148,159 @@ def read_remote_header(repo: HubRepo, file: str, endpoint: str | None = None,
     if len(raw) != length:
         raise fail(Code.HUB_ERROR, "the server returned a short range for the header", file=file)
     return parse_header_bytes(file, raw, size)
+
+
+# huggingface_hub 2.x: `<etag>.<8 hex>.incomplete` in the cache's blobs folder, and
+# `<short hash>.<etag>.<8 hex>.incomplete` under `<local_dir>/.cache/huggingface/download/`.
+PARTIAL_NAME = re.compile(r".+\.[0-9a-f]{8}\.incomplete")
+
+
+def open_partials(storage: Path) -> list[Path]:
+    """Partial downloads under `storage` that this process holds open: proof that this run
+    started them (another process's, or a dead run's, are never among them).
+
+    Read from /proc/self/fd (Linux). Where it does not exist none are found, so none are
+    ever removed: a leak there, never a deleted foreign file.
+    """
+    fd_dir = "/proc/self/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return []
+    prefix = os.path.join(os.path.realpath(storage), "")  # the kernel names real paths
+    found = []
+    for fd in fds:
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith(prefix) and PARTIAL_NAME.fullmatch(os.path.basename(target)):
+            found.append(Path(target))
+    return found
+
+
+def remove_partial(path: Path) -> int | None:
+    """Remove a partial download an earlier `open_partials` named; returns the bytes freed,
+    None if there was nothing to remove.
+
+    The name is checked again: the journal it comes from is a file, and a file named
+    otherwise (or a link, or a folder) is not one of huggingface_hub's temporaries.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError:  # renamed into place when complete, or already gone
+        return None
+    if not stat.S_ISREG(st.st_mode) or not PARTIAL_NAME.fullmatch(path.name):
+        return None
+    try:
+        path.unlink()
+    except OSError:  # gone since, or not ours to remove after all (permissions)
+        return None
+    return st.st_size
+
+
+class PartialCreated(logging.Filter):
+    """Calls `callback` as soon as huggingface_hub has created a download's temporary file.
+
+    The client logs a debug line naming that file in the downloading thread right after it
+    opens it, before it sends the request. A filter on its logger runs first, in that
+    thread: the file can be recorded before it holds any data and almost before it exists
+    (this process just made it: that is the proof). The callback gets the path when the
+    line names one, else None (look for it). Records below the level the logger had are
+    dropped again, so nothing more is printed.
+    """
+
+    LOGGER = "huggingface_hub.file_download"
+    _NAMED = re.compile(r"'([^']+\.incomplete)'")
+
+    def __init__(self, callback: Callable[[Path | None], None]) -> None:
+        super().__init__()
+        self.callback = callback
+        self._logger = logging.getLogger(self.LOGGER)
+        self._shown = self._logger.getEffectiveLevel()
+        self._level = self._logger.level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        named = self._NAMED.search(record.getMessage())
+        self.callback(Path(os.path.realpath(named[1])) if named else None)
+        return record.levelno >= self._shown
+
+    def install(self) -> None:
+        self._shown = self._logger.getEffectiveLevel()
+        self._level = self._logger.level
+        self._logger.addFilter(self)
+        self._logger.setLevel(min(self._shown, logging.DEBUG))
+
+    def remove(self) -> None:
+        self._logger.removeFilter(self)
+        self._logger.setLevel(self._level)
+
+
+class DownloadBar:
+    """The progress hook `hf_hub_download` drives (its `tqdm_class`), reduced to what it calls.
+
+    `on_open` runs when the bar is made: the temporary file exists by then and no byte has
+    been written to it. `on_bytes` gets every increment (negative when the client rewinds a
+    retry). Once `stop` is set the next increment raises, so the client ends the download
+    at its next chunk and removes its own temporary file. A class with no hooks is silent.
+    """
+
+    on_open: Callable[[], None] | None = None
+    on_bytes: Callable[[int], None] | None = None
+    stop: Callable[[], bool] | None = None
+
+    def __init__(
+        self, *args: object, total: int | None = None, initial: int = 0, **kwargs: object
+    ) -> None:
+        self.total = total
+        self.n = initial
+        if self.on_open is not None:
+            self.on_open()
+
+    @classmethod
+    def bound(
+        cls,
+        on_open: Callable[[], None] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> type[DownloadBar]:
+        """A bar class for one download (huggingface_hub wants a class, not an object)."""
+        hooks = {
+            "on_open": staticmethod(on_open) if on_open else None,
+            "on_bytes": staticmethod(on_bytes) if on_bytes else None,
+            "stop": staticmethod(stop) if stop else None,
+        }
+        return type("DownloadBar", (cls,), hooks)
+
+    def update(self, n: int | float | None = 1) -> None:
+        if self.stop is not None and self.stop():
+            raise Interrupted()
+        self.n += int(n or 0)
+        if self.on_bytes is not None:
+            self.on_bytes(int(n or 0))
+
+    # Called by the client where present: network bytes of a Xet download, which
+    # `update` already counts as file bytes (one quantity, no double count).
+    def update_transfer(self, n: int | float | None = 1) -> None:
+        pass
+
+    def set_postfix_str(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def set_transfer_postfix_str(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def refresh(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> DownloadBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def _accepts(fn: Callable, name: str) -> bool:
@@ -136,30 +320,39 @@ class HubOrigin:
     repo: HubRepo | None = None
     small_files: list[str] = field(default_factory=list)
     storage: Path | None = None  # what holds the downloads (for the disk meter)
+    revision: str | None = None  # as asked for (the commit it was pinned to is in `repo`)
     header_workers: int = 8
 
     def resolve(self, spec: str, revision: str | None) -> Path:
         if Path(spec).expanduser().exists() or spec.count("/") != 1 or spec.startswith("."):
-            raise fail(Code.USAGE, "--download needs a Hugging Face repo id (org/name)",
-                       file=spec, exit_code=EXIT_USAGE)
+            raise fail(
+                Code.USAGE,
+                "--download needs a Hugging Face repo id (org/name)",
+                file=spec,
+                exit_code=EXIT_USAGE,
+            )
+        self.revision = revision
         self.repo = open_repo(spec, revision, self.endpoint, self.token)
         files = self.repo.files
         if CONFIG_NAME not in files:
             raise fail(Code.FILE_MISSING, "the repository has no config.json", file=spec)
         if INDEX_NAME not in files and SINGLE_NAME not in files:
-            raise fail(Code.FILE_MISSING, f"the repository has no {INDEX_NAME} or "
-                       f"{SINGLE_NAME}", file=spec)
+            raise fail(
+                Code.FILE_MISSING, f"the repository has no {INDEX_NAME} or {SINGLE_NAME}", file=spec
+            )
         # The same selection a local read makes: every non-weight file is copied.
         self.small_files = sorted(
-            f for f in files
-            if not f.endswith(".safetensors") and f != CHECKSUMS_NAME
+            f
+            for f in files
+            if not f.endswith(".safetensors")
+            and f != CHECKSUMS_NAME
             and not any(part.startswith(".") for part in Path(f).parts)
         )
         root = None
         for f in self.small_files:
-            path = self.fetch(f)
+            path = self.fetch(f, DownloadBar)  # quiet: the shards' bytes are what is shown
             if f == CONFIG_NAME:
-                root = path.parent
+                root = Path(os.path.abspath(path.parent))  # HF_HUB_CACHE may be relative
         assert root is not None
         if self.download_dir is None:  # cache layout: <repo folder>/snapshots/<commit>/
             self.storage = root.parent.parent
@@ -181,8 +374,11 @@ class HubOrigin:
     def read_header(self, root: Path, file: str) -> ShardHeader:
         assert self.repo is not None
         if file not in self.repo.files:
-            raise fail(Code.SHARD_MISSING, "shard named in the index is missing from the "
-                       "repository", file=file)
+            raise fail(
+                Code.SHARD_MISSING,
+                "shard named in the index is missing from the repository",
+                file=file,
+            )
         return read_remote_header(self.repo, file, self.endpoint, self.token)
 
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
@@ -197,9 +393,17 @@ class HubOrigin:
         if tqdm_class is not None and _accepts(hf_hub_download, "tqdm_class"):
             kwargs["tqdm_class"] = tqdm_class
         try:
-            path = hf_hub_download(self.repo.repo_id, file, revision=self.repo.commit,
-                                   endpoint=self.endpoint, token=self.token,
-                                   local_dir=self.download_dir, **kwargs)
+            path = hf_hub_download(
+                self.repo.repo_id,
+                file,
+                revision=self.repo.commit,
+                endpoint=self.endpoint,
+                token=self.token,
+                local_dir=self.download_dir,
+                **kwargs,
+            )
+        except Interrupted:  # the run is stopping (DownloadBar): not a download failure
+            raise
         except Exception as exc:
             raise hub_error(exc, "download", file) from None
         return Path(path)
