@@ -311,6 +311,8 @@ def check_wrapped(cfg: Any) -> list[Problem]:
 
 GATE, UP, DOWN, FUSED = "w1", "w3", "w2", "w31"
 SUFFIXES = ("weight_packed", "weight_scale")
+
+
 # A routed-expert tensor name's tail after "experts.": matched in full, ASCII only, expert
 # ids without leading zeros (so "01" cannot alias "1"). Nothing else under an `experts`
 # path component is accepted (see `split_expert_name`).
@@ -318,6 +320,8 @@ SUFFIXES = ("weight_packed", "weight_scale")
 def _tail_pattern(suffixes: tuple[str, ...]) -> re.Pattern[str]:
     alternatives = "|".join(map(re.escape, suffixes))
     return re.compile(rf"(0|[1-9][0-9]*)\.(w1|w2|w3|w31)\.({alternatives})", re.ASCII)
+
+
 _LAYER = re.compile(r"(?:^|\.)layers\.([^.]*)\.", re.ASCII)
 _DECIMAL = re.compile(r"0|[1-9][0-9]*", re.ASCII)
 

@@ -32,6 +32,9 @@ class Code(str, Enum):
     NOT_A_REGULAR_FILE = "not-a-regular-file"
     LINK_ESCAPES = "link-escapes"
     HUB_ERROR = "hub-error"
+    HUB_GATED = "hub-gated"
+    HUB_NOT_FOUND = "hub-not-found"
+    HUB_REVISION = "hub-revision"
     # -- the index
     INDEX_INVALID = "index-invalid"
     WEIGHT_MAP_ENTRY_UNSAFE = "weight-map-entry-unsafe"
@@ -161,8 +164,14 @@ class Fatal(Exception):
         return [p.code for p in self.problems]
 
 
-def fail(code: Code, what: str, *, hint: str | None = None, exit_code: int = EXIT_PROBLEMS,
-         **where: str | None) -> Fatal:
+def fail(
+    code: Code,
+    what: str,
+    *,
+    hint: str | None = None,
+    exit_code: int = EXIT_PROBLEMS,
+    **where: str | None,
+) -> Fatal:
     """Shorthand for a single-problem error."""
     return Fatal([Problem(code, what, **where)], exit_code=exit_code, hint=hint)
 

@@ -261,6 +261,7 @@ def _run(
         reporter.warn(warning)
     ledger = out.ledger
     assert ledger is not None
+    opts.executor.claimed(out)
     out.check_free_space(sum(s.file_size for s in plan.shards if s.name not in ledger.done))
     scale_problems: list[Problem] = []
     lock = threading.Lock()

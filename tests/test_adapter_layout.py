@@ -152,6 +152,7 @@ def test_the_plugin_refuses_a_wrapper_without_a_block():
     with pytest.raises(LayoutError) as err:
         hooks.after_get_config(config)
     assert err.value.codes == (Code.BLOCK_MISSING.value,)
-    assert hooks.after_get_config(converted_cfg())["quantization_config"] == SOURCE[
-        "quantization_config"
-    ]  # a whole conversion is unwrapped for SGLang
+    assert (
+        hooks.after_get_config(converted_cfg())["quantization_config"]
+        == SOURCE["quantization_config"]
+    )  # a whole conversion is unwrapped for SGLang

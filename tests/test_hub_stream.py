@@ -40,7 +40,7 @@ SHARDS = [f"model-0000{i}-of-00006.safetensors" for i in range(1, 7)]
 STATE = ".kimi_w31"
 # The convert command as `kimi-convert SRC OUT ...` runs it; SMALL_CHUNKS also scales the
 # client's read chunk down to these shards' size (see the module docstring).
-CONVERT = "from kimi_w31.converter.cli import main; main(prog_name='kimi-convert')"
+CONVERT = "from kimi_w31.cli import main; main(prog_name='kimi-convert')"
 SMALL_CHUNKS = "import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 65536; "
 
 
@@ -55,8 +55,9 @@ def hub_source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(hub_source, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hubref") / "out"
-    convert(ConvertOptions(str(hub_source), out, manifest="kimi-k3-any",
-                           max_shard_size=int(SHARD_SIZE)))  # fmt: skip
+    convert(
+        ConvertOptions(str(hub_source), out, manifest="kimi-k3-any", max_shard_size=int(SHARD_SIZE))
+    )
     return out
 
 
@@ -68,8 +69,12 @@ def hub(hub_source):
 
 def _env(hub: FakeHub, tmp: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KIMI_W31_"))}
-    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp / "hf_home"),
-               HF_HUB_CACHE=str(tmp / "hf_cache"), HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
+    env.update(
+        HF_ENDPOINT=hub.endpoint,
+        HF_HOME=str(tmp / "hf_home"),
+        HF_HUB_CACHE=str(tmp / "hf_cache"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
     env.update(extra)
     return env
 
@@ -79,16 +84,20 @@ def _argv(*args: object, small_chunks: bool = False) -> list[str]:
     return [sys.executable, "-c", code, *map(str, args)]
 
 
-def _run(*args: object, env: dict[str, str], small_chunks: bool = False,
-         **kw) -> subprocess.CompletedProcess:  # fmt: skip
-    return subprocess.run(_argv(*args, small_chunks=small_chunks), env=env,
-                          capture_output=True, text=True, **kw)  # fmt: skip
+def _run(
+    *args: object, env: dict[str, str], small_chunks: bool = False, **kw
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _argv(*args, small_chunks=small_chunks), env=env, capture_output=True, text=True, **kw
+    )
 
 
-def _convert(hub: FakeHub, tmp: Path, out: Path, *args: str, small_chunks: bool = False,
-             **env: str) -> subprocess.CompletedProcess:  # fmt: skip
-    return _run(REPO, out, "--download", *ARGS, *args, env=_env(hub, tmp, **env),
-                small_chunks=small_chunks)  # fmt: skip
+def _convert(
+    hub: FakeHub, tmp: Path, out: Path, *args: str, small_chunks: bool = False, **env: str
+) -> subprocess.CompletedProcess:
+    return _run(
+        REPO, out, "--download", *ARGS, *args, env=_env(hub, tmp, **env), small_chunks=small_chunks
+    )
 
 
 def _problems(r: subprocess.CompletedProcess) -> list[dict]:
@@ -175,8 +184,7 @@ def test_streamed_conversion_with_deletion_matches_local_and_bounds_disk(
     hub, hub_source, reference, tmp_path
 ):
     out = tmp_path / "out"
-    r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3",
-                 "--json")  # fmt: skip
+    r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3", "--json")
     assert r.returncode == 0, r.stderr
     _assert_same_as_reference(out, reference)
     assert _cached_shards(tmp_path) == []  # every source shard deleted once consumed
@@ -243,8 +251,9 @@ def test_download_dir_instead_of_cache(hub, reference, tmp_path):
 def test_manifest_check_happens_before_any_shard_is_downloaded(hub, tmp_path):
     out = tmp_path / "out"
     # The pinned official manifest rejects the scaled-down checkpoint, from headers alone.
-    r = _run(REPO, out, "--download", "--max-shard-size", SHARD_SIZE, "--json",
-             env=_env(hub, tmp_path))  # fmt: skip
+    r = _run(
+        REPO, out, "--download", "--max-shard-size", SHARD_SIZE, "--json", env=_env(hub, tmp_path)
+    )
     assert r.returncode == 1
     assert "pinned-mismatch" in {p["code"] for p in _problems(r)}
     assert hub.downloads(None) and all(d.file not in SHARDS for d in hub.downloads())
@@ -253,14 +262,25 @@ def test_manifest_check_happens_before_any_shard_is_downloaded(hub, tmp_path):
 
 def test_dry_run_prints_the_window_and_peak_and_downloads_nothing(hub, tmp_path):
     out = tmp_path / "out"
-    r = _convert(hub, tmp_path, out, "--dry-run", "--delete-source-shards",
-                 "--max-source-window", "3")  # fmt: skip
+    r = _convert(
+        hub, tmp_path, out, "--dry-run", "--delete-source-shards", "--max-source-window", "3"
+    )
     assert r.returncode == 0, r.stderr
     assert "peak disk (at most)" in r.stdout and "at least 3 needed" in r.stdout
     # --json: the same figures, every path absolute even with a relative cache folder.
-    r = _run(REPO, "out", "--download", *ARGS, "--dry-run", "--delete-source-shards",
-             "--max-source-window", "2", "--json", cwd=tmp_path,
-             env=_env(hub, tmp_path, HF_HUB_CACHE="rel_cache"))  # fmt: skip
+    r = _run(
+        REPO,
+        "out",
+        "--download",
+        *ARGS,
+        "--dry-run",
+        "--delete-source-shards",
+        "--max-source-window",
+        "2",
+        "--json",
+        cwd=tmp_path,
+        env=_env(hub, tmp_path, HF_HUB_CACHE="rel_cache"),
+    )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     h = summary["hub"]
@@ -274,8 +294,15 @@ def test_dry_run_prints_the_window_and_peak_and_downloads_nothing(hub, tmp_path)
 
 
 def test_window_smaller_than_the_layout_needs_is_refused_before_downloading(hub, tmp_path):
-    r = _convert(hub, tmp_path, tmp_path / "out", "--delete-source-shards",
-                 "--max-source-window", "2", "--json")  # fmt: skip
+    r = _convert(
+        hub,
+        tmp_path,
+        tmp_path / "out",
+        "--delete-source-shards",
+        "--max-source-window",
+        "2",
+        "--json",
+    )
     assert r.returncode == 2
     [problem] = _problems(r)
     assert problem["code"] == "window-too-small"
@@ -285,24 +312,24 @@ def test_window_smaller_than_the_layout_needs_is_refused_before_downloading(hub,
 
 
 def test_unknown_repo_gated_repo_and_bad_revision_are_clear_errors(hub, tmp_path):
-    r = _run("org/missing", tmp_path / "o1", "--download", *ARGS, "--json",
-             env=_env(hub, tmp_path))  # fmt: skip
+    r = _run("org/missing", tmp_path / "o1", "--download", *ARGS, "--json", env=_env(hub, tmp_path))
     assert r.returncode == 1
     [problem] = _problems(r)
-    assert (problem["code"], problem["file"]) == ("hub-error", "org/missing")
+    assert (problem["code"], problem["file"]) == ("hub-not-found", "org/missing")
     hub.gated.add(REPO)
     r = _convert(hub, tmp_path, tmp_path / "o0", "--json")
     hub.gated.clear()
     assert r.returncode == 1
     [problem] = _problems(r)
-    assert (problem["code"], problem["file"]) == ("hub-error", REPO)
+    assert (problem["code"], problem["file"]) == ("hub-gated", REPO)
     assert not (tmp_path / "o0").exists()
     r = _convert(hub, tmp_path, tmp_path / "o2", "--revision", "nope", "--json")
     assert r.returncode == 1
     [problem] = _problems(r)
-    assert (problem["code"], problem["found"]) == ("hub-error", "nope")  # the bad revision
-    r = _run(REPO, tmp_path / "o3", "--delete-source-shards", *ARGS, "--json",
-             env=_env(hub, tmp_path))  # fmt: skip
+    assert (problem["code"], problem["found"]) == ("hub-revision", "nope")  # the bad revision
+    r = _run(
+        REPO, tmp_path / "o3", "--delete-source-shards", *ARGS, "--json", env=_env(hub, tmp_path)
+    )
     assert r.returncode == 2
     assert [p["code"] for p in _problems(r)] == ["usage"]
 
@@ -313,12 +340,20 @@ def _completed(hub: FakeHub) -> set[str]:
     return {d.file for d in hub.downloads() if d.range is None and d.sent == sizes[d.file]}
 
 
-def test_failed_download_midway_then_resume_completes_without_refetching(hub, reference,
-                                                                         tmp_path):  # fmt: skip
+def test_failed_download_midway_then_resume_completes_without_refetching(hub, reference, tmp_path):
     out = tmp_path / "out"
     hub.fail_download.add(SHARDS[3])  # HTTP 500 for every download of shard 4
-    r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3",
-                 "--workers", "1", "--json")  # fmt: skip
+    r = _convert(
+        hub,
+        tmp_path,
+        out,
+        "--delete-source-shards",
+        "--max-source-window",
+        "3",
+        "--workers",
+        "1",
+        "--json",
+    )
     assert r.returncode == 1
     [problem] = _problems(r)
     assert (problem["code"], problem["file"]) == ("hub-error", SHARDS[3])
@@ -328,8 +363,7 @@ def test_failed_download_midway_then_resume_completes_without_refetching(hub, re
     assert first and SHARDS[3] not in first
     hub.log.clear()
     hub.fail_download.clear()
-    r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3",
-                 "--json")  # fmt: skip
+    r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3", "--json")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["shards_kept"] >= 1
@@ -351,20 +385,32 @@ def test_dropped_connection_is_retried_by_the_client(hub, reference, tmp_path):
     assert sent == [10_000, hub.files[REPO][SHARDS[4]].size]
 
 
-def test_killed_run_resumes_without_downloading_finished_shards_again(hub, reference,
-                                                                      tmp_path):  # fmt: skip
+def test_killed_run_resumes_without_downloading_finished_shards_again(hub, reference, tmp_path):
     out = tmp_path / "out"
     held = hub.hold[SHARDS[4]] = threading.Event()  # the run stalls on shard 5
     proc = subprocess.Popen(
-        _argv(REPO, out, "--download", *ARGS, "--delete-source-shards", "--max-source-window",
-              "3", "--workers", "1"),
-        env=_env(hub, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        _argv(
+            REPO,
+            out,
+            "--download",
+            *ARGS,
+            "--delete-source-shards",
+            "--max-source-window",
+            "3",
+            "--workers",
+            "1",
+        ),
+        env=_env(hub, tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ledger = out / STATE / "ledger.jsonl"
     try:
         # the fingerprint line and two finished shards
-        _wait_for("two finished shards", lambda: ledger.exists()
-                  and len(ledger.read_text().splitlines()) >= 3)  # fmt: skip
+        _wait_for(
+            "two finished shards",
+            lambda: ledger.exists() and len(ledger.read_text().splitlines()) >= 3,
+        )
         time.sleep(0.3)
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -375,8 +421,7 @@ def test_killed_run_resumes_without_downloading_finished_shards_again(hub, refer
     first = _completed(hub)
     assert len(first) >= 2
     hub.log.clear()
-    r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3",
-                 "--json")  # fmt: skip
+    r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["shards_kept"] >= 2
     _assert_same_as_reference(out, reference)
@@ -408,9 +453,11 @@ def test_interrupted_downloads_leave_no_partial_files(hub, reference, tmp_path, 
     for sig in (signal.SIGINT, signal.SIGKILL, signal.SIGKILL):
         proc = subprocess.Popen(
             _argv(REPO, out, "--download", *ARGS, *args, small_chunks=True),
-            env=_env(hub, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env=_env(hub, tmp_path),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         try:
             _wait_for("a partial download holding data", lambda: bool(with_data()))
             if not foreign.exists():
@@ -463,8 +510,10 @@ def test_only_recorded_partial_downloads_are_removed(tmp_path):
 
 # -- download progress: network bytes beside the output ------------------------------------
 
-PROGRESS_LINE = re.compile(r"download: (?P<done>[\d.]+ [KMGT]?B)/(?P<total>[\d.]+ [KMGT]?B)"
-                           r" \((?P<pct>\d+)%\)(?P<rest>.*)")  # fmt: skip
+PROGRESS_LINE = re.compile(
+    r"download: (?P<done>[\d.]+ [KMGT]?B)/(?P<total>[\d.]+ [KMGT]?B)"
+    r" \((?P<pct>\d+)%\)(?P<rest>.*)"
+)
 
 
 def _download_lines(stderr: str) -> list[re.Match]:
@@ -477,8 +526,16 @@ def _download_lines(stderr: str) -> list[re.Match]:
 def test_download_progress_lines_count_source_bytes_to_fetch(hub, reference, tmp_path):
     hub.rate = 1_500_000
     env = _env(hub, tmp_path, KIMI_W31_PROGRESS_INTERVAL="0.1")
-    r = _run(REPO, tmp_path / "out", "--download", *ARGS, "--progress", "lines", env=env,
-             small_chunks=True)  # fmt: skip
+    r = _run(
+        REPO,
+        tmp_path / "out",
+        "--download",
+        *ARGS,
+        "--progress",
+        "lines",
+        env=env,
+        small_chunks=True,
+    )
     assert r.returncode == 0, r.stderr
     lines = _download_lines(r.stderr)
     total = human(sum(hub.files[REPO][s].size for s in SHARDS))
@@ -498,8 +555,16 @@ def test_download_progress_lines_count_source_bytes_to_fetch(hub, reference, tmp
     for name in (SHARDS[0], SHARDS[5]):
         (snapshot / name).resolve().unlink()
         (snapshot / name).unlink()
-    r = _run(REPO, tmp_path / "out2", "--download", *ARGS, "--progress", "lines", env=env,
-             small_chunks=True)  # fmt: skip
+    r = _run(
+        REPO,
+        tmp_path / "out2",
+        "--download",
+        *ARGS,
+        "--progress",
+        "lines",
+        env=env,
+        small_chunks=True,
+    )
     assert r.returncode == 0, r.stderr
     lines = _download_lines(r.stderr)
     total = human(hub.files[REPO][SHARDS[0]].size + hub.files[REPO][SHARDS[5]].size)
@@ -511,9 +576,14 @@ def test_download_progress_lines_count_source_bytes_to_fetch(hub, reference, tmp
 
 
 def test_schedule_follows_the_plan_and_finds_the_smallest_window(hub_source, tmp_path):
-    source, _, plan = prepare(ConvertOptions(str(hub_source), tmp_path / "out",
-                                             manifest="kimi-k3-any",
-                                             max_shard_size=int(SHARD_SIZE)))  # fmt: skip
+    source, _, plan = prepare(
+        ConvertOptions(
+            str(hub_source),
+            tmp_path / "out",
+            manifest="kimi-k3-any",
+            max_shard_size=int(SHARD_SIZE),
+        )
+    )
     order = download_order(plan.shards, source.shard_files)
     # synth moves one w3 into the last shard, so the output shard holding that w31 needs
     # source shard 6 right after 3 and 4; the rest follow in file order.

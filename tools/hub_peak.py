@@ -33,7 +33,7 @@ from hub_server import FakeHub  # noqa: E402
 from kimi_w31.converter.synth import REAL_K, REAL_N, SynthSpec, synth_checkpoint  # noqa: E402
 
 REPO = "org/kimi"
-CONVERT = "from kimi_w31.converter.cli import main; main(prog_name='kimi-convert')"
+CONVERT = "from kimi_w31.cli import main; main(prog_name='kimi-convert')"
 
 
 def _partials(storage: Path) -> list[Path]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from ..outdir import Ledger
+from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard
 from .shard import Job, ShardOutcome
 
@@ -22,6 +22,9 @@ OnDone = Callable[[ShardOutcome], None]
 
 class Executor(Protocol):
     """Schedules `settle` for every shard; returns the outcomes (ledger already updated)."""
+
+    def claimed(self, out: OutputDir) -> None:
+        """Called once the output directory is this run's, before its free-space check."""
 
     def run(
         self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone

@@ -277,6 +277,7 @@ class HubExecutor:
     downloaded_bytes: int = 0
     deleted_bytes: int = 0
     partials_removed: int = 0  # partial downloads of this or earlier runs, removed
+    journal: OutputDir | None = None  # the claimed output (it records partial downloads)
     partial_bytes_removed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)  # the meter, the counters
 
@@ -356,6 +357,12 @@ class HubExecutor:
             }
         }
 
+    def claimed(self, out: OutputDir) -> None:
+        """The output is ours: free what an earlier run killed mid-download left (recorded
+        in its state folder) before the free-space check counts it."""
+        self.journal = out
+        self._remove_partials(out)
+
     def run(
         self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
     ) -> list[ShardOutcome]:
@@ -363,8 +370,8 @@ class HubExecutor:
         assert isinstance(sources, HubSourceFiles)
         assert self.origin.storage is not None
         root = sources.root
-        journal = OutputDir(job.out_dir)  # the claimed output's state folder (its journal)
-        self._remove_partials(journal)  # an earlier run's, killed mid-download
+        journal = self.journal
+        assert journal is not None, "claimed() comes first"
         results: list[ShardOutcome] = []
         # 1. What is already done: proven as a local run proves it, before any download.
         pending, reasons = [], {}

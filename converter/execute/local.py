@@ -11,7 +11,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ..hashing import Interrupted
-from ..outdir import Ledger
+from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard
 from . import OnDone
 from .shard import Job, ShardOutcome, commit, settle
@@ -26,6 +26,9 @@ def default_workers() -> int:
 @dataclass
 class LocalExecutor:
     workers: int = 0  # 0: default_workers()
+
+    def claimed(self, out: OutputDir) -> None:
+        """Nothing to prepare."""
 
     def run(
         self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import EXIT_USAGE, Code, Fatal, fail
 from ..hashing import Interrupted
-from ..outdir import Ledger, ShardRecord
+from ..outdir import Ledger, OutputDir, ShardRecord
 from ..plan import OutputShard
 from . import OnDone
 from .shard import Hooks, Job, Outcome, ShardOutcome, SourceChanged, SourceFiles, commit, settle
@@ -124,6 +124,9 @@ def _raise(result: dict) -> None:
 class RayExecutor:
     address: str | None = None  # None: RAY_ADDRESS, else a local runtime on this machine
     num_cpus: int | None = None  # only for a local runtime
+
+    def claimed(self, out: OutputDir) -> None:
+        """Nothing to prepare."""
 
     def run(
         self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone

@@ -65,23 +65,29 @@ def hub_error(
     )
 
     if isinstance(exc, GatedRepoError):
-        msg = "the repository is gated: accept its terms on the Hub and log in (hf auth login)"
-    elif isinstance(exc, RepositoryNotFoundError):
-        msg = "repository not found (or private: log in with hf auth login or set HF_TOKEN)"
-    elif isinstance(exc, RevisionNotFoundError):
+        return fail(
+            Code.HUB_GATED,
+            "the repository is gated: accept its terms on the Hub and log in (hf auth login)",
+            file=file,
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return fail(
+            Code.HUB_NOT_FOUND,
+            "repository not found (or private: log in with hf auth login or set HF_TOKEN)",
+            file=file,
+        )
+    if isinstance(exc, RevisionNotFoundError):
         # Named as `found`: in the message, and for scripts reading --json.
         return fail(
-            Code.HUB_ERROR,
+            Code.HUB_REVISION,
             "revision not found in the repository",
             file=file,
             expected="a branch, tag or commit",
             found=str(revision),
             hint="check --revision (without it: the default branch, main)",
         )
-    else:
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        msg = f"{what} failed: {detail}"
-    return fail(Code.HUB_ERROR, msg, file=file, hint=RESUME_HINT)
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return fail(Code.HUB_ERROR, f"{what} failed: {detail}", file=file, hint=RESUME_HINT)
 
 
 def open_repo(
