@@ -66,9 +66,13 @@ def decide(f: MoeFacts) -> Decision:
             f"supported; drop it, or {way_out}."
         )
     if f.arch == "sm90" and f.sm90_precision == "fp8":
+        # FlashInfer's Humming runner has a SiTU activation kernel, but its numerics with
+        # SiTU have not passed a GPU check yet (docs/gpu-validation.md, "SM90 W4A8").
         raise UnsupportedCombinationError(
-            f"{where}: --flashinfer-mxfp4-moe-precision fp8 (SM90 W4A8 'Humming') has not "
-            f"been validated with SiTU; use the default bf16 precision, or {way_out}."
+            f"{where}: --flashinfer-mxfp4-moe-precision fp8 (SM90 W4A8 'Humming': FP8 "
+            "activations x MXFP4) is not validated with SiTU: FlashInfer's Humming runner "
+            "has not yet passed the numerical check against the SiTU reference on an H200. "
+            f"Use the default precision (W4A16, validated), or {way_out}."
         )
     if f.ar_fusion_forced:
         raise UnsupportedCombinationError(

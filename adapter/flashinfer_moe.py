@@ -145,6 +145,8 @@ class PreparedMoeWeights:
     fc1: torch.Tensor
     fc2: torch.Tensor
     quant_scales: tuple[torch.Tensor, ...]
+    # SM90 W4A8 "Humming": FP8 activations quantized in the kernel (five quant-scale slots).
+    humming: bool = False
 
 
 def moe_dims(
@@ -220,6 +222,46 @@ def prepare_sm90(
     # The kernel reads scales as int32 words (4 E8M0 bytes each); a view, not a copy.
     scales = (s1.view(torch.int32), s2.view(torch.int32))
     return PreparedMoeWeights(arch="sm90", dims=dims, fc1=fc1, fc2=fc2, quant_scales=scales)
+
+
+# Humming keeps a fixed 2^6 FP4 -> FP8 exponent-bias compensation out of the folded weight
+# scales; FlashInfer takes it multiplied into the per-local-expert residual scales.
+HUMMING_RESIDUAL_FACTOR = 64.0
+
+
+def prepare_sm90_humming(
+    w31_packed: torch.Tensor,
+    w31_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    residual_factor: float = HUMMING_RESIDUAL_FACTOR,
+) -> PreparedMoeWeights:
+    """SM90 W4A8 (FP8 activations x MXFP4 weights, Humming pre-MMA E8M0 scale folding).
+
+    `preprocess_moe_weights_for_sm90_mixed_gemm_humming` rewrites each expert's FP4 payload
+    and folds its scales (per-expert E8M0 range clamp), returning one fp32 residual per
+    local expert; FlashInfer's quant-scale slots are then
+    `[fc1 folded scales, fc1 residual x 64, fc2 activation scale (1), fc2 folded scales,
+    fc2 residual x 64]`, as SGLang builds them for its SwiGLU models. The fc1 order stays
+    `[up; gate]`. `residual_factor` exists for the negative control only.
+    """
+    from flashinfer.fused_moe import preprocess_moe_weights_for_sm90_mixed_gemm_humming as prep
+
+    dims = moe_dims(w31_packed, w31_scale, w2_packed, w2_scale)
+    fc1, s1, r1 = prep(w31_packed.contiguous(), w31_scale.contiguous())
+    fc2, s2, r2 = prep(w2_packed.contiguous(), w2_scale.contiguous())
+    act_scale = torch.ones((), dtype=torch.float32, device=w31_packed.device)
+    scales = (
+        s1.view(torch.int32),
+        (r1.float() * residual_factor).contiguous(),
+        act_scale,
+        s2.view(torch.int32),
+        (r2.float() * residual_factor).contiguous(),
+    )
+    return PreparedMoeWeights(
+        arch="sm90", dims=dims, fc1=fc1, fc2=fc2, quant_scales=scales, humming=True
+    )
 
 
 def prepare_sm120(
@@ -336,6 +378,9 @@ def build_moe_kwargs(
     if not (0 <= ep_rank < ep_size and 0 <= tp_rank < tp_size):
         raise ValueError(f"bad parallel ranks: tp {tp_rank}/{tp_size}, ep {ep_rank}/{ep_size}")
     sm120 = weights.arch == "sm120"
+    # Only the Humming call names the keyword (as SGLang does): the W4A16 and MXFP8 calls
+    # stay valid for FlashInfer releases without it.
+    humming = {"use_wfp4afp8_humming": True} if weights.humming else {}
     return {
         "input": x,
         "token_selected_experts": topk_ids,
@@ -363,6 +408,7 @@ def build_moe_kwargs(
         "workspace_buffer": workspace_buffer,
         "situ_beta": situ_beta,
         "situ_linear_beta": situ_linear_beta,
+        **humming,
     }
 
 

@@ -424,3 +424,67 @@ def test_kwargs_bind_to_the_real_signature() -> None:
         output=None,
     )
     inspect.signature(flashinfer_moe.cutlass_fused_moe).bind(**kw)
+
+
+# --------------------------------------------------------------------------------------
+# SM90 W4A8 (Humming)
+# --------------------------------------------------------------------------------------
+
+
+def test_prepare_sm90_humming_fills_the_five_slots(monkeypatch) -> None:
+    calls = []
+
+    def humming(w, s):
+        calls.append((tuple(w.shape), tuple(s.shape)))
+        e = w.shape[0]
+        return w + 1, s.reshape(e, -1), torch.arange(e, dtype=torch.float32) + 0.5
+
+    env = _install_fake(monkeypatch, "0.7.2", _cutlass_with_situ)
+    env.fused.preprocess_moe_weights_for_sm90_mixed_gemm_humming = humming
+    w31p, w31s, w2p, w2s = _tensors()
+    p = fm.prepare_sm90_humming(w31p, w31s, w2p, w2s)
+    assert calls == [((E, 2 * N, K // 2), (E, 2 * N, K // 32)), ((E, K, N // 2), (E, K, N // 32))]
+    assert p.humming and p.arch == "sm90" and p.dims == fm.MoeDims(E, K, N)
+    s1, r1, act, s2, r2 = p.quant_scales
+    assert s1.dtype == s2.dtype == torch.int32 and s1.numel() * 4 == w31s.numel()
+    want = (torch.arange(E, dtype=torch.float32) + 0.5) * 64.0  # Humming's 2^6 compensation
+    assert torch.equal(r1, want) and torch.equal(r2, want)
+    assert act.shape == () and act.item() == 1.0 and act.dtype == torch.float32
+    assert torch.all(p.fc1 == 1) and torch.all(p.fc2 == 1)
+    raw = fm.prepare_sm90_humming(w31p, w31s, w2p, w2s, residual_factor=1.0)
+    assert torch.equal(raw.quant_scales[1], want / 64.0)
+
+
+def test_kwargs_name_humming_only_for_humming_weights() -> None:
+    x, ids, w = _routing()
+    base = _prepared()
+    hum = fm.PreparedMoeWeights(
+        "sm90", base.dims, base.fc1, base.fc2, (*base.quant_scales, torch.ones(()),
+                                                 *base.quant_scales[:2]), humming=True
+    )  # fmt: skip
+    plain = fm.build_moe_kwargs(
+        x, ids, w, base, FakeActivationType.Situ, situ_beta=None, situ_linear_beta=None,
+        output=None,
+    )  # fmt: skip
+    kw = fm.build_moe_kwargs(
+        x, ids, w, hum, FakeActivationType.Situ, situ_beta=None, situ_linear_beta=None,
+        output=None,
+    )  # fmt: skip
+    assert "use_wfp4afp8_humming" not in plain
+    assert kw["use_wfp4afp8_humming"] is True and len(kw["quant_scales"]) == 5
+    assert kw["use_w4_group_scaling"] is True and kw["input_sf"] is None
+
+
+def test_humming_kwargs_bind_to_the_real_signature() -> None:
+    flashinfer_moe = pytest.importorskip("flashinfer.fused_moe", reason="flashinfer not installed")
+    import inspect
+
+    x, ids, w = _routing()
+    base = _prepared()
+    hum = fm.PreparedMoeWeights("sm90", base.dims, base.fc1, base.fc2, base.quant_scales, True)
+    kw = fm.build_moe_kwargs(
+        x, ids, w, hum, flashinfer_moe.ActivationType.Situ, situ_beta=None,
+        situ_linear_beta=None, output=None,
+    )  # fmt: skip
+    inspect.signature(flashinfer_moe.cutlass_fused_moe).bind(**kw)
+    assert hasattr(flashinfer_moe, "preprocess_moe_weights_for_sm90_mixed_gemm_humming")

@@ -379,3 +379,172 @@ def test_select_generated_and_source_order(tmp_path) -> None:
     assert src[5:] == [d / "moe_gemm_kernels_bf16_fp4.cu", d / "logger.cpp"]
     with pytest.raises(ValueError):
         T.trimmed_sources(stock[:1], picked, d / "b.cu", d / "i.cu")
+
+
+def test_trim_for_the_w4a8_variant() -> None:
+    out = T.trim_binding(_BINDING, T.W4A8_HUMMING)
+    assert "isWMxfp4AFp8HummingQuant()" in out and "kHummingPreMmaE8M0" in out
+    assert "CutlassMoeFCRunner<half, half>" not in out and "isWFP4A16Quant" not in out
+    text = """template class CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>;
+template class CutlassMoeFCRunner<__nv_fp8_e4m3, Fp4Type, half, half, half, false,
+                                  Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>;
+INSTANTIATE_FINALIZE_MOE_ROUTING(half, half, half);
+"""
+    inst = T.trim_instantiation(text, T.W4A8_HUMMING)
+    assert inst.count("template class") == 2 and "<__nv_bfloat16, Fp4Type>" not in inst
+    assert "__nv_bfloat16, false, Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>" in inst
+    with pytest.raises(ValueError):  # no Humming runner in the stock file: layout changed
+        T.trim_instantiation(text.splitlines()[0] + "\n" + text.splitlines()[3], T.W4A8_HUMMING)
+    # The W4A16 module keeps its name, kernels and derived files (its prebuilt stays valid).
+    assert T.W4A16.module_name == "fused_moe_90_kimi_w31_w4a16"
+    assert T.W4A16.derived_prefix != T.W4A8_HUMMING.derived_prefix
+    assert T.W4A8_HUMMING.module_name != T.W4A16.module_name
+
+
+def test_select_generated_per_variant(tmp_path) -> None:
+    def gen(m, body):
+        p = tmp_path / "gemm_grouped" / "90" / f"k_sm90_M{m}_Mixed.generated.cu"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(body)
+        return p
+
+    bf16 = gen(64, "f<__nv_bfloat16, SafeFP4, __nv_bfloat16>")
+    fp8 = gen(256, "f<__nv_fp8_e4m3, SafeFP4, __nv_bfloat16>")
+    assert T.select_generated([bf16, fp8]) == [bf16]
+    assert T.select_generated([bf16, fp8], variant=T.W4A8_HUMMING) == [fp8]
+    d = Path("/csrc")
+    stock = [d / "moe_gemm_kernels_bf16_fp4.cu", d / "moe_gemm_kernels_fp8_fp4.cu",
+             d / T.BINDING, d / T.INSTANTIATION, d / "logger.cpp"]  # fmt: skip
+    src = T.trimmed_sources(stock, [fp8], d / "b.cu", d / "i.cu", T.W4A8_HUMMING)
+    assert src == [fp8, d / "i.cu", d / "b.cu", d / "moe_gemm_kernels_fp8_fp4.cu",
+                   d / "logger.cpp"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# SGLang in the loop (gpu/sglang_*.py): the pure parts
+# --------------------------------------------------------------------------------------
+
+
+def test_router_reference() -> None:
+    from gpu import sglang_cases as S
+
+    r = S.make_router(6, 28, seed=3, skew=0.5)
+    ids, w = S.route(r, 16, renormalize=True, routed_scaling_factor=2.5)
+    assert ids.shape == w.shape == (6, 16) and ids.dtype == np.int32
+    sig = 1 / (1 + np.exp(-r.logits.astype(np.float64)))
+    biased = sig + r.bias
+    for t in range(6):
+        assert len(set(ids[t].tolist())) == 16
+        chosen = biased[t, ids[t]]
+        assert np.all(np.diff(chosen) <= 0)  # descending biased score
+        assert chosen.min() >= np.delete(biased[t], ids[t]).max()  # the top 16
+        want = sig[t, ids[t]] / sig[t, ids[t]].sum() * 2.5  # unbiased, renormalized, scaled
+        assert np.allclose(w[t], want, rtol=1e-5)
+    _, plain = S.route(r, 16, renormalize=False, routed_scaling_factor=1.0)
+    assert np.allclose(plain, np.take_along_axis(sig, ids, 1), rtol=1e-6)
+
+
+def test_same_routing_ignores_slot_order_only() -> None:
+    from gpu import sglang_cases as S
+
+    ids = np.array([[0, 1, 2], [3, 4, 5]])
+    w = np.array([[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]], dtype=np.float32)
+    assert S.same_routing(ids[:, ::-1], w[:, ::-1], ids, w)["agree"]
+    other = ids.copy()
+    other[1, 0] = 9
+    assert not S.same_routing(other, w, ids, w)["agree"]
+    assert not S.same_routing(ids, w * 1.01, ids, w)["agree"]
+
+
+def test_tp_slices_sum_to_the_expert() -> None:
+    from gpu import sglang_cases as S
+
+    g = np.random.default_rng(0)
+    e = ref.dequant_expert(*[(g.integers(0, 256, (r, c // 2), dtype=np.uint8),
+                              g.integers(120, 126, (r, c // 32), dtype=np.uint8))
+                             for r, c in ((256, 64), (256, 64), (64, 256))])  # fmt: skip
+    x = g.standard_normal((3, 64)).astype(np.float32)
+    full = ref.expert_forward(x, e, 4.0, 25.0)
+    for tp in (2, 8):
+        parts = [S.tp_slice(e, tp, r) for r in range(tp)]
+        assert all(
+            p.gate.shape == (256 // tp, 64) and p.down.shape == (64, 256 // tp) for p in parts
+        )
+        total = sum(ref.expert_forward(x, p, 4.0, 25.0) for p in parts)
+        assert np.allclose(total, full, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError):
+        S.tp_slice(e, 3, 0)
+
+
+def test_swiglu_bias_is_flashinfers_formula() -> None:
+    from gpu import sglang_cases as S
+
+    g, u = np.array([2.0, 30.0, -3.0]), np.array([1.0, -40.0, 5.0])
+    got = S.swiglu_bias(g, u, alpha=4.0, beta=1.0, limit=25.0)
+    gc, uc = np.minimum(g, 25.0), np.clip(u, -25.0, 25.0)
+    assert np.allclose(got, gc / (1 + np.exp(-4.0 * gc)) * (uc + 1.0), rtol=1e-6)
+    # alpha 1, beta 0, no limit: plain SwiGLU, the reference's control activation
+    assert np.allclose(S.swiglu_bias(g, u, 1.0, 0.0, np.inf), ref.swiglu(g, u), rtol=1e-6)
+
+
+def test_sgl_kernel_stub_imports_and_refuses_calls(monkeypatch) -> None:
+    from gpu import sglang_layer as L
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    for name in [n for n in sys.modules if n.split(".")[0] == "sgl_kernel"]:
+        monkeypatch.delitem(sys.modules, name)
+    L.install_sgl_kernel_stub()
+    try:
+        from sgl_kernel.scalar_type import scalar_types  # a module-level constant in SGLang
+
+        kinds = [scalar_types.uint4b8, scalar_types.uint8b128]
+        import sgl_kernel
+
+        assert isinstance(type("X", (sgl_kernel.Base,), {})(), sgl_kernel.Base)
+        with pytest.raises(RuntimeError, match="stub"):
+            sgl_kernel.moe_fused_gate(1, 2)
+        with pytest.raises(RuntimeError, match="stub"):
+            kinds[0]()
+    finally:
+        for name in [n for n in sys.modules if n.split(".")[0] == "sgl_kernel"]:
+            del sys.modules[name]
+
+
+# --------------------------------------------------------------------------------------
+# W4A8 (gpu/w4a8.py): the reference's FP8 model
+# --------------------------------------------------------------------------------------
+
+
+def test_fp8_rows_model() -> None:
+    from gpu import w4a8 as W
+
+    x = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32) * 3
+    q = W.fp8_rows(x)
+    assert np.array_equal(np.abs(q).max(1), np.abs(x).max(1))  # the row max maps to 448 exactly
+    amax = np.abs(x).max(1, keepdims=True)
+    # E4M3 after scaling by amax/448: half a step is 2^-4 relative (normals), 2^-10 x scale
+    # absolute (subnormals)
+    assert np.all(np.abs(q - x) <= np.maximum(np.abs(x) * 2**-4, amax / 448 * 2**-10) * 1.0001)
+    assert not np.array_equal(q, x) and np.array_equal(W.fp8_rows(q), q)  # idempotent
+
+
+def test_w4a8_reference_and_tp_rank_tensors(checkpoint_pair) -> None:
+    from gpu import sglang_cases as S
+    from gpu import w4a8 as W
+
+    layer = H.load_layer(*checkpoint_pair, 8)
+    x = C.make_hidden(4, layer.hidden, 0).float().numpy()
+    r = C.make_routing(4, 8, 4, "uniform", 1)
+    plain = ref.moe_forward(x, r.ids.numpy(), r.weights.numpy(), layer.reference, 4.0, 25.0)
+    modelled = W.w4a8_reference(x, r.ids.numpy(), r.weights.numpy(), layer.reference, 4.0, 25.0)
+    stats = ref.compare(modelled, plain)
+    assert 0.001 < stats["nrmse"] < 0.06 and stats["cosine"] > 0.998  # FP8-sized, not more
+    w31, w2 = W.tp_rank_tensors(layer, 2, 1)
+    for e in (0, 7):
+        got = ref.dequant_converted_expert((w31[0][e].numpy(), w31[1][e].numpy()),
+                                           (w2[0][e].numpy(), w2[1][e].numpy()))  # fmt: skip
+        want = S.tp_slice(layer.reference[e], 2, 1)
+        assert np.array_equal(got.gate, want.gate) and np.array_equal(got.up, want.up)
+        assert np.array_equal(got.down, want.down)
+    assert W.w4a8_gate(0.9999, 0.02) and not W.w4a8_gate(0.9999, 0.05)
+    assert not W.w4a8_gate(0.999, 0.01)

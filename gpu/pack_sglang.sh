@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Make .whl/ for gpu/sglang_h200.sh on a machine with network access (~21 MB):
+# sglang 0.5.23 without multimodal_gen/, tests, benchmarks and its compiled extensions
+# (none of which the MoE path imports), and the wheels SGLang's imports need that the H200
+# machine's image lacks (found by importing the path and diffing against the image's list).
+# sgl_kernel is not among them: gpu/sglang_layer.py stubs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+dl() {
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$@"
+}
+dl "$tmp" sglang==0.5.23
+(cd "$tmp" && unzip -q sglang-*.whl && tar -cJf sglang-0.5.23-trim.tar.xz \
+    --exclude='sglang/multimodal_gen' --exclude='sglang/test' --exclude='sglang/benchmark' \
+    --exclude='*.so' --exclude='__pycache__' sglang sglang-0.5.23.dist-info)
+cp "$tmp/sglang-0.5.23-trim.tar.xz" .whl/
+dl .whl annotated-doc==0.0.7 annotated-types==0.8.0 asttokens==3.0.2 \
+    compressed-tensors==0.18.0 dill==0.4.1 distro==1.9.0 executing==2.3.0 fastapi==0.165.0 \
+    gguf==0.19.0 ipython==9.18.1 ipython-pygments-lexers==1.1.1 jedi==0.20.1 jiter==0.19.0 \
+    loguru==0.7.3 matplotlib-inline==0.2.2 msgspec==0.23.0 openai==2.8.0 \
+    opentelemetry-api==1.45.2 orjson==3.13.0 parso==0.8.7 partial-json-parser==0.2.1.1.post7 \
+    pexpect==4.9.0 prompt-toolkit==3.0.53 ptyprocess==0.7.0 pure-eval==0.2.4 pybase64==1.5.1 \
+    pydantic==2.14.4 pydantic-core==2.50.5 pyzmq==27.3.0 sniffio==1.3.1 stack-data==0.6.3 \
+    starlette==1.10.0 traitlets==5.16.1 truststore==0.10.5 typing-inspection==0.4.5 \
+    uvicorn==0.54.0 wcwidth==0.9.4
+ls -la .whl

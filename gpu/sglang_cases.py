@@ -1,0 +1,116 @@
+"""Pure pieces of the SGLang-in-the-loop run (gpu/sglang_layer.py), numpy only.
+
+The router reference, the per-rank slices of the reference experts, and the activation
+that SGLang's stock SM90 CUTLASS path applies (the harness control) are written here from
+their definitions, independently of SGLang, and unit-tested on CPU
+(tests/test_gpu_sglang.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from kimi_w31.converter import reference as ref
+
+
+@dataclass(frozen=True)
+class Router:
+    """Kimi-K3's router inputs for one batch: fp32 logits [M, E] and the correction bias [E]."""
+
+    logits: np.ndarray
+    bias: np.ndarray
+
+
+def make_router(m: int, num_experts: int, seed: int, skew: float = 0.0) -> Router:
+    """Random fp32 logits (std 2) and a small correction bias; `skew` > 0 favours low ids."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((m, num_experts)).astype(np.float32) * 2.0
+    logits -= np.float32(skew) * np.log1p(np.arange(num_experts, dtype=np.float32))
+    bias = (rng.standard_normal(num_experts) * 0.1).astype(np.float32)
+    return Router(logits=logits, bias=bias)
+
+
+def route(
+    router: Router, top_k: int, renormalize: bool, routed_scaling_factor: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3-style biased top-k with sigmoid scores, one expert group (Kimi-K3).
+
+    The bias only ranks experts; the weights are the unbiased sigmoid scores of the chosen
+    experts, renormalized to sum 1 when asked, times the routed scaling factor.
+    Returns (ids int32 [M, k] in descending biased score, weights fp32 [M, k]).
+    """
+    with np.errstate(over="ignore"):
+        sig = (1.0 / (1.0 + np.exp(-router.logits.astype(np.float64)))).astype(np.float32)
+    biased = sig + router.bias[None, :]
+    ids = np.argsort(-biased, axis=1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(sig, ids, axis=1)
+    if renormalize:
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    return ids.astype(np.int32), (weights * np.float32(routed_scaling_factor)).astype(np.float32)
+
+
+def same_routing(
+    ids_a: np.ndarray, w_a: np.ndarray, ids_b: np.ndarray, w_b: np.ndarray, rtol: float = 1e-4
+) -> dict[str, float]:
+    """How far two routings agree: tokens with the same expert set, and the largest relative
+    weight difference over experts both chose (slot order is ignored)."""
+    same_sets = 0
+    worst = 0.0
+    for t in range(ids_a.shape[0]):
+        da = dict(zip(ids_a[t].tolist(), w_a[t].tolist(), strict=True))
+        db = dict(zip(ids_b[t].tolist(), w_b[t].tolist(), strict=True))
+        same_sets += set(da) == set(db)
+        for e in set(da) & set(db):
+            worst = max(worst, abs(da[e] - db[e]) / max(abs(db[e]), 1e-12))
+    return {
+        "tokens": int(ids_a.shape[0]),
+        "same_expert_sets": same_sets,
+        "max_rel_weight_diff": worst,
+        "agree": same_sets == ids_a.shape[0] and worst <= rtol,
+    }
+
+
+def tp_slice(expert: ref.ExpertWeights, tp_size: int, tp_rank: int) -> ref.ExpertWeights:
+    """What moe-TP rank `tp_rank` of `tp_size` computes: gate/up rows and down columns of its
+    slice of N. Summing the slices' outputs over the ranks gives the whole expert."""
+    n = expert.gate.shape[0]
+    if n % tp_size:
+        raise ValueError(f"N={n} does not split over {tp_size} ranks")
+    sl = slice(tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size)
+    return ref.ExpertWeights(gate=expert.gate[sl], up=expert.up[sl], down=expert.down[:, sl])
+
+
+def swiglu_bias(
+    gate: np.ndarray, up: np.ndarray, alpha: float, beta: float, limit: float
+) -> np.ndarray:
+    """The activation FlashInfer runs for SGLang's stock SM90 path (`ActivationType.SwigluBias`,
+    GPT-OSS style): min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, +-limit) + beta)."""
+    g = np.minimum(np.asarray(gate, dtype=np.float32), np.float32(limit))
+    u = np.clip(np.asarray(up, dtype=np.float32), -limit, limit)
+    with np.errstate(over="ignore"):
+        sig = np.float32(1.0) / (np.float32(1.0) + np.exp(-np.float32(alpha) * g))
+    return (g * sig * (u + np.float32(beta))).astype(np.float32)
+
+
+def moe_swiglu_bias(
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    experts: Mapping[int, ref.ExpertWeights],
+    alpha: float,
+    beta: float,
+    limit: float,
+) -> np.ndarray:
+    """The routed MoE of `reference.moe_forward` with `swiglu_bias` as the activation."""
+    xf = np.asarray(x, dtype=np.float32)
+    out = np.zeros_like(xf)
+    for eid in np.unique(ids).tolist():
+        if eid < 0 or eid not in experts:
+            continue
+        rows, slots = np.nonzero(ids == eid)
+        w = experts[eid]
+        h = swiglu_bias(xf[rows] @ w.gate.T, xf[rows] @ w.up.T, alpha, beta, limit)
+        np.add.at(out, rows, (h @ w.down.T) * weights[rows, slots][:, None])
+    return out

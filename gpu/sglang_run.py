@@ -1,0 +1,660 @@
+"""The SGLang-in-the-loop suites (building blocks in gpu/sglang_layer.py).
+
+    python -m gpu.sglang_run single --source SRC --converted CONV --out OUT [--prebuilt SO]
+    python -m gpu.sglang_run dist --ep 1|2 --source SRC --converted CONV --out OUT [--prebuilt SO]
+
+`single` (one GPU): the adapter's path on the converted checkpoint (M = 1..128), the
+per-rank shapes of TP8 (N/tp 384) and TP2 (1536), eager vs CUDA graph, the negative
+controls (unconverted checkpoint through SGLang's stock path; w31 halves swapped), the
+stock path against the activation it really applies (the harness control), and the two
+measurements of the review (the output copy; the fused route+quant TopK).
+`dist` (two GPUs, NCCL): two processes, TP2 (`--ep 1`) or EP2 (`--ep 2`), each rank
+loading what SGLang gives it, forward, SGLang's all-reduce, compared on rank 0.
+Writes report-<suite>.json/.md under OUT; exit 0 only if the suite's verdict passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import cases as C
+from . import sglang_cases as S
+from . import sglang_layer as L
+
+SINGLE_MS = (1, 8, 32, 128)
+DIST_MS = (8, 128)
+TIMING_MS = (1, 8, 32, 128)
+
+
+def _log_to(out: Path, name: str) -> Callable[[str], None]:
+    fh = (out / f"{name}.log").open("a")
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        fh.write(line + "\n")
+        fh.flush()
+
+    return log
+
+
+def prepare_process(prebuilt: Path | None) -> None:
+    """Per process, before SGLang or FlashInfer's MoE is used: stub, module, plugins."""
+    L.install_sgl_kernel_stub()
+    from . import trimmed_build
+
+    trimmed_build.install(prebuilt)
+    L.load_plugins_checked()
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": torch.cuda.device_count(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    for mod in ("sglang", "flashinfer", "triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception as exc:  # reported, not fatal
+            env[mod] = f"unavailable ({exc!r})"
+    return env
+
+
+def _case(
+    name: str,
+    kind: str,
+    m: int,
+    out: Any,
+    want: np.ndarray,
+    *,
+    expect: str = "pass",
+    note: str = "",
+) -> C.CaseResult:
+    stats = S_compare(out, want)
+    return C.CaseResult(
+        name=name,
+        kind=kind,
+        m=m,
+        routing="kimi-topk",
+        expect=expect,  # type: ignore[arg-type]
+        note=note,
+        **stats,
+    )
+
+
+def S_compare(out: Any, want: np.ndarray) -> dict[str, float]:  # noqa: N802
+    from kimi_w31.converter import reference as ref
+
+    got = out.float().cpu().numpy()
+    if got.shape != want.shape:
+        raise ValueError(f"shape mismatch {got.shape} vs {want.shape}")
+    return ref.compare(got, want)
+
+
+def _graph_replay_ms(fn: Callable[[], Any], iters: int = 50) -> float:
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+# --------------------------------------------------------------------------------------
+# single GPU
+# --------------------------------------------------------------------------------------
+
+
+class Single:
+    def __init__(self, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+        self.args, self.log = args, log
+        self.layer_idx = L.first_moe_layer(args.converted)
+        self.cases: list[C.CaseResult] = []
+        self.checks: dict[str, bool] = {}
+        self.report: dict[str, Any] = {}
+
+    def ref_out(self, inp: L.Inputs, experts: dict[int, Any], beta: float, lb: float) -> np.ndarray:
+        from kimi_w31.converter import reference as ref
+
+        return ref.moe_forward(inp.x_host, inp.ids, inp.weights, experts, beta, lb)
+
+    def inputs(self, layer: L.Layer, m: int, k: int, seed: int) -> L.Inputs:
+        return L.make_inputs(
+            m, k, layer.num_experts, layer.top_k, layer.rsf, bool(layer.info["renormalize"]), seed
+        )
+
+    def add(self, case: C.CaseResult) -> None:
+        self.cases.append(case)
+        self.log(
+            f"{case.name}: cos {case.cosine:.7f} nrmse {100 * case.nrmse:.3f}% max "
+            f"{case.max_abs:.4g} gate {'pass' if case.passes_gate else 'FAIL'} "
+            f"(expected {case.expect}) {case.note}"
+        )
+
+    def run(self) -> dict[str, Any]:
+        import torch
+
+        a = self.args
+        t0 = time.time()
+        with L.sglang_rank(a.converted, tp=1, ep=1, rank=0):
+            cfg = L.text_config()
+            beta, lb = float(cfg.activation_situ_beta), float(cfg.activation_situ_linear_beta)
+            k, n = int(cfg.routed_expert_hidden_size), int(cfg.moe_intermediate_size)
+            self.report["dims"] = {
+                "layer": self.layer_idx,
+                "experts": cfg.num_experts,
+                "top_k": cfg.num_experts_per_token,
+                "K": k,
+                "N": n,
+                "routed_scaling_factor": cfg.routed_scaling_factor,
+                "situ": [beta, lb],
+            }
+            t = time.time()
+            experts = L.reference_experts(a.source, self.layer_idx, cfg.num_experts)
+            self.log(f"reference experts dequantized from the source in {time.time() - t:.1f} s")
+            conv = L.read_layer_tensors(a.converted, self.layer_idx)
+            t = time.time()
+            layer = L.build_layer(cfg, self.layer_idx)
+            L.load_weights(layer, cfg, conv)
+            self.report["adapter_layer"] = {
+                **layer.info,
+                "load_s": round(time.time() - t, 1),
+                "w13_weight": list(layer.moe.w13_weight.shape),
+                "backend": getattr(layer.moe, "_mxfp4_backend", None),
+            }
+            self.log(f"adapter layer: {self.report['adapter_layer']}")
+            self.checks["adapter_engaged"] = layer.info["quant_method"] == "KimiW31SituMoEMethod"
+            routing = []
+            for m in SINGLE_MS:
+                inp = self.inputs(layer, m, k, seed=100 + m)
+                out, topk_out = L.forward(layer, inp.x, *L.to_cuda(inp.router))
+                agree = S.same_routing(
+                    topk_out.topk_ids.cpu().numpy(),
+                    topk_out.topk_weights.float().cpu().numpy(),
+                    inp.ids,
+                    inp.weights,
+                )
+                routing.append({"m": m, **agree})
+                self.add(
+                    _case(
+                        f"sglang-situ-M{m}",
+                        "situ",
+                        m,
+                        out,
+                        self.ref_out(inp, experts, beta, lb),
+                        note=f"routing agrees: {agree['agree']}",
+                    )
+                )
+            self.report["routing"] = routing
+            self.checks["sglang_topk_matches_reference_router"] = all(r["agree"] for r in routing)
+            if L.DEVICE == "cuda":  # graphs and timing need the GPU (CPU dry run skips them)
+                self.graph_checks(layer, k)
+                self.timing(layer, k)
+            del layer
+            gc.collect()
+            torch.cuda.empty_cache()
+
+            bad = L.build_layer(cfg, self.layer_idx)
+            L.load_weights(bad, cfg, L.swap_w31_halves(conv))
+            inp = self.inputs(bad, 32, k, seed=132)
+            out, _ = L.forward(bad, inp.x, *L.to_cuda(inp.router))
+            self.add(
+                _case(
+                    "neg-w31-halves-swapped",
+                    "negative",
+                    32,
+                    out,
+                    self.ref_out(inp, experts, beta, lb),
+                    expect="fail",
+                    note="converted w31 fed as [gate; up] through the adapter",
+                )
+            )
+            del bad
+            torch.cuda.empty_cache()
+            self.per_rank_shapes(cfg, conv, experts, k, n, beta, lb)
+            if L.DEVICE == "cuda":
+                self.route_quant(cfg, k)
+        del conv
+        gc.collect()
+        self.stock(experts, beta, lb)
+        self.report["cases"], self.report["checks"] = self.cases, self.checks
+        self.report["verdict"] = C.verdict(self.cases, self.checks)
+        self.report["elapsed_s"] = round(time.time() - t0, 1)
+        return self.report
+
+    def graph_checks(self, layer: L.Layer, k: int) -> None:
+        """Eager vs CUDA-graph capture and two replays of TopK + FusedMoE.forward."""
+        import torch
+
+        inp = self.inputs(layer, 32, k, seed=232)
+        logits, bias = L.to_cuda(inp.router)
+        static: dict[str, Any] = {}
+
+        def call() -> None:
+            static["out"], _ = L.forward(layer, inp.x, logits, bias)
+
+        call()
+        eager = static["out"].clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        replays = []
+        for _ in range(2):
+            static["out"].zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append(static["out"].clone())
+        ok = C.bitwise_equal([eager, *replays])
+        self.checks["eager_vs_graph_bitwise"] = ok
+        self.report["graph"] = {
+            "m": 32,
+            "bitwise": ok,
+            "fused_finalize": os.environ.get("SGLANG_FLASHINFER_MOE_FUSED_FINALIZE", "default"),
+        }
+        self.log(f"eager == graph capture == 2 replays (bitwise): {ok}")
+
+    def timing(self, layer: L.Layer, k: int) -> None:
+        """Review item: `apply` allocates its output, so KimiK3MoE copies it into its latent
+        buffer (kimi_k3.py _forward_routed) instead of the kernel writing there. Cost of
+        that copy under CUDA graphs, against the layer's own time."""
+        import torch
+
+        rows = []
+        for m in TIMING_MS:
+            inp = self.inputs(layer, m, k, seed=300 + m)
+            logits, bias = L.to_cuda(inp.router)
+            latent = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+
+            def moe_only(inp: L.Inputs = inp, logits: Any = logits, bias: Any = bias) -> None:
+                L.forward(layer, inp.x, logits, bias)
+
+            def moe_and_copy(
+                inp: L.Inputs = inp, logits: Any = logits, bias: Any = bias, latent: Any = latent
+            ) -> None:
+                out, _ = L.forward(layer, inp.x, logits, bias)
+                latent.copy_(out)
+
+            base, with_copy = _graph_replay_ms(moe_only), _graph_replay_ms(moe_and_copy)
+            base2 = _graph_replay_ms(moe_only)  # the same thing twice: the noise floor
+            rows.append(
+                {
+                    "m": m,
+                    "topk_moe_ms": base,
+                    "topk_moe_copy_ms": with_copy,
+                    "repeat_ms": base2,
+                    "copy_share": (with_copy - base) / base,
+                }
+            )
+            self.log(f"timing M={m}: {rows[-1]}")
+        self.report["output_copy_timing"] = rows
+
+    def per_rank_shapes(
+        self,
+        cfg: Any,
+        conv: dict[str, Any],
+        experts: dict[int, Any],
+        k: int,
+        n: int,
+        beta: float,
+        lb: float,
+    ) -> None:
+        """One GPU, the N each moe-TP rank holds: TP8 (N/tp 384) and TP2 (1536). Each rank
+        against the reference of its slice; the ranks' sum against the whole layer."""
+        import torch
+        from kimi_w31.converter import reference as ref
+
+        shapes = []
+        for tp in (8, 2):
+            total = None
+            inp = None
+            for rank in range(tp):
+
+                def setup(moe: Any, tp: int = tp, rank: int = rank) -> None:
+                    moe.moe_tp_size, moe.moe_tp_rank = tp, rank
+
+                layer = L.build_layer(cfg, self.layer_idx, intermediate=n // tp, setup=setup)
+                L.load_weights(layer, cfg, conv)
+                if inp is None:
+                    inp = self.inputs(layer, 32, k, seed=400 + tp)
+                out, _ = L.forward(layer, inp.x, *L.to_cuda(inp.router))
+                sliced = {e: S.tp_slice(w, tp, rank) for e, w in experts.items()}
+                want = ref.moe_forward(inp.x_host, inp.ids, inp.weights, sliced, beta, lb)
+                case = _case(
+                    f"tp{tp}-rank{rank}-N{n // tp}",
+                    "tp-rank",
+                    32,
+                    out,
+                    want,
+                    note=f"w13 {list(layer.moe.w13_weight.shape)}",
+                )
+                if rank in (0, tp - 1) or not case.passes_gate:
+                    self.add(case)
+                shapes.append(
+                    {
+                        "tp": tp,
+                        "rank": rank,
+                        "passes_gate": case.passes_gate,
+                        "cosine": case.cosine,
+                        "nrmse": case.nrmse,
+                    }
+                )
+                part = out.float().cpu()
+                total = part if total is None else total + part
+                del layer
+                torch.cuda.empty_cache()
+            assert inp is not None and total is not None
+            self.add(
+                _case(
+                    f"tp{tp}-sum-of-ranks",
+                    "tp-sum",
+                    32,
+                    total,
+                    self.ref_out(inp, experts, beta, lb),
+                    note=f"host sum of the {tp} ranks' outputs",
+                )
+            )
+        self.report["per_rank"] = shapes
+        self.checks["every_tp_rank_passes"] = all(s["passes_gate"] for s in shapes)
+
+    def route_quant(self, cfg: Any, k: int) -> None:
+        """Review item: with the adapter's method, KimiK3MoE stages its routed activations
+        and Kimi-K3's TopK (896 experts, top-16, M <= 64) runs the fused route+pack+MXFP8
+        quant kernel, whose quant output the W4A16 path never reads. TopK time with and
+        without the staging, under CUDA graphs."""
+        import torch
+        from sglang.srt.layers.moe import route_quant_handoff as rq
+        from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
+
+        rows: list[dict[str, Any]] = []
+        try:
+            with torch.device("cuda"):
+                topk = TopK(
+                    top_k=16,
+                    layer_id=0,
+                    renormalize=cfg.moe_renormalize,
+                    use_grouped_topk=True,
+                    num_expert_group=1,
+                    topk_group=1,
+                    scoring_func="sigmoid",
+                    correction_bias=torch.zeros(896, dtype=torch.float32),
+                    routed_scaling_factor=cfg.routed_scaling_factor,
+                    apply_routed_scaling_factor_on_output=True,
+                    output_format=TopKOutputFormat.STANDARD,
+                )
+            for m in (1, 8, 32, 64):
+                router = S.make_router(m, 896, 500 + m)
+                logits, bias = L.to_cuda(router)
+                topk.topk_config.correction_bias.copy_(bias)
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+
+                def plain(x: Any = x, logits: Any = logits) -> None:
+                    topk(x, logits)
+
+                def staged(x: Any = x, logits: Any = logits) -> None:
+                    rq.stage(x)
+                    try:
+                        topk(x, logits)
+                    finally:
+                        rq.clear()
+
+                rq.stage(x)
+                ref_out = topk(x, logits)
+                hit = rq._handoff.produced_x is not None
+                rq.clear()
+                plain_out = topk(x, logits)
+                same = bool(
+                    torch.equal(ref_out.topk_ids, plain_out.topk_ids)
+                    and torch.equal(ref_out.topk_weights, plain_out.topk_weights)
+                )
+                row = {
+                    "m": m,
+                    "fused_kernel_hit": hit,
+                    "same_routing": same,
+                    "plain_ms": _graph_replay_ms(plain),
+                    "staged_ms": _graph_replay_ms(staged),
+                    "plain_repeat_ms": _graph_replay_ms(plain),
+                }
+                rows.append(row)
+                self.log(f"route+quant M={m}: {row}")
+            self.report["route_quant"] = rows
+        except Exception as exc:  # measured where it runs; the failure is the finding
+            self.report["route_quant"] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "rows": rows,
+                "trace": traceback.format_exc()[-2000:],
+            }
+            self.log(f"route+quant measurement failed: {exc!r}")
+
+    def stock(self, experts: dict[int, Any], beta: float, lb: float) -> None:
+        """The UNCONVERTED source through SGLang's stock SM90 path (no kimi_w31 block, no
+        opt-in): a negative control against the SiTU reference, and the harness control
+        against what that path really computes (SwigluBias with alpha=beta_situ, beta=1,
+        limit=linear_beta_situ, fc1 reordered to [up; gate] by SGLang)."""
+        a = self.args
+        with L.sglang_rank(a.source, tp=1, ep=1, rank=0):
+            cfg = L.text_config()
+            k = int(cfg.routed_expert_hidden_size)
+            layer = L.build_layer(cfg, self.layer_idx)
+            L.load_weights(layer, cfg, L.read_layer_tensors(a.source, self.layer_idx))
+            self.report["stock_layer"] = layer.info
+            self.checks["stock_path_is_sglangs"] = layer.info["quant_method"] == "Mxfp4MoEMethod"
+            inp = self.inputs(layer, 32, k, seed=632)
+            out, _ = L.forward(layer, inp.x, *L.to_cuda(inp.router))
+            self.add(
+                _case(
+                    "neg-unconverted-stock-path",
+                    "negative",
+                    32,
+                    out,
+                    self.ref_out(inp, experts, beta, lb),
+                    expect="fail",
+                    note="source checkpoint, SGLang's own SM90 CUTLASS path",
+                )
+            )
+            # The stock path applies no routed scaling factor (nothing fuses or applies it).
+            unscaled = inp.weights / np.float32(layer.rsf)
+            for name, w in (("unscaled", unscaled), ("scaled", inp.weights)):
+                want = S.moe_swiglu_bias(inp.x_host, inp.ids, w, experts, beta, 1.0, lb)
+                stats = S_compare(out, want)
+                self.report.setdefault("stock_control", {})[name] = stats
+            ctrl = self.report["stock_control"]["unscaled"]
+            self.add(
+                C.CaseResult(
+                    name="control-stock-swiglubias",
+                    kind="control",
+                    m=32,
+                    routing="kimi-topk",
+                    note="stock path vs SwigluBias(4, 1, 25) "
+                    "reference, routing weights without the scaling factor",
+                    **ctrl,
+                )
+            )
+
+
+# --------------------------------------------------------------------------------------
+# two GPUs
+# --------------------------------------------------------------------------------------
+
+
+def _dist_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    import torch
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+    )
+    torch.cuda.set_device(rank)
+    prepare_process(args.prebuilt)
+    log = _log_to(args.out, f"dist-ep{args.ep}-rank{rank}")
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+    from sglang.srt.runtime_context import get_parallel
+
+    report: dict[str, Any] = {"rank": rank, "tp": 2, "ep": args.ep}
+    layer_idx = L.first_moe_layer(args.converted)
+    with L.sglang_rank(args.converted, tp=2, ep=args.ep, rank=rank):
+        par = get_parallel()
+        cfg = L.text_config()
+        k = int(cfg.routed_expert_hidden_size)
+        layer = L.build_layer(cfg, layer_idx)
+        L.load_weights(layer, cfg, L.read_layer_tensors(args.converted, layer_idx))
+        moe = layer.moe
+        report["rank_layer"] = {
+            **layer.info,
+            "w13_weight": list(moe.w13_weight.shape),
+            "moe_tp": [moe.moe_tp_size, moe.moe_tp_rank],
+            "moe_ep": [moe.moe_ep_size, moe.moe_ep_rank],
+            "tp_group": [par.tp_size, par.tp_rank],
+        }
+        log(f"rank {rank}: {report['rank_layer']}")
+        outs = []
+        for m in DIST_MS:
+            inp = L.make_inputs(
+                m, k, layer.num_experts, layer.top_k, layer.rsf, bool(cfg.moe_renormalize), 700 + m
+            )
+            out, _ = L.forward(layer, inp.x, *L.to_cuda(inp.router))
+            reduced = tensor_model_parallel_all_reduce(out.clone())
+            torch.cuda.synchronize()
+            host = reduced.float().cpu().numpy()
+            outs.append(
+                {
+                    "m": m,
+                    "sha256": hashlib.sha256(host.tobytes()).hexdigest()[:16],
+                    "x": inp.x_host,
+                    "ids": inp.ids,
+                    "w": inp.weights,
+                    "out": host,
+                }
+            )
+        gathered: list[Any] = [None, None]
+        torch.distributed.all_gather_object(gathered, [(o["m"], o["sha256"]) for o in outs])
+        report["ranks_identical"] = gathered[0] == gathered[1]
+        layers_info: list[Any] = [None, None]
+        torch.distributed.all_gather_object(layers_info, report["rank_layer"])
+    if rank != 0:
+        return
+    from kimi_w31.converter import reference as ref
+
+    experts = L.reference_experts(args.source, layer_idx, cfg.num_experts)
+    beta, lb = float(cfg.activation_situ_beta), float(cfg.activation_situ_linear_beta)
+    cases = []
+    for o in outs:
+        want = ref.moe_forward(o["x"], o["ids"], o["w"], experts, beta, lb)
+        stats = ref.compare(o["out"], want)
+        name = f"{'ep2' if args.ep == 2 else 'tp2'}-2gpu-M{o['m']}"
+        cases.append(
+            C.CaseResult(
+                name=name,
+                kind="dist",
+                m=o["m"],
+                routing="kimi-topk",
+                note="all-reduced over NCCL",
+                **stats,
+            )
+        )
+        log(f"{name}: cos {stats['cosine']:.7f} nrmse {100 * stats['nrmse']:.3f}%")
+    report["rank_layers"] = layers_info
+    report["cases"] = cases
+    checks = {"ranks_identical_after_all_reduce": bool(report["ranks_identical"])}
+    report["checks"] = checks
+    v = C.verdict(cases, checks)
+    v.pop("negative_controls_fail")  # the single-GPU suite carries the negative controls
+    v["overall"] = all(val for key, val in v.items() if key != "overall")
+    report["verdict"] = v
+    report["environment"] = environment()
+    C.write_report(args.out / f"report-dist-ep{args.ep}.json", report)
+    (args.out / f"report-dist-ep{args.ep}.md").write_text(C.markdown_table(cases) + "\n")
+    log(f"verdict: {json.dumps(v)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("suite", choices=("single", "dist"))
+    p.add_argument("--source", type=Path, required=True)
+    p.add_argument("--converted", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--prebuilt",
+        type=Path,
+        default=None,
+        help="the trimmed FlashInfer module built earlier (skips the JIT build)",
+    )
+    p.add_argument("--ep", type=int, choices=(1, 2), default=1, help="dist: 1 = TP2, 2 = EP2")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.suite == "dist":
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_dist_worker, args=(args, port), nprocs=2, join=True)
+        report = json.loads((args.out / f"report-dist-ep{args.ep}.json").read_text())
+        return 0 if report["verdict"]["overall"] else 1
+    log = _log_to(args.out, "single")
+    prepare_process(args.prebuilt)
+    env = environment()
+    log(f"environment: {env}")
+    report = {
+        "environment": env,
+        "command": " ".join(["python -m gpu.sglang_run", *sys.argv[1:]]),
+        "gate": {"cosine_min": C.COSINE_MIN, "nrmse_max": C.NRMSE_MAX},
+        **Single(args, log).run(),
+    }
+    C.write_report(args.out / "report-single.json", report)
+    (args.out / "report-single.md").write_text(C.markdown_table(report["cases"]) + "\n")
+    log(f"verdict: {json.dumps(report['verdict'])}")
+    return 0 if report["verdict"]["overall"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
