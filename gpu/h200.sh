@@ -21,7 +21,7 @@ export FLASHINFER_WORKSPACE_BASE=$WORK/fiws
 export FLASHINFER_CUDA_ARCH_LIST=9.0a
 PKG=$WORK/pkg
 export PYTHONPATH=$SITE:$PKG${PYTHONPATH:+:$PYTHONPATH}
-kimi_convert() { python3 -c 'from kimi_w31.converter.cli import main; main()' "$@"; }
+kimi_convert() { python3 -m kimi_w31 "$@"; }
 
 setup() {
     mkdir -p "$SITE" "$WORK/out"

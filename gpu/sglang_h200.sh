@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=$WORK/fiws FLASHINFER_CUDA_A
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
 export PYTHONPATH=$SITE:$PKG:$REPO${PYTHONPATH:+:$PYTHONPATH}
-kimi_convert() { python3 -c 'from kimi_w31.converter.cli import main; main()' "$@"; }
+kimi_convert() { python3 -m kimi_w31 "$@"; }
 
 setup() {
     mkdir -p "$SITE" "$OUTD"

@@ -194,7 +194,7 @@ def test_expert_index_and_layer_pick() -> None:
 
 
 def _kimi_convert(*args: str) -> None:
-    code = "from kimi_w31.converter.cli import main; main()"
+    code = "from kimi_w31.cli import main; main()"
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -22,7 +22,7 @@ E, K, N, LAYERS = 4, 256, 128, 2
 
 def _cli(*args: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31.converter", *args],
+        [sys.executable, "-m", "kimi_w31", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -39,6 +39,8 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
         str(src),
         "--layers",
         str(LAYERS),
+        "--dense-layers",  # every layer a MoE layer: each is served and compared below
+        "0",
         "--experts",
         str(E),
         "--k",
@@ -131,7 +133,7 @@ def test_serve_checks_pass_on_the_real_stack_and_print_the_command(pair):
         [
             sys.executable,
             "-m",
-            "kimi_w31.converter",
+            "kimi_w31",
             "serve",
             str(pair[1]),
             "--print",
@@ -149,7 +151,7 @@ def test_serve_checks_pass_on_the_real_stack_and_print_the_command(pair):
     assert "--moe-runner-backend flashinfer_mxfp4 --tp-size 1 --port 30001" in cmd
     # the source is refused without the opt-in
     proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31.converter", "serve", str(pair[0]), "--print"],
+        [sys.executable, "-m", "kimi_w31", "serve", str(pair[0]), "--print"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kimi_w31.converter", *args],
+    proc = subprocess.run([sys.executable, "-m", "kimi_w31", *args],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
