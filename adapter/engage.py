@@ -36,7 +36,7 @@ class MoeFacts:
     opt_in: bool  # OPT_IN_ENV set: serve an unconverted checkpoint too
     paged_experts: bool = False
     ktransformers: bool = False
-    sm90_precision: str | None = None  # --flashinfer-mxfp4-moe-precision
+    sm90_precision: str | None = None  # --flashinfer-mxfp4-moe-precision (fp8: SM90 W4A8)
     ar_fusion_forced: bool = False  # SGLANG_K3_AR_FUSION=1
 
 
@@ -64,15 +64,6 @@ def decide(f: MoeFacts) -> Decision:
         raise UnsupportedCombinationError(
             f"{where}: KTransformers CPU/GPU expert offload (--kt-weight-path) is not "
             f"supported; drop it, or {way_out}."
-        )
-    if f.arch == "sm90" and f.sm90_precision == "fp8":
-        # FlashInfer's Humming runner has a SiTU activation kernel, but its numerics with
-        # SiTU have not passed a GPU check yet (docs/gpu-validation.md, "SM90 W4A8").
-        raise UnsupportedCombinationError(
-            f"{where}: --flashinfer-mxfp4-moe-precision fp8 (SM90 W4A8 'Humming': FP8 "
-            "activations x MXFP4) is not validated with SiTU: FlashInfer's Humming runner "
-            "has not yet passed the numerical check against the SiTU reference on an H200. "
-            f"Use the default precision (W4A16, validated), or {way_out}."
         )
     if f.ar_fusion_forced:
         raise UnsupportedCombinationError(

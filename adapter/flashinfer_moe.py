@@ -89,6 +89,30 @@ def check_situ_support() -> str:
     return version
 
 
+def check_humming_support() -> str:
+    """Like `check_situ_support`, for SM90 W4A8 "Humming" too: FlashInfer must have the
+    Humming weight preprocessing and the `use_wfp4afp8_humming` keyword."""
+    version = check_situ_support()
+    import flashinfer.fused_moe as fused
+
+    missing = []
+    if not hasattr(fused, "preprocess_moe_weights_for_sm90_mixed_gemm_humming"):
+        missing.append("preprocess_moe_weights_for_sm90_mixed_gemm_humming")
+    try:
+        params = inspect.signature(fused.cutlass_fused_moe).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "use_wfp4afp8_humming" not in params:
+        missing.append("cutlass_fused_moe(use_wfp4afp8_humming=...)")
+    if missing:
+        raise SituUnsupportedError(
+            f"flashinfer-python {version} cannot run SM90 W4A8 (--flashinfer-mxfp4-moe-precision "
+            f"fp8): missing {', '.join(missing)}. Use the default precision (W4A16), or "
+            "upgrade flashinfer-python (0.7.2.post1 has it)."
+        )
+    return version
+
+
 # --------------------------------------------------------------------------------------
 # SiTU parameter tensors
 # --------------------------------------------------------------------------------------

@@ -210,15 +210,17 @@ def around_get_quant_method(original: Any, self: Any, layer: Any, prefix: str):
         if warning:
             _log_once(logging.WARNING, warning)
         return original(self, layer, prefix)
-    version = fm.check_situ_support()
+    humming = facts.arch == "sm90" and facts.sm90_precision == "fp8"
+    version = fm.check_humming_support() if humming else fm.check_situ_support()
     layout = load_layout(hf_config) if facts.converted else None
     beta, linear_beta = situ_constants(layer, layout)
     from .moe_method import KimiW31SituMoEMethod
 
+    kind = "W4A8 Humming" if humming else "W4A16" if facts.arch == "sm90" else "MXFP8 x MXFP4"
     _log_once(
         logging.INFO,
         f"kimi_w31: Kimi-K3 MoE on {facts.arch.upper()} uses the SiTU CUTLASS method "
-        f"(flashinfer-python {version}, beta {beta}, linear_beta {linear_beta}, "
+        f"(flashinfer-python {version}, {kind}, beta {beta}, linear_beta {linear_beta}, "
         f"{'converted w31' if facts.converted else 'unconverted, opted in'})",
     )
     return KimiW31SituMoEMethod(prefix, beta, linear_beta)
@@ -239,5 +241,11 @@ def after_check_server_args(result: Any, server_args: Any, *args: Any, **kw: Any
     if getattr(text_config(hf_config), "hidden_act", None) != "situ":
         return result
     if find_block(hf_config) is not None or opt_in_unconverted(os.environ):
-        fm.check_situ_support()
+        if (
+            _arch() == "sm90"
+            and getattr(server_args, "flashinfer_mxfp4_moe_precision", None) == "fp8"
+        ):
+            fm.check_humming_support()
+        else:
+            fm.check_situ_support()
     return result

@@ -28,6 +28,13 @@ from . import flashinfer_moe as fm
 logger = logging.getLogger(__name__)
 
 _ARCH_OF_KERNEL = {"cutlass_sm90": "sm90", "cutlass_sm120": "sm120"}
+# Where fc2's weight scales sit in FlashInfer's quant_scales list.
+_FC2_SCALE_SLOT = {"sm90": 1, "sm120": 2, "humming": 3}
+_HUMMING_BUFFERS = (
+    "kimi_w31_w13_humming_residual",
+    "kimi_w31_humming_fc2_act_scale",
+    "kimi_w31_w2_humming_residual",
+)
 
 
 class KimiW31SituMoEMethod(Mxfp4MoEMethod):
@@ -49,6 +56,9 @@ class KimiW31SituMoEMethod(Mxfp4MoEMethod):
         self.arch: fm.Arch = arch  # type: ignore[assignment]
         self.situ_beta = float(situ_beta)
         self.situ_linear_beta = float(situ_linear_beta)
+        # --flashinfer-mxfp4-moe-precision fp8 on SM90: W4A8 "Humming" (FP8 activations),
+        # validated with SiTU on an H200 (docs/gpu-validation.md); inert elsewhere, as in SGLang.
+        self.humming = self.arch == "sm90" and bool(self._use_sm90_humming)
         self._dims: fm.MoeDims | None = None
 
     def create_weights(
@@ -101,23 +111,29 @@ class KimiW31SituMoEMethod(Mxfp4MoEMethod):
         The stock SM90/SM120 routines are not called: they reorder `[gate; up]` (or
         GPT-OSS-interleaved) rows into `[up; gate]`, which would scramble this layout.
         """
-        prepared = fm.prepare_weights(
-            self.arch,
+        tensors = (
             layer.w13_weight.data,
             layer.w13_weight_scale.data,
             layer.w2_weight.data,
             layer.w2_weight_scale.data,
         )
+        if self.humming:
+            prepared = fm.prepare_sm90_humming(*tensors)
+        else:
+            prepared = fm.prepare_weights(self.arch, *tensors)
         self._dims = prepared.dims
         scales = prepared.quant_scales
         params = {
             "w13_weight": prepared.fc1,
             "w2_weight": prepared.fc2,
             "w13_weight_scale": scales[0],
-            "w2_weight_scale": scales[1] if self.arch == "sm90" else scales[2],
+            "w2_weight_scale": scales[_FC2_SCALE_SLOT["humming" if self.humming else self.arch]],
         }
         if self.arch == "sm120":
             params["mxfp4_weight_global_scale"] = scales[1]
+        if self.humming:  # per-local-expert residuals (x 64) and the fc2 activation scale
+            for name, t in zip(_HUMMING_BUFFERS, (scales[1], scales[2], scales[4]), strict=True):
+                layer.register_buffer(name, t, persistent=False)
         for name, tensor in params.items():
             setattr(layer, name, torch.nn.Parameter(tensor, requires_grad=False))
         # Kimi-K3 has no expert biases; SGLang allocates zero bf16 ones on CUDA anyway.
@@ -147,7 +163,10 @@ class KimiW31SituMoEMethod(Mxfp4MoEMethod):
         # Rebuilt from the layer's own parameters on each call: no copy, no allocation.
         if self._dims is None:
             raise RuntimeError(f"{self.prefix}: apply() before process_weights_after_loading()")
-        if self.arch == "sm90":
+        if self.humming:
+            r1, act, r2 = (getattr(layer, name) for name in _HUMMING_BUFFERS)
+            scales = (layer.w13_weight_scale, r1, act, layer.w2_weight_scale, r2)
+        elif self.arch == "sm90":
             scales = (layer.w13_weight_scale, layer.w2_weight_scale)
         else:
             gs = layer.mxfp4_weight_global_scale
@@ -158,6 +177,7 @@ class KimiW31SituMoEMethod(Mxfp4MoEMethod):
             fc1=layer.w13_weight,
             fc2=layer.w2_weight,
             quant_scales=scales,
+            humming=self.humming,
         )
 
     def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:

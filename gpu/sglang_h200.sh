@@ -35,6 +35,10 @@ setup() {
         tar -xJf .whl/sglang-0.5.23-trim.tar.xz -C "$SITE" || return 1
         tar -xJf .fi/flashinfer-0.7.2.post1-sm90moe.tar.xz -C "$SITE" || return 1
         xz -dc .fi/prebuilt/fused_moe_90_kimi_w31_w4a16.so.xz > "$WORK/prebuilt_moe.so" || return 1
+        if [ -f .fi/prebuilt/fused_moe_90_kimi_w31_w4a8_humming.so.xz ]; then
+            xz -dc .fi/prebuilt/fused_moe_90_kimi_w31_w4a8_humming.so.xz \
+                > "$WORK/prebuilt_w4a8.so" || return 1
+        fi
         echo "$want" > "$SITE/.installed"
     fi
     # The installed layout of pyproject.toml by hand, with the plugin's entry point, so that
@@ -76,6 +80,27 @@ pipeline() {
     time kimi_convert "$WORK/src" "$WORK/conv" --manifest kimi-k3-any -q \
         || { echo "CONVERT FAILED"; touch "$WORK/done"; exit 1; }
     local args=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD" --prebuilt "$so")
+    if [ "${KIMI_W31_SUITES:-all}" = w4a8 ]; then  # the W4A8 module built earlier
+        echo "== single-w4a8 $(date -u +%FT%TZ)"
+        CUDA_VISIBLE_DEVICES=0 python3 -m gpu.sglang_run single-w4a8 --source "$WORK/src" \
+            --converted "$WORK/conv" --out "$OUTD" --prebuilt "$WORK/prebuilt_w4a8.so"
+        echo "== single-w4a8 exit $? $(date -u +%FT%TZ)"
+        local margs=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD" --autotune
+                     --no-checks --ms 1,8,32,128,512,2048)
+        # One GPU each when there are two (same data, same M, one tuned module per process).
+        local second=0
+        [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && second=1
+        CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 --module w4a8 \
+            --prebuilt "$WORK/prebuilt_w4a8.so" "${margs[@]}" &
+        local first_pid=$!
+        [ "$second" = 0 ] && wait "$first_pid"
+        CUDA_VISIBLE_DEVICES=$second FLASHINFER_WORKSPACE_BASE=$WORK/fiws-w4a16 python3 -m gpu.w4a8 \
+            --module w4a16 --prebuilt "$WORK/prebuilt_moe.so" "${margs[@]}"
+        wait "$first_pid"
+        echo "== tuned timing done $(date -u +%FT%TZ)"
+        touch "$WORK/done"
+        exit 0
+    fi
     echo "== single $(date -u +%FT%TZ)"
     CUDA_VISIBLE_DEVICES=0 python3 -m gpu.sglang_run single "${args[@]}"
     echo "== single exit $? $(date -u +%FT%TZ)"
@@ -102,7 +127,10 @@ w4a8_pipeline() {
         kimi_convert "$WORK/src" "$WORK/conv" --manifest kimi-k3-any -q
     fi
     local args=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD")
-    CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 --module w4a16 --prebuilt "$WORK/prebuilt_moe.so" "${args[@]}"
+    # Its own FlashInfer workspace: FlashInfer regenerates kernel sources on spec creation,
+    # which must not touch the files the W4A8 build is compiling.
+    FLASHINFER_WORKSPACE_BASE=$WORK/fiws-w4a16 CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 \
+        --module w4a16 --prebuilt "$WORK/prebuilt_moe.so" "${args[@]}"
     echo "== w4a16 timing exit $? $(date -u +%FT%TZ)"
     if ! wait "$build_pid"; then
         echo "W4A8 BUILD FAILED"; tail -40 "$OUTD/build-w4a8.log"; touch "$WORK/done-w4a8"; exit 1

@@ -109,7 +109,9 @@ def install_sgl_kernel_stub() -> None:
 
 
 @contextlib.contextmanager
-def sglang_rank(model_path: Path, *, tp: int, ep: int, rank: int) -> Iterator[None]:
+def sglang_rank(
+    model_path: Path, *, tp: int, ep: int, rank: int, precision: str = "default"
+) -> Iterator[None]:
     """Publish server args and create the groups, as one scheduler rank does."""
     import torch
     from sglang.srt.distributed import parallel_state
@@ -131,6 +133,7 @@ def sglang_rank(model_path: Path, *, tp: int, ep: int, rank: int) -> Iterator[No
             tp_size=tp,
             ep_size=ep,
             moe_runner_backend="flashinfer_mxfp4",
+            flashinfer_mxfp4_moe_precision=precision,  # "fp8": SM90 W4A8 (Humming)
             disable_custom_all_reduce=True,  # its kernels live in sgl_kernel
             disable_radix_cache=True,
             device=device,

@@ -52,12 +52,12 @@ def _log_to(out: Path, name: str) -> Callable[[str], None]:
     return log
 
 
-def prepare_process(prebuilt: Path | None) -> None:
+def prepare_process(prebuilt: Path | None, module: str = "w4a16") -> None:
     """Per process, before SGLang or FlashInfer's MoE is used: stub, module, plugins."""
     L.install_sgl_kernel_stub()
     from . import trimmed_build
 
-    trimmed_build.install(prebuilt)
+    trimmed_build.install(prebuilt, trimmed_build.VARIANTS[module])
     L.load_plugins_checked()
 
 
@@ -517,6 +517,90 @@ class Single:
 
 
 # --------------------------------------------------------------------------------------
+# single GPU, --flashinfer-mxfp4-moe-precision fp8 (SM90 W4A8 "Humming")
+# --------------------------------------------------------------------------------------
+
+
+def single_w4a8(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    """The adapter's Humming path inside SGLang, against gpu/w4a8.py's FP8-modelled
+    reference and W4A8 gate; the halves-swapped control; eager vs CUDA graph."""
+    from kimi_w31.converter import reference as ref
+
+    from . import w4a8 as W
+
+    idx = L.first_moe_layer(args.converted)
+    rows: list[dict[str, Any]] = []
+    checks: dict[str, bool] = {}
+    with L.sglang_rank(args.converted, tp=1, ep=1, rank=0, precision="fp8"):
+        cfg = L.text_config()
+        beta, lb = float(cfg.activation_situ_beta), float(cfg.activation_situ_linear_beta)
+        k = int(cfg.routed_expert_hidden_size)
+        experts = L.reference_experts(args.source, idx, cfg.num_experts)
+        conv = L.read_layer_tensors(args.converted, idx)
+
+        def run_case(name: str, layer: L.Layer, m: int, expect: str = "pass") -> None:
+            inp = L.make_inputs(
+                m, k, layer.num_experts, layer.top_k, layer.rsf, bool(cfg.moe_renormalize), 800 + m
+            )
+            out, _ = L.forward(layer, inp.x, *L.to_cuda(inp.router))
+            got = out.float().cpu().numpy()
+            modelled = ref.compare(
+                got, W.w4a8_reference(inp.x_host, inp.ids, inp.weights, experts, beta, lb)
+            )
+            plain = ref.compare(
+                got, ref.moe_forward(inp.x_host, inp.ids, inp.weights, experts, beta, lb)
+            )
+            ok = W.w4a8_gate(modelled["cosine"], modelled["nrmse"])
+            rows.append(
+                {
+                    "name": name,
+                    "m": m,
+                    "expect": expect,
+                    "vs_fp8_modelled": modelled,
+                    "vs_unquantized": plain,
+                    "passes_gate": ok,
+                    "ok": ok == (expect == "pass"),
+                }
+            )
+            log(
+                f"{name}: modelled cos {modelled['cosine']:.6f} nrmse "
+                f"{100 * modelled['nrmse']:.3f}% | unquantized cos {plain['cosine']:.6f} nrmse "
+                f"{100 * plain['nrmse']:.3f}% -> {'pass' if ok else 'FAIL'} (expected {expect})"
+            )
+
+        layer = L.build_layer(cfg, idx)
+        L.load_weights(layer, cfg, conv)
+        method = layer.moe.quant_method
+        checks["adapter_humming_engaged"] = bool(getattr(method, "humming", False))
+        log(f"layer: {layer.info}, humming {checks['adapter_humming_engaged']}")
+        for m in SINGLE_MS:
+            run_case(f"sglang-w4a8-situ-M{m}", layer, m)
+        inp = L.make_inputs(32, k, layer.num_experts, layer.top_k, layer.rsf, True, 932)
+        logits, bias = L.to_cuda(inp.router)
+        static: dict[str, Any] = {}
+
+        def call() -> None:
+            static["out"], _ = L.forward(layer, inp.x, logits, bias)
+
+        if L.DEVICE == "cuda":  # the CPU dry run has no graphs
+            call()
+            eager = static["out"].clone()
+            _graph_replay_ms(call, iters=1)  # captures `call` in a graph and replays it
+            checks["eager_vs_graph_bitwise"] = C.bitwise_equal([eager, static["out"]])
+        bad = L.build_layer(cfg, idx)
+        L.load_weights(bad, cfg, L.swap_w31_halves(conv))
+        run_case("neg-w31-halves-swapped", bad, 32, expect="fail")
+    verdict = {"all_as_expected": all(r["ok"] for r in rows), **checks}
+    verdict["overall"] = all(verdict.values())
+    return {
+        "cases": rows,
+        "checks": checks,
+        "verdict": verdict,
+        "gate": {"cosine_min": W.W4A8_COSINE_MIN, "nrmse_max": W.W4A8_NRMSE_MAX},
+    }
+
+
+# --------------------------------------------------------------------------------------
 # two GPUs
 # --------------------------------------------------------------------------------------
 
@@ -616,7 +700,7 @@ def _dist_worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("suite", choices=("single", "dist"))
+    p.add_argument("suite", choices=("single", "single-w4a8", "dist"))
     p.add_argument("--source", type=Path, required=True)
     p.add_argument("--converted", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -639,6 +723,13 @@ def main(argv: list[str] | None = None) -> int:
             port = s.getsockname()[1]
         mp.spawn(_dist_worker, args=(args, port), nprocs=2, join=True)
         report = json.loads((args.out / f"report-dist-ep{args.ep}.json").read_text())
+        return 0 if report["verdict"]["overall"] else 1
+    if args.suite == "single-w4a8":
+        log = _log_to(args.out, "single-w4a8")
+        prepare_process(args.prebuilt, "w4a8")
+        report = {"environment": environment(), **single_w4a8(args, log)}
+        C.write_report(args.out / "report-single-w4a8.json", report)
+        log(f"verdict: {json.dumps(report['verdict'])}")
         return 0 if report["verdict"]["overall"] else 1
     log = _log_to(args.out, "single")
     prepare_process(args.prebuilt)

@@ -207,12 +207,15 @@ def _slice(w: ref.ExpertWeights, tp: int, rank: int) -> ref.ExpertWeights:
 
 
 def timing(
-    run: Callable[[int, str], Callable[[], Any]], acts: tuple[str, ...], log: Callable[[str], None]
+    run: Callable[[int, str], Callable[[], Any]],
+    acts: tuple[str, ...],
+    log: Callable[[str], None],
+    ms: tuple[int, ...] = TIMING_MS,
 ) -> list[dict[str, Any]]:
     from .sglang_run import _graph_replay_ms
 
     rows = []
-    for m in TIMING_MS:
+    for m in ms:
         row: dict[str, Any] = {"m": m}
         for act in acts:
             row[f"{act}_graph_ms"] = _graph_replay_ms(run(m, act), iters=30)
@@ -230,7 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prebuilt", type=Path, default=None)
     p.add_argument("--experts", type=int, default=28)
     p.add_argument("--no-checks", action="store_true")
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="profile FlashInfer's tactics at every timed M first (as SGLang's warm-up)",
+    )
+    p.add_argument("--ms", default=",".join(map(str, TIMING_MS)), help="timed token counts")
     args = p.parse_args(argv)
+    timing_ms = tuple(int(m) for m in args.ms.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     fh = (args.out / f"w4a8-{args.module}.log").open("a")
 
@@ -277,9 +287,23 @@ def main(argv: list[str] | None = None) -> int:
         b = betas if act == "situ" else (None, None)
         return lambda: fm.run_situ_moe(x, ids, wts, prepared, *b, output=out, activation=act)
 
-    report["timing"] = timing(make, acts, log)
-    report["timing_note"] = "CUDA-graph replays, median of 30, FlashInfer's default tactic"
-    (args.out / f"report-w4a8-{args.module}.json").write_text(json.dumps(report, indent=1))
+    if args.autotune:
+        from flashinfer.autotuner import autotune
+
+        t = time.time()
+        for m in sorted(timing_ms, reverse=True):
+            for act in acts:
+                with autotune(True):
+                    make(m, act)()
+        torch.cuda.synchronize()
+        report["autotune_s"] = round(time.time() - t, 1)
+        log(f"autotuned {timing_ms} in {report['autotune_s']} s")
+    report["timing"] = timing(make, acts, log, timing_ms)
+    report["timing_note"] = "CUDA-graph replays, median of 30, " + (
+        "after FlashInfer's autotuner" if args.autotune else "FlashInfer's default tactic"
+    )
+    tag = "-tuned" if args.autotune else ""
+    (args.out / f"report-w4a8-{args.module}{tag}.json").write_text(json.dumps(report, indent=1))
     ok = report.get("verdict", {}).get("all_as_expected", True)
     log(f"verdict: {report.get('verdict')}")
     return 0 if ok else 1

@@ -36,8 +36,11 @@ class RefCutlassFusedMoe:
         x = kw["input"].float()
         fc1 = kw["fc1_expert_weights"].view(torch.uint8)
         fc2 = kw["fc2_expert_weights"].view(torch.uint8)
-        scales = [s.view(torch.uint8) for s in kw["quant_scales"]]
-        s1, s2 = (scales[0], scales[1]) if len(scales) == 2 else (scales[0], scales[2])
+        scales = kw["quant_scales"]
+        # W4A16: [fc1, fc2]; SM120: [fc1, global, fc2, global]; Humming: [fc1, residual,
+        # act scale, fc2, residual] (residuals are the CPU fakes' ones and are not applied).
+        s1, s2 = (scales[0].view(torch.uint8),
+                  scales[{2: 1, 4: 2, 5: 3}[len(scales)]].view(torch.uint8))  # fmt: skip
         e_local, two_n = fc1.shape[0], fc1.shape[1]
         n = two_n // 2
         ids = kw["token_selected_experts"].long()

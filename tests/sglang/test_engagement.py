@@ -95,12 +95,24 @@ def test_bad_opt_in_value_is_refused(plugins, source_dir, monkeypatch):
         _method()
 
 
-def test_humming_w4a8_on_sm90_fails_at_construction(plugins, converted_dir):
-    from kimi_w31.adapter.engage import UnsupportedCombinationError
+def test_humming_w4a8_on_sm90_engages_the_humming_method(plugins, converted_dir):
+    with sglang_process(converted_dir, arch="sm90", flashinfer_mxfp4_moe_precision="fp8"):
+        method = _method().quant_method
+    assert type(method).__name__ == "KimiW31SituMoEMethod" and method.humming
+    with sglang_process(converted_dir, arch="sm120", flashinfer_mxfp4_moe_precision="fp8"):
+        assert not _method().quant_method.humming  # an SM90 knob: inert on SM120, as in SGLang
+    with sglang_process(converted_dir, arch="sm90"):
+        assert not _method().quant_method.humming
 
+
+def test_humming_needs_flashinfers_humming_entry_points(plugins, converted_dir, monkeypatch):
+    import flashinfer.fused_moe
+    from kimi_w31.adapter.flashinfer_moe import SituUnsupportedError
+
+    monkeypatch.delattr(flashinfer.fused_moe, "preprocess_moe_weights_for_sm90_mixed_gemm_humming")
     with (
         sglang_process(converted_dir, arch="sm90", flashinfer_mxfp4_moe_precision="fp8"),
-        pytest.raises(UnsupportedCombinationError, match="Humming"),
+        pytest.raises(SituUnsupportedError, match="preprocess_moe_weights_for_sm90"),
     ):
         _method()
 

@@ -278,3 +278,49 @@ def test_two_ranks_sum_to_the_reference(
         assert (kw["ep_size"], kw["ep_rank"], kw["tp_size"]) == (2, 1, 1)
         assert tuple(kw["situ_beta"].shape) == (E // 2,)  # local experts
     _close(outs[0] + outs[1], _reference(source_tensors, 0, x, ids.long(), weights))
+
+
+def test_sm90_humming_postload_and_apply(
+    plugins, cpu_kernel, monkeypatch, converted_dir, converted_tensors, source_tensors
+):
+    """--flashinfer-mxfp4-moe-precision fp8 on SM90: Humming preparation at load, the five
+    quant-scale slots and `use_wfp4afp8_humming` at the call, the same reference output."""
+    import flashinfer.fused_moe
+
+    seen = []
+
+    def humming(w, s):  # the CPU fake: keeps the layout, residual 1 after the x64
+        seen.append(tuple(w.shape))
+        return w.clone(), s.clone(), torch.full((w.shape[0],), 1 / 64)
+
+    monkeypatch.setattr(
+        flashinfer.fused_moe, "preprocess_moe_weights_for_sm90_mixed_gemm_humming", humming
+    )
+
+    with sglang_process(converted_dir, arch="sm90", flashinfer_mxfp4_moe_precision="fp8"):
+        moes = [build_moe(experts=E, hidden=K, inter=N, layer_id=i, rsf=RSF) for i in range(LAYERS)]
+        load_with_real_loader(FakeK3Text(process_hf_config().text_config, moes), converted_tensors)
+        for m in moes:
+            assert m.quant_method.humming
+            m.quant_method.process_weights_after_loading(m)
+    assert seen == [(E, 2 * N, K // 2), (E, K, N // 2)] * LAYERS
+    moe = moes[0]
+    assert torch.equal(moe.kimi_w31_w13_humming_residual, torch.ones(E))
+    assert moe.kimi_w31_humming_fc2_act_scale.shape == ()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, K, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(7)]).to(torch.int32)
+    weights = torch.rand(7, TOP_K, generator=gen)
+    with sglang_process(converted_dir, arch="sm90", flashinfer_mxfp4_moe_precision="fp8"):
+        from sglang.srt.layers.moe.token_dispatcher import StandardDispatchOutput
+        from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+        topk = StandardTopKOutput(topk_weights=weights, topk_ids=ids, router_logits=None)
+        out = moe.quant_method.apply(
+            moe, StandardDispatchOutput(hidden_states=x, hidden_states_scale=None, topk_output=topk)
+        ).hidden_states
+    kw = cpu_kernel.calls[-1]
+    assert kw["use_wfp4afp8_humming"] is True and len(kw["quant_scales"]) == 5
+    assert kw["quant_scales"][1] is moe.kimi_w31_w13_humming_residual
+    assert kw["use_w4_group_scaling"] is True and kw["input_sf"] is None
+    _close(out, _reference(source_tensors, 0, x, ids.long(), weights))
