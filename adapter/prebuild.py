@@ -32,8 +32,10 @@ Stage = Literal["cached", "compile", "done"]
 # architecture, and the FLASHINFER_CUDA_ARCH_LIST entry that makes FlashInfer on a machine
 # without that GPU pick the cache directory a server on that GPU will look in (FlashInfer
 # adds the same suffix, e.g. 9.0 -> 90a, as it does for a detected GPU).
-_GENERATOR = {"sm90": "gen_cutlass_fused_moe_sm90_module",
-              "sm120": "gen_cutlass_fused_moe_sm120_module"}  # fmt: skip
+_GENERATOR = {
+    "sm90": "gen_cutlass_fused_moe_sm90_module",
+    "sm120": "gen_cutlass_fused_moe_sm120_module",
+}
 _CUDA_ARCH = {"sm90": "9.0", "sm120": "12.0"}
 
 

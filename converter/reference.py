@@ -21,9 +21,23 @@ GROUP_SIZE = 32
 
 # OCP MX e2m1: sign bit 3, exponent bits 2..1, mantissa bit 0. Index = the 4-bit code.
 E2M1_VALUES = (
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-)  # fmt: skip
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 _E2M1_LUT = np.array(E2M1_VALUES, dtype=np.float32)
 
 

@@ -20,7 +20,9 @@ NRMSE_MAX = 0.005  # 0.5 %
 Routing = Literal["uniform", "skewed", "empty_expert", "masked_slot"]
 Expect = Literal["pass", "fail"]
 
-_EXPERT_RE = re.compile(r"^(?P<prefix>.*\bexperts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|w31)\.(?P<part>weight_packed|weight_scale)$")  # noqa: E501
+_EXPERT_RE = re.compile(
+    r"^(?P<prefix>.*\bexperts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|w31)\.(?P<part>weight_packed|weight_scale)$"
+)  # noqa: E501
 
 
 # --------------------------------------------------------------------------------------
@@ -123,7 +125,9 @@ def expert_index(weight_map: Mapping[str, str]) -> dict[str, dict[int, set[str]]
     return out
 
 
-def pick_moe_layer(index: Mapping[str, Mapping[int, set[str]]], projs: set[str], min_experts: int) -> str:  # noqa: E501
+def pick_moe_layer(
+    index: Mapping[str, Mapping[int, set[str]]], projs: set[str], min_experts: int
+) -> str:  # noqa: E501
     """The first (sorted) experts prefix whose experts 0..min_experts-1 all have `projs`."""
     for prefix in sorted(index):
         experts = index[prefix]

@@ -64,7 +64,9 @@ class Backend(Protocol):
     device: torch.device
     supports_graphs: bool
 
-    def prepare(self, w31: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]) -> Any: ...  # noqa: E501
+    def prepare(
+        self, w31: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]
+    ) -> Any: ...  # noqa: E501
 
     def situ_params(self, e_local: int, beta: float, linear_beta: float) -> Any: ...
 
@@ -107,13 +109,33 @@ class FlashInferBackend:
     def situ_params(self, e_local, beta, linear_beta):
         return self.fm.situ_params(e_local, beta, linear_beta, device=self.device)
 
-    def run(self, x, ids, weights, prepared, betas, *, ep_size=1, ep_rank=0,
-            activation="situ", use_fused_finalize=True, output=None):
+    def run(
+        self,
+        x,
+        ids,
+        weights,
+        prepared,
+        betas,
+        *,
+        ep_size=1,
+        ep_rank=0,
+        activation="situ",
+        use_fused_finalize=True,
+        output=None,
+    ):
         beta, linear_beta = betas if betas is not None else (None, None)
         return self.fm.run_situ_moe(
-            x.to(self.device), ids.to(self.device), weights.to(self.device), prepared,
-            beta, linear_beta, output=output, ep_size=ep_size, ep_rank=ep_rank,
-            activation=activation, use_fused_finalize=use_fused_finalize,
+            x.to(self.device),
+            ids.to(self.device),
+            weights.to(self.device),
+            prepared,
+            beta,
+            linear_beta,
+            output=output,
+            ep_size=ep_size,
+            ep_rank=ep_rank,
+            activation=activation,
+            use_fused_finalize=use_fused_finalize,
             tune_max_num_tokens=self.tune_max_num_tokens,
         )
 
@@ -144,8 +166,20 @@ class ReferenceBackend:
     def situ_params(self, e_local, beta, linear_beta):
         return (torch.full((e_local,), beta), torch.full((e_local,), linear_beta))
 
-    def run(self, x, ids, weights, prepared, betas, *, ep_size=1, ep_rank=0,
-            activation="situ", use_fused_finalize=True, output=None):
+    def run(
+        self,
+        x,
+        ids,
+        weights,
+        prepared,
+        betas,
+        *,
+        ep_size=1,
+        ep_rank=0,
+        activation="situ",
+        use_fused_finalize=True,
+        output=None,
+    ):
         e_local = len(prepared)
         experts = {ep_rank * e_local + j: w for j, w in enumerate(prepared)}
         if activation == "swiglu":
@@ -155,8 +189,15 @@ class ReferenceBackend:
         else:
             # One value per local expert in the kernel; the harness always passes uniform ones.
             beta, linear_beta = float(betas[0][0]), float(betas[1][0])
-        out = ref.moe_forward(np_f32(x), ids.detach().cpu().numpy(), np_f32(weights), experts,
-                              beta, linear_beta, activation)
+        out = ref.moe_forward(
+            np_f32(x),
+            ids.detach().cpu().numpy(),
+            np_f32(weights),
+            experts,
+            beta,
+            linear_beta,
+            activation,
+        )
         out = torch.from_numpy(out).to(torch.bfloat16)
         if output is not None:
             output.copy_(out)
@@ -189,15 +230,21 @@ def load_layer(source: Path, converted: Path, num_experts: int) -> LayerData:
     sprefix, src = C.load_experts(source, ("w1", "w3", "w2"), num_experts)
     reference = {}
     for e in range(num_experts):
+
         def pick(proj: str, e: int = e) -> tuple[np.ndarray, np.ndarray]:
             return np_u8(src[proj][0][e]), np_u8(src[proj][1][e])
 
         reference[e] = ref.dequant_expert(pick("w1"), pick("w3"), pick("w2"))
     e_, two_n, k_half = conv["w31"][0].shape
     return LayerData(
-        w31=conv["w31"], w2=conv["w2"], reference=reference, num_experts=e_,
-        hidden=k_half * 2, intermediate=two_n // 2,
-        source_prefix=sprefix, converted_prefix=cprefix,
+        w31=conv["w31"],
+        w2=conv["w2"],
+        reference=reference,
+        num_experts=e_,
+        hidden=k_half * 2,
+        intermediate=two_n // 2,
+        source_prefix=sprefix,
+        converted_prefix=cprefix,
     )
 
 
@@ -226,16 +273,34 @@ class Harness:
         seed = self.seed + 1000 * m + seed_offset
         x = C.make_hidden(m, self.layer.hidden, seed, self.x_scale)
         r = C.make_routing(
-            m, self.layer.num_experts, self.top_k, routing, seed + 1,
+            m,
+            self.layer.num_experts,
+            self.top_k,
+            routing,
+            seed + 1,
             empty_experts=self.empty_experts if routing == "empty_expert" else (),
         )
         return x, r
 
-    def reference(self, x, r: C.RoutingTable, activation: str = "situ",
-                  beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> torch.Tensor:
-        return torch.from_numpy(ref.moe_forward(
-            np_f32(x), r.ids.numpy(), r.weights.numpy(), self.layer.reference,
-            beta, linear_beta, activation))
+    def reference(
+        self,
+        x,
+        r: C.RoutingTable,
+        activation: str = "situ",
+        beta: float = SITU_BETA,
+        linear_beta: float = SITU_LINEAR_BETA,
+    ) -> torch.Tensor:
+        return torch.from_numpy(
+            ref.moe_forward(
+                np_f32(x),
+                r.ids.numpy(),
+                r.weights.numpy(),
+                self.layer.reference,
+                beta,
+                linear_beta,
+                activation,
+            )
+        )
 
     def gate_stats(self, m: int = 128) -> dict[str, float]:
         """Std of the gate/up pre-activations on the harness's inputs (realism check)."""
@@ -253,20 +318,38 @@ class Harness:
             "gate_frac_abs_gt_beta": float((np.abs(g) > SITU_BETA).mean()),
         }
 
-    def case(self, name: str, kind: str, m: int, routing: C.Routing, *, expect: C.Expect = "pass",  # noqa: E501
-             activation: str = "situ", note: str = "", prepared: Any = None, betas: Any = _DEFAULT,  # noqa: E501
-             ref_kwargs: dict | None = None) -> C.CaseResult:
+    def case(
+        self,
+        name: str,
+        kind: str,
+        m: int,
+        routing: C.Routing,
+        *,
+        expect: C.Expect = "pass",  # noqa: E501
+        activation: str = "situ",
+        note: str = "",
+        prepared: Any = None,
+        betas: Any = _DEFAULT,  # noqa: E501
+        ref_kwargs: dict | None = None,
+    ) -> C.CaseResult:
         x, r = self.inputs(m, routing)
         out = self.backend.run(
-            x, r.ids, r.weights, self.prepared if prepared is None else prepared,
-            self.betas if betas is _DEFAULT else betas, activation=activation,
+            x,
+            r.ids,
+            r.weights,
+            self.prepared if prepared is None else prepared,
+            self.betas if betas is _DEFAULT else betas,
+            activation=activation,
         )
         stats = C.compare(out, self.reference(x, r, activation, **(ref_kwargs or {})))
-        res = C.CaseResult(name=name, kind=kind, m=m, routing=routing, expect=expect,
-                           note=note, **stats)
-        self.log(f"{name}: cos {res.cosine:.7f} nrmse {100 * res.nrmse:.3f}% "
-                 f"max {res.max_abs:.4g} gate {'pass' if res.passes_gate else 'FAIL'}"
-                 f" (expected {expect})")
+        res = C.CaseResult(
+            name=name, kind=kind, m=m, routing=routing, expect=expect, note=note, **stats
+        )
+        self.log(
+            f"{name}: cos {res.cosine:.7f} nrmse {100 * res.nrmse:.3f}% "
+            f"max {res.max_abs:.4g} gate {'pass' if res.passes_gate else 'FAIL'}"
+            f" (expected {expect})"
+        )
         return res
 
     def situ_cases(self) -> list[C.CaseResult]:
@@ -275,28 +358,58 @@ class Harness:
             for routing in ("uniform", "skewed"):
                 out.append(self.case(f"situ-M{m}-{routing}", "situ", m, routing))
         # Experts 3 and 17 receive no token at all.
-        out.append(self.case("situ-M32-empty-experts", "situ", 32, "empty_expert",
-                             note=f"experts {list(self.empty_experts)} get no token"))
+        out.append(
+            self.case(
+                "situ-M32-empty-experts",
+                "situ",
+                32,
+                "empty_expert",
+                note=f"experts {list(self.empty_experts)} get no token",
+            )
+        )
         # No situ tensors: FlashInfer's compiled defaults must equal 4/25.
-        out.append(self.case("situ-M32-default-betas", "situ", 32, "uniform", betas=None,
-                             note="situ_beta/situ_linear_beta = None (compiled defaults)"))
+        out.append(
+            self.case(
+                "situ-M32-default-betas",
+                "situ",
+                32,
+                "uniform",
+                betas=None,
+                note="situ_beta/situ_linear_beta = None (compiled defaults)",
+            )
+        )
         return out
 
     def masked_slot_case(self) -> tuple[C.CaseResult | None, str]:
         """A -1 in the top-k ids: does the kernel skip the slot like the reference does?"""
         try:
-            res = self.case("situ-M32-masked-slot", "situ", 32, "masked_slot",
-                            note=f"slot {self.top_k - 1} of every other token is -1")
+            res = self.case(
+                "situ-M32-masked-slot",
+                "situ",
+                32,
+                "masked_slot",
+                note=f"slot {self.top_k - 1} of every other token is -1",
+            )
         except Exception as exc:  # the kernel may reject negative ids: report, not crash
             return None, f"rejected: {type(exc).__name__}: {exc}"
-        behaviour = ("skipped (contributes nothing), same as the reference"
-                     if res.passes_gate else "differs from skipping the slot")
+        behaviour = (
+            "skipped (contributes nothing), same as the reference"
+            if res.passes_gate
+            else "differs from skipping the slot"
+        )
         return res, behaviour
 
     def swiglu_cases(self) -> list[C.CaseResult]:
         return [
-            self.case(f"swiglu-M{m}-uniform", "swiglu", m, "uniform", activation="swiglu",
-                      betas=None, note="control: plain silu(gate)*up on the same data")
+            self.case(
+                f"swiglu-M{m}-uniform",
+                "swiglu",
+                m,
+                "uniform",
+                activation="swiglu",
+                betas=None,
+                note="control: plain silu(gate)*up on the same data",
+            )
             for m in (8, 128)
         ]
 
@@ -305,8 +418,8 @@ class Harness:
         slices = C.ep_slices(self.layer.num_experts, ep_size)
         prepared = [
             self.backend.prepare(
-                tuple(t[s.start:s.stop] for t in self.layer.w31),
-                tuple(t[s.start:s.stop] for t in self.layer.w2),
+                tuple(t[s.start : s.stop] for t in self.layer.w31),
+                tuple(t[s.start : s.stop] for t in self.layer.w2),
             )
             for s in slices
         ]
@@ -316,34 +429,61 @@ class Harness:
             x, r = self.inputs(m, routing)
             total = torch.zeros(m, self.layer.hidden)
             for rank in range(ep_size):
-                y = self.backend.run(x, r.ids, r.weights, prepared[rank], betas[rank],
-                                     ep_size=ep_size, ep_rank=rank)
+                y = self.backend.run(
+                    x, r.ids, r.weights, prepared[rank], betas[rank], ep_size=ep_size, ep_rank=rank
+                )
                 total += y.float().cpu()
             single = self.backend.run(x, r.ids, r.weights, self.prepared, self.betas)
             diff = (total - single.float().cpu()).abs().max().item()
             stats = C.compare(total, self.reference(x, r))
             res = C.CaseResult(
-                name=f"ep{ep_size}-M{m}-{routing}", kind="ep", m=m, routing=routing,
-                note=f"sum of {ep_size} ranks; max |sum - single-rank| = {diff:.4g}", **stats)
-            self.log(f"{res.name}: cos {res.cosine:.7f} nrmse {100 * res.nrmse:.3f}% "
-                     f"({res.note})")
+                name=f"ep{ep_size}-M{m}-{routing}",
+                kind="ep",
+                m=m,
+                routing=routing,
+                note=f"sum of {ep_size} ranks; max |sum - single-rank| = {diff:.4g}",
+                **stats,
+            )
+            self.log(f"{res.name}: cos {res.cosine:.7f} nrmse {100 * res.nrmse:.3f}% ({res.note})")
             results.append(res)
         return results
 
     def negative_controls(self) -> list[C.CaseResult]:
         w31, w2 = self.layer.w31, self.layer.w2
         swapped = self.backend.prepare((C.swap_fc1_halves(w31[0]), C.swap_fc1_halves(w31[1])), w2)
-        nibbles = self.backend.prepare((C.swap_nibbles(w31[0]), w31[1]),
-                                       (C.swap_nibbles(w2[0]), w2[1]))
+        nibbles = self.backend.prepare(
+            (C.swap_nibbles(w31[0]), w31[1]), (C.swap_nibbles(w2[0]), w2[1])
+        )
         e = self.layer.num_experts
         beta_swap = self.backend.situ_params(e, SITU_LINEAR_BETA, SITU_BETA)
         out = [
-            self.case("neg-fc1-halves-swapped", "negative", 32, "uniform", expect="fail",
-                      prepared=swapped, note="w31 fed as [gate; up]"),
-            self.case("neg-betas-swapped", "negative", 32, "uniform", expect="fail",
-                      betas=beta_swap, note="situ_beta 25, situ_linear_beta 4"),
-            self.case("neg-nibble-order", "negative", 32, "uniform", expect="fail",
-                      prepared=nibbles, note="FP4 codes read high nibble first"),
+            self.case(
+                "neg-fc1-halves-swapped",
+                "negative",
+                32,
+                "uniform",
+                expect="fail",
+                prepared=swapped,
+                note="w31 fed as [gate; up]",
+            ),
+            self.case(
+                "neg-betas-swapped",
+                "negative",
+                32,
+                "uniform",
+                expect="fail",
+                betas=beta_swap,
+                note="situ_beta 25, situ_linear_beta 4",
+            ),
+            self.case(
+                "neg-nibble-order",
+                "negative",
+                32,
+                "uniform",
+                expect="fail",
+                prepared=nibbles,
+                note="FP4 codes read high nibble first",
+            ),
         ]
         del swapped, nibbles
         return out
@@ -352,8 +492,12 @@ class Harness:
     def determinism(self, m: int = 32, runs: int = 3) -> dict[str, Any]:
         x, r = self.inputs(m, "skewed")
         outs = {
-            ff: [self.backend.run(x, r.ids, r.weights, self.prepared, self.betas,
-                                  use_fused_finalize=ff).clone() for _ in range(runs)]
+            ff: [
+                self.backend.run(
+                    x, r.ids, r.weights, self.prepared, self.betas, use_fused_finalize=ff
+                ).clone()
+                for _ in range(runs)
+            ]
             for ff in (False, True)
         }
         return {
@@ -369,8 +513,9 @@ class Harness:
         out = torch.empty(m, self.layer.hidden, dtype=torch.bfloat16, device=dev)
 
         def call():
-            return self.backend.run(sx, sids, sw, self.prepared, self.betas,
-                                    use_fused_finalize=False, output=out)
+            return self.backend.run(
+                sx, sids, sw, self.prepared, self.betas, use_fused_finalize=False, output=out
+            )
 
         eager = call().clone()
         stream = torch.cuda.Stream(device=dev)
@@ -389,9 +534,12 @@ class Harness:
             graph.replay()
             torch.cuda.synchronize(dev)
             replays.append(out.clone())
-        return {"graph_replay_bitwise": C.bitwise_equal([eager, *replays]),
-                "graph_replay_vs_reference_cosine": C.compare(
-                    replays[0], self.reference(x, r))["cosine"]}
+        return {
+            "graph_replay_bitwise": C.bitwise_equal([eager, *replays]),
+            "graph_replay_vs_reference_cosine": C.compare(replays[0], self.reference(x, r))[
+                "cosine"
+            ],
+        }
 
     def autotune(self, buckets: Sequence[int] = TUNE_BUCKETS) -> dict[str, Any]:
         """Profile tactics for both activations over `buckets` tokens, as SGLang's warm-up
@@ -404,8 +552,14 @@ class Harness:
             x, r = self.inputs(m, "uniform", seed_offset=7)
             for act in ("situ", "swiglu"):
                 with autotune(True):
-                    self.backend.run(x, r.ids, r.weights, self.prepared,
-                                     self.betas if act == "situ" else None, activation=act)
+                    self.backend.run(
+                        x,
+                        r.ids,
+                        r.weights,
+                        self.prepared,
+                        self.betas if act == "situ" else None,
+                        activation=act,
+                    )
         torch.cuda.synchronize(dev)
         return {"buckets": list(buckets), "seconds": round(time.time() - t0, 1)}
 
@@ -426,8 +580,9 @@ class Harness:
                 betas = self.betas if act == "situ" else None
 
                 def call(act=act, betas=betas, sx=sx, sids=sids, sw=sw, out=out):
-                    return self.backend.run(sx, sids, sw, self.prepared, betas,
-                                            activation=act, output=out)
+                    return self.backend.run(
+                        sx, sids, sw, self.prepared, betas, activation=act, output=out
+                    )
 
                 row[f"{act}_eager_ms"] = _time_events(call, iters, dev)
                 graph = torch.cuda.CUDAGraph()
@@ -441,8 +596,9 @@ class Harness:
                 row[f"{act}_graph_ms"] = _time_events(graph.replay, iters, dev)
             row["ratio_eager"] = row["situ_eager_ms"] / row["swiglu_eager_ms"]
             row["ratio_graph"] = row["situ_graph_ms"] / row["swiglu_graph_ms"]
-            self.log(f"timing M={m}: " + ", ".join(
-                f"{k} {v:.4f}" for k, v in row.items() if k != "m"))
+            self.log(
+                f"timing M={m}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k != "m")
+            )
             rows.append(row)
         return rows
 
@@ -477,8 +633,11 @@ def run_all(
     would be lost, so everything else is measured (and checkpointed) before it.
     """
     t0 = time.time()
-    report: dict[str, Any] = {"backend": h.backend.name, "x_scale": h.x_scale,
-                              "input_stats": h.gate_stats()}
+    report: dict[str, Any] = {
+        "backend": h.backend.name,
+        "x_scale": h.x_scale,
+        "input_stats": h.gate_stats(),
+    }
     h.log(f"input stats: {report['input_stats']}")
     if timing:
         try:
@@ -541,8 +700,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=TOP_K)
     p.add_argument("--x-scale", type=float, default=1.0, help="std of the random activations")
     p.add_argument("--backend", choices=("flashinfer", "reference"), default="flashinfer")
-    p.add_argument("--trimmed-flashinfer", action="store_true",
-                   help="use the trimmed W4A16 FlashInfer module (gpu/trimmed_build.py)")
+    p.add_argument(
+        "--trimmed-flashinfer",
+        action="store_true",
+        help="use the trimmed W4A16 FlashInfer module (gpu/trimmed_build.py)",
+    )
     p.add_argument("--no-timing", action="store_true")
     args = p.parse_args(argv)
 
@@ -575,14 +737,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"environment: {env}")
     t = time.time()
     layer = load_layer(args.source, args.converted, args.experts)
-    log(f"loaded {layer.num_experts} experts (K {layer.hidden}, N {layer.intermediate}) "
-        f"from {layer.converted_prefix} in {time.time() - t:.1f} s")
+    log(
+        f"loaded {layer.num_experts} experts (K {layer.hidden}, N {layer.intermediate}) "
+        f"from {layer.converted_prefix} in {time.time() - t:.1f} s"
+    )
     h = Harness(backend, layer, x_scale=args.x_scale, top_k=args.top_k, log=log)
     meta = {
         "environment": env,
         "command": " ".join(["python -m gpu.harness", *(sys.argv[1:] if argv is None else argv)]),
-        "dims": {"experts": layer.num_experts, "top_k": args.top_k, "K": layer.hidden,
-                 "N": layer.intermediate, "prefix": layer.converted_prefix},
+        "dims": {
+            "experts": layer.num_experts,
+            "top_k": args.top_k,
+            "K": layer.hidden,
+            "N": layer.intermediate,
+            "prefix": layer.converted_prefix,
+        },
         "gate": {"cosine_min": C.COSINE_MIN, "nrmse_max": C.NRMSE_MAX},
         "trimmed_flashinfer": bool(args.trimmed_flashinfer),
     }

@@ -163,8 +163,12 @@ def trim_binding(text: str, variant: Variant = W4A16) -> str:
 
 def trim_instantiation(text: str, variant: Variant = W4A16) -> str:
     """Keep the variant's runners and every finalize-routing instantiation of the original."""
-    finalize = re.findall(r"^(?:#ifdef ENABLE_BF16\n)?INSTANTIATE_FINALIZE_MOE_ROUTING\(.*?\);\n"
-                          r"(?:#endif\n)?", text, flags=re.M)
+    finalize = re.findall(
+        r"^(?:#ifdef ENABLE_BF16\n)?INSTANTIATE_FINALIZE_MOE_ROUTING\(.*?\);\n"
+        r"(?:#endif\n)?",
+        text,
+        flags=re.M,
+    )
     if not finalize or variant.required_runner not in text:
         raise ValueError("instantiation layout changed: expected instantiations not found")
     return variant.instantiation_head + "".join(finalize) + "}  // namespace\n"
@@ -264,7 +268,7 @@ def trimmed_spec(variant: Variant = W4A16) -> Any:
     sources = trimmed_sources(stock, generated, binding, instantiation, variant)
     # A variant of the stock module (e.g. FlashInfer's H20 prebuilt-descriptor flavour)
     # keeps its suffix, so differently flagged builds never share a cache directory.
-    name = variant.module_name + stock_name[len("fused_moe_90"):]
+    name = variant.module_name + stock_name[len("fused_moe_90") :]
     return real_gen_jit_spec(name, sources, **captured["kwargs"])
 
 
@@ -302,8 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="print the sources and flags")
     parser.add_argument("--build", action="store_true", help="compile and load the module")
-    parser.add_argument("--variant", choices=sorted(VARIANTS), default=W4A16.key,
-                        help="w4a16: bf16 x MXFP4 (default); w4a8: FP8 (Humming) x MXFP4")
+    parser.add_argument(
+        "--variant",
+        choices=sorted(VARIANTS),
+        default=W4A16.key,
+        help="w4a16: bf16 x MXFP4 (default); w4a8: FP8 (Humming) x MXFP4",
+    )
     args = parser.parse_args(argv)
     variant = VARIANTS[args.variant]
     spec = trimmed_spec(variant)

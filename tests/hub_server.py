@@ -68,8 +68,11 @@ class FakeHub:
                 if p.is_file():
                     data = p.read_bytes()
                     lfs = p.name.endswith(".safetensors")
-                    etag = (hashlib.sha256(data).hexdigest() if lfs else
-                            hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())  # fmt: skip
+                    etag = (
+                        hashlib.sha256(data).hexdigest()
+                        if lfs
+                        else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+                    )
                     self.files[repo][str(p.relative_to(root))] = Served(p, len(data), etag, lfs)
         self._lock = threading.Lock()
         hub = self
@@ -113,8 +116,9 @@ class FakeHub:
         with self._lock:
             self.log.append(r)
 
-    def _send_json(self, h: BaseHTTPRequestHandler, status: int, doc: dict,
-                   extra: dict | None = None) -> None:  # fmt: skip
+    def _send_json(
+        self, h: BaseHTTPRequestHandler, status: int, doc: dict, extra: dict | None = None
+    ) -> None:
         body = json.dumps(doc).encode()
         h.send_response(status)
         h.send_header("Content-Type", "application/json")
@@ -138,16 +142,22 @@ class FakeHub:
 
     def _check(self, h: BaseHTTPRequestHandler, repo: str, rev: str) -> bool:
         if repo in self.gated:
-            self._send_json(h, 403, {"error": "Access to this repository is restricted"},
-                            {"X-Error-Code": "GatedRepo"})  # fmt: skip
+            self._send_json(
+                h,
+                403,
+                {"error": "Access to this repository is restricted"},
+                {"X-Error-Code": "GatedRepo"},
+            )
             return False
         if repo not in self.files:
-            self._send_json(h, 401, {"error": "Repository not found"},
-                            {"X-Error-Code": "RepoNotFound"})  # fmt: skip
+            self._send_json(
+                h, 401, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}
+            )
             return False
         if rev not in ("main", self.commit):
-            self._send_json(h, 404, {"error": "Invalid rev id"},
-                            {"X-Error-Code": "RevisionNotFound"})  # fmt: skip
+            self._send_json(
+                h, 404, {"error": "Invalid rev id"}, {"X-Error-Code": "RevisionNotFound"}
+            )
             return False
         return True
 
@@ -163,24 +173,41 @@ class FakeHub:
                 if f.lfs:
                     s["lfs"] = {"sha256": f.etag, "size": f.size, "pointerSize": 134}
             siblings.append(s)
-        self._send_json(h, 200, {"_id": "x", "id": repo, "modelId": repo, "sha": self.commit,
-                                 "private": False, "disabled": False, "gated": False,
-                                 "siblings": siblings})  # fmt: skip
+        self._send_json(
+            h,
+            200,
+            {
+                "_id": "x",
+                "id": repo,
+                "modelId": repo,
+                "sha": self.commit,
+                "private": False,
+                "disabled": False,
+                "gated": False,
+                "siblings": siblings,
+            },
+        )
         self._record(Request("GET", None, None, 200, 0))
 
-    def _resolve(self, h: BaseHTTPRequestHandler, repo: str, rev: str, name: str,
-                 head: bool) -> None:  # fmt: skip
+    def _resolve(
+        self, h: BaseHTTPRequestHandler, repo: str, rev: str, name: str, head: bool
+    ) -> None:
         if not self._check(h, repo, rev):
             return
         f = self.files[repo].get(name)
         common = {"X-Repo-Commit": self.commit}
         if f is None:
-            self._send_json(h, 404, {"error": "Entry not found"},
-                            {**common, "X-Error-Code": "EntryNotFound"})  # fmt: skip
+            self._send_json(
+                h, 404, {"error": "Entry not found"}, {**common, "X-Error-Code": "EntryNotFound"}
+            )
             return
         rng = h.headers.get("Range")
-        hdrs = {**common, "ETag": f'"{f.etag}"', "Accept-Ranges": "bytes",
-                "Content-Type": "application/octet-stream"}  # fmt: skip
+        hdrs = {
+            **common,
+            "ETag": f'"{f.etag}"',
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         if f.lfs:
             hdrs["X-Linked-Etag"] = f'"{f.etag}"'
             hdrs["X-Linked-Size"] = str(f.size)

@@ -14,10 +14,24 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_script_runs_on_tiny_inputs(tmp_path):
     out = tmp_path / "docs"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench.py"), "--tiny", "--repeats", "1",
-         "--layers", "2", "--experts", "4", "--out", str(out), "--work", str(tmp_path / "w")],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench.py"),
+            "--tiny",
+            "--repeats",
+            "1",
+            "--layers",
+            "2",
+            "--experts",
+            "4",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "benchmarks.json").read_text())
     conv = report["throughput"]["warm"]["convert"]

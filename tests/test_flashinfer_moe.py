@@ -459,17 +459,33 @@ def test_kwargs_name_humming_only_for_humming_weights() -> None:
     x, ids, w = _routing()
     base = _prepared()
     hum = fm.PreparedMoeWeights(
-        "sm90", base.dims, base.fc1, base.fc2, (*base.quant_scales, torch.ones(()),
-                                                 *base.quant_scales[:2]), humming=True
-    )  # fmt: skip
+        "sm90",
+        base.dims,
+        base.fc1,
+        base.fc2,
+        (*base.quant_scales, torch.ones(()), *base.quant_scales[:2]),
+        humming=True,
+    )
     plain = fm.build_moe_kwargs(
-        x, ids, w, base, FakeActivationType.Situ, situ_beta=None, situ_linear_beta=None,
+        x,
+        ids,
+        w,
+        base,
+        FakeActivationType.Situ,
+        situ_beta=None,
+        situ_linear_beta=None,
         output=None,
-    )  # fmt: skip
+    )
     kw = fm.build_moe_kwargs(
-        x, ids, w, hum, FakeActivationType.Situ, situ_beta=None, situ_linear_beta=None,
+        x,
+        ids,
+        w,
+        hum,
+        FakeActivationType.Situ,
+        situ_beta=None,
+        situ_linear_beta=None,
         output=None,
-    )  # fmt: skip
+    )
     assert "use_wfp4afp8_humming" not in plain
     assert kw["use_wfp4afp8_humming"] is True and len(kw["quant_scales"]) == 5
     assert kw["use_w4_group_scaling"] is True and kw["input_sf"] is None
@@ -483,8 +499,14 @@ def test_humming_kwargs_bind_to_the_real_signature() -> None:
     base = _prepared()
     hum = fm.PreparedMoeWeights("sm90", base.dims, base.fc1, base.fc2, base.quant_scales, True)
     kw = fm.build_moe_kwargs(
-        x, ids, w, hum, flashinfer_moe.ActivationType.Situ, situ_beta=None,
-        situ_linear_beta=None, output=None,
-    )  # fmt: skip
+        x,
+        ids,
+        w,
+        hum,
+        flashinfer_moe.ActivationType.Situ,
+        situ_beta=None,
+        situ_linear_beta=None,
+        output=None,
+    )
     inspect.signature(flashinfer_moe.cutlass_fused_moe).bind(**kw)
     assert hasattr(flashinfer_moe, "preprocess_moe_weights_for_sm90_mixed_gemm_humming")

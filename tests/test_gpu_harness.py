@@ -273,8 +273,19 @@ def test_harness_fails_a_broken_adapter(checkpoint_pair) -> None:
 
 def _cli_args(src, conv, out, *extra: str) -> list[str]:
     """The harness command line on the small pair: 8 experts, top-k 4."""
-    return ["--source", str(src), "--converted", str(conv), "--out", str(out),
-            "--experts", "8", "--top-k", "4", *extra]  # fmt: skip
+    return [
+        "--source",
+        str(src),
+        "--converted",
+        str(conv),
+        "--out",
+        str(out),
+        "--experts",
+        "8",
+        "--top-k",
+        "4",
+        *extra,
+    ]
 
 
 def test_cli_reference_backend_writes_report(checkpoint_pair, tmp_path) -> None:
@@ -413,11 +424,15 @@ def test_select_generated_per_variant(tmp_path) -> None:
     assert T.select_generated([bf16, fp8]) == [bf16]
     assert T.select_generated([bf16, fp8], variant=T.W4A8_HUMMING) == [fp8]
     d = Path("/csrc")
-    stock = [d / "moe_gemm_kernels_bf16_fp4.cu", d / "moe_gemm_kernels_fp8_fp4.cu",
-             d / T.BINDING, d / T.INSTANTIATION, d / "logger.cpp"]  # fmt: skip
+    stock = [
+        d / "moe_gemm_kernels_bf16_fp4.cu",
+        d / "moe_gemm_kernels_fp8_fp4.cu",
+        d / T.BINDING,
+        d / T.INSTANTIATION,
+        d / "logger.cpp",
+    ]
     src = T.trimmed_sources(stock, [fp8], d / "b.cu", d / "i.cu", T.W4A8_HUMMING)
-    assert src == [fp8, d / "i.cu", d / "b.cu", d / "moe_gemm_kernels_fp8_fp4.cu",
-                   d / "logger.cpp"]  # fmt: skip
+    assert src == [fp8, d / "i.cu", d / "b.cu", d / "moe_gemm_kernels_fp8_fp4.cu", d / "logger.cpp"]
 
 
 # --------------------------------------------------------------------------------------
@@ -460,9 +475,15 @@ def test_tp_slices_sum_to_the_expert() -> None:
     from gpu import sglang_cases as S
 
     g = np.random.default_rng(0)
-    e = ref.dequant_expert(*[(g.integers(0, 256, (r, c // 2), dtype=np.uint8),
-                              g.integers(120, 126, (r, c // 32), dtype=np.uint8))
-                             for r, c in ((256, 64), (256, 64), (64, 256))])  # fmt: skip
+    e = ref.dequant_expert(
+        *[
+            (
+                g.integers(0, 256, (r, c // 2), dtype=np.uint8),
+                g.integers(120, 126, (r, c // 32), dtype=np.uint8),
+            )
+            for r, c in ((256, 64), (256, 64), (64, 256))
+        ]
+    )
     x = g.standard_normal((3, 64)).astype(np.float32)
     full = ref.expert_forward(x, e, 4.0, 25.0)
     for tp in (2, 8):
@@ -541,8 +562,9 @@ def test_w4a8_reference_and_tp_rank_tensors(checkpoint_pair) -> None:
     assert 0.001 < stats["nrmse"] < 0.06 and stats["cosine"] > 0.998  # FP8-sized, not more
     w31, w2 = W.tp_rank_tensors(layer, 2, 1)
     for e in (0, 7):
-        got = ref.dequant_converted_expert((w31[0][e].numpy(), w31[1][e].numpy()),
-                                           (w2[0][e].numpy(), w2[1][e].numpy()))  # fmt: skip
+        got = ref.dequant_converted_expert(
+            (w31[0][e].numpy(), w31[1][e].numpy()), (w2[0][e].numpy(), w2[1][e].numpy())
+        )
         want = S.tp_slice(layer.reference[e], 2, 1)
         assert np.array_equal(got.gate, want.gate) and np.array_equal(got.up, want.up)
         assert np.array_equal(got.down, want.down)

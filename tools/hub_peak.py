@@ -47,8 +47,9 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _interrupt(argv: list[str], env: dict[str, str], storage: Path, sig: signal.Signals,
-               after: float) -> None:  # fmt: skip
+def _interrupt(
+    argv: list[str], env: dict[str, str], storage: Path, sig: signal.Signals, after: float
+) -> None:
     """Start a run, stop it with `sig` `after` seconds after a partial download holds data."""
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -71,30 +72,61 @@ def main() -> None:
     ap.add_argument("--real-dims", action="store_true")
     ap.add_argument("--window", type=int, default=3)
     ap.add_argument("--max-shard-size", default="100MB")
-    ap.add_argument("--interrupts", type=int, default=0, help="interrupted runs before the "
-                    "measured one")  # fmt: skip
+    ap.add_argument(
+        "--interrupts", type=int, default=0, help="interrupted runs before the measured one"
+    )
     ap.add_argument("--signal", choices=["INT", "KILL"], default="INT")
-    ap.add_argument("--rate", type=int, default=40_000_000, help="bytes/s per download "
-                    "during the interrupted runs")  # fmt: skip
-    ap.add_argument("--after", type=float, default=1.0, help="seconds an interrupted run "
-                    "goes on once a partial download holds data")  # fmt: skip
+    ap.add_argument(
+        "--rate",
+        type=int,
+        default=40_000_000,
+        help="bytes/s per download during the interrupted runs",
+    )
+    ap.add_argument(
+        "--after",
+        type=float,
+        default=1.0,
+        help="seconds an interrupted run goes on once a partial download holds data",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         k, n = (REAL_K, REAL_N) if args.real_dims else (128, 64)
-        spec = SynthSpec(layers=args.layers, experts=args.experts, shards=args.shards, k=k, n=n,
-                         hidden=1024 if args.real_dims else 256)  # fmt: skip
+        spec = SynthSpec(
+            layers=args.layers,
+            experts=args.experts,
+            shards=args.shards,
+            k=k,
+            n=n,
+            hidden=1024 if args.real_dims else 256,
+        )
         src = tmp / "src"
         synth_checkpoint(src, spec)
         source_bytes = sum(p.stat().st_size for p in src.iterdir())
         storage = tmp / "cache" / "models--org--kimi"
-        argv = [sys.executable, "-c", CONVERT, REPO, str(tmp / "out"), "--download",
-                "--delete-source-shards", "--max-source-window", str(args.window),
-                "--manifest", "kimi-k3-any", "--max-shard-size", args.max_shard_size]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-c",
+            CONVERT,
+            REPO,
+            str(tmp / "out"),
+            "--download",
+            "--delete-source-shards",
+            "--max-source-window",
+            str(args.window),
+            "--manifest",
+            "kimi-k3-any",
+            "--max-shard-size",
+            args.max_shard_size,
+        ]
         with FakeHub({REPO: src}) as hub:
             env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-            env.update(HF_ENDPOINT=hub.endpoint, HF_HUB_CACHE=str(tmp / "cache"),
-                       HF_HOME=str(tmp / "home"), HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
+            env.update(
+                HF_ENDPOINT=hub.endpoint,
+                HF_HUB_CACHE=str(tmp / "cache"),
+                HF_HOME=str(tmp / "home"),
+                HF_HUB_DISABLE_TELEMETRY="1",
+            )
             hub.rate = args.rate
             for _ in range(args.interrupts):
                 _interrupt(argv, env, storage, getattr(signal, f"SIG{args.signal}"), args.after)
@@ -102,29 +134,42 @@ def main() -> None:
             left_bytes = sum(_size(p) for p in left)
             hub.rate = None
             started = time.perf_counter()
-            proc = subprocess.run([*argv, "--json"], env=env, capture_output=True, text=True,
-                                  check=False)  # fmt: skip
+            proc = subprocess.run(
+                [*argv, "--json"], env=env, capture_output=True, text=True, check=False
+            )
             seconds = time.perf_counter() - started
         if proc.returncode:
             sys.exit(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         summary = json.loads(proc.stdout)
         output_bytes = sum(p.stat().st_size for p in (tmp / "out").iterdir())
         h = summary["hub"]
-        print(json.dumps({
-            "source_shards": args.shards, "output_shards": summary["output_shards"],
-            "window": args.window, "source_bytes": source_bytes, "output_bytes": output_bytes,
-            "source_plus_output": source_bytes + output_bytes,
-            "peak_measured": h["peak_disk_measured"], "peak_bound": h["peak_disk_bound"],
-            "peak_over_source_plus_output": round(
-                h["peak_disk_measured"] / (source_bytes + output_bytes), 3),
-            "peak_over_output": round(h["peak_disk_measured"] / output_bytes, 3),
-            "interrupts": args.interrupts, "signal": args.signal if args.interrupts else None,
-            "partials_before_resume": len(left), "partial_bytes_before_resume": left_bytes,
-            "partials_removed_by_resume": h["partial_downloads_removed"],
-            "partials_after": len(_partials(storage)),
-            "partial_bytes_after": sum(_size(p) for p in _partials(storage)),
-            "seconds": round(seconds, 1),
-        }, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "source_shards": args.shards,
+                    "output_shards": summary["output_shards"],
+                    "window": args.window,
+                    "source_bytes": source_bytes,
+                    "output_bytes": output_bytes,
+                    "source_plus_output": source_bytes + output_bytes,
+                    "peak_measured": h["peak_disk_measured"],
+                    "peak_bound": h["peak_disk_bound"],
+                    "peak_over_source_plus_output": round(
+                        h["peak_disk_measured"] / (source_bytes + output_bytes), 3
+                    ),
+                    "peak_over_output": round(h["peak_disk_measured"] / output_bytes, 3),
+                    "interrupts": args.interrupts,
+                    "signal": args.signal if args.interrupts else None,
+                    "partials_before_resume": len(left),
+                    "partial_bytes_before_resume": left_bytes,
+                    "partials_removed_by_resume": h["partial_downloads_removed"],
+                    "partials_after": len(_partials(storage)),
+                    "partial_bytes_after": sum(_size(p) for p in _partials(storage)),
+                    "seconds": round(seconds, 1),
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ class RefCutlassFusedMoe:
         scales = kw["quant_scales"]
         # W4A16: [fc1, fc2]; SM120: [fc1, global, fc2, global]; Humming: [fc1, residual,
         # act scale, fc2, residual] (residuals are the CPU fakes' ones and are not applied).
-        s1, s2 = (scales[0].view(torch.uint8),
-                  scales[{2: 1, 4: 2, 5: 3}[len(scales)]].view(torch.uint8))  # fmt: skip
+        s1, s2 = (
+            scales[0].view(torch.uint8),
+            scales[{2: 1, 4: 2, 5: 3}[len(scales)]].view(torch.uint8),
+        )
         e_local, two_n = fc1.shape[0], fc1.shape[1]
         n = two_n // 2
         ids = kw["token_selected_experts"].long()

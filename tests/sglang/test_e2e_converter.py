@@ -140,7 +140,7 @@ def test_serve_checks_pass_on_the_real_stack_and_print_the_command(pair):
             "--",
             "--port",
             "30001",
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         timeout=300,

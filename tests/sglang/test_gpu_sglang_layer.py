@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kimi_w31", *args],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimi_w31", *args], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
@@ -28,8 +29,20 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gpu-sglang")
     src, out = root / "src", root / "out"
     # N 1024 keeps every TP8 rank at 128 rows, the kernel tile.
-    _cli("synth", str(src), "--layers", "1", "--experts", "8", "--top-k", "4", "--k", "256",
-         "--n", "1024")  # fmt: skip
+    _cli(
+        "synth",
+        str(src),
+        "--layers",
+        "1",
+        "--experts",
+        "8",
+        "--top-k",
+        "4",
+        "--k",
+        "256",
+        "--n",
+        "1024",
+    )
     _cli(str(src), str(out), "--manifest", "kimi-k3-any", "-q")
     return src, out
 
