@@ -236,6 +236,13 @@ def verify_structure(root: Path) -> list[str]:
 @click.option(
     "--unconverted", is_flag=True, help=f"Serve an unconverted Kimi-K3 checkpoint ({OPT_IN_ENV}=1)."
 )
+@click.option(
+    "--prebuild",
+    "prebuild_first",
+    is_flag=True,
+    help="Build FlashInfer's fused-MoE module into its JIT cache first, with progress "
+    "(a no-op once built), so no server rank pays the build inside its first forward.",
+)
 @click.option("--print", "print_only", is_flag=True, help="Print the command, do not run it.")
 @click.option("--skip-checks", is_flag=True, help="Skip the structure verify and stack checks.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
@@ -245,6 +252,7 @@ def serve(
     ep: int,
     backend: str,
     unconverted: bool,
+    prebuild_first: bool,
     print_only: bool,
     skip_checks: bool,
     sglang_args: tuple[str, ...],
@@ -264,6 +272,7 @@ def serve(
       kimi-convert serve out/ --tp 16 --ep 2 -- --port 30000
       kimi-convert serve out/ --backend marlin               SGLang's marlin MoE instead
       kimi-convert serve SRC/ --unconverted                  the original checkpoint, SiTU
+      kimi-convert serve out/ --tp 8 --prebuild              pay FlashInfer's build first
 
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
@@ -279,4 +288,75 @@ def serve(
     if print_only:
         click.echo(plan.shell())
         return
+    if prebuild_first:
+        run_prebuild(None, "auto")
     os.execvpe(plan.argv[0], plan.argv, {**os.environ, **plan.env})
+
+
+def run_prebuild(arch: str | None, progress_mode: str) -> None:
+    """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
+    from ..converter import console
+    from .flashinfer_moe import SituUnsupportedError
+    from .prebuild import PrebuildError, prebuild
+
+    shown: list[console.Progress] = []
+
+    def report(p) -> None:  # called from this thread: compile progress in translation units
+        if not shown:
+            shown.append(
+                console.Progress(
+                    console.resolve_mode(progress_mode), "flashinfer build", p.total, unit="sources"
+                )
+            )
+        bar = shown[0]
+        bar.advance(p.done - bar.done)
+
+    try:
+        result = prebuild(report, arch=arch)  # type: ignore[arg-type]
+    except (PrebuildError, SituUnsupportedError) as exc:
+        raise ServeError(f"prebuild: {exc}") from None
+    finally:
+        for bar in shown:
+            bar.stop()
+    what = "built" if result.built else "already built"
+    click.echo(
+        f"{result.module} ({result.arch}, {result.sources} sources) {what} in "
+        f"{result.seconds:.0f} s: {result.library}",
+        err=True,
+    )
+
+
+@click.command("prebuild")
+@click.option(
+    "--arch",
+    type=click.Choice(["sm90", "sm120"]),
+    default=None,
+    help="Build for this GPU architecture [default: the visible GPU's]; without a GPU, "
+    "build for the machines you will serve on and copy FlashInfer's cache directory over.",
+)
+@click.option(
+    "--progress",
+    "progress_mode",
+    type=click.Choice(["auto", "bar", "lines", "none"]),
+    default="auto",
+    show_default=True,
+    help="bar: live bar; lines: a plain line every 30 s (logs); none.",
+)
+def prebuild_command(arch: str | None, progress_mode: str) -> None:
+    """Build FlashInfer's CUTLASS fused-MoE module into its JIT cache before serving.
+
+    FlashInfer compiles this module on the first MoE call (SM90: 248 sources, about 1-2
+    hours on 16 cores); every server rank started cold would pay it inside its first
+    forward. Run this once in the environment that serves (or on a build machine with the
+    same FlashInfer and CUDA, then copy ~/.cache/flashinfer or FLASHINFER_WORKSPACE_BASE).
+    A second run returns at once.
+
+    \b
+    Examples:
+      kimi-convert prebuild                          on the serving machine (its GPU)
+      kimi-convert prebuild --arch sm90 --progress lines > build.log 2>&1
+      kimi-convert serve out/ --tp 8 --prebuild      build if needed, then serve
+
+    Exit codes: 0 built or already built, 1 it cannot be built here, 2 usage error.
+    """
+    run_prebuild(arch, progress_mode)

@@ -107,3 +107,26 @@ def test_without_a_gpu_flashinfer_must_not_be_imported_first(fake_flashinfer, mo
         pb.prebuild(arch="sm90")
     with pytest.raises(pb.PrebuildError, match="no CUDA GPU"):
         pb.prebuild()
+
+
+def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_path):
+    """`kimi-convert prebuild`: progress lines for a log, exit 0 when built, 1 when not."""
+    from click.testing import CliRunner
+    from kimi_w31.cli import main
+
+    def fake(report, *, arch=None, poll_s=5.0):
+        for done in (0, 5, 10):
+            report(pb.Progress("compile", done, 10, float(done)))
+        return pb.PrebuildResult(arch or "sm90", "fused_moe_90", tmp_path / "m.so", True, 10, 3.0)
+
+    monkeypatch.setattr(pb, "prebuild", fake)
+    result = CliRunner().invoke(main, ["prebuild", "--arch", "sm90", "--progress", "lines"])
+    assert result.exit_code == 0, result.output
+    lines = [x for x in result.output.splitlines() if x.startswith("flashinfer build: ")]
+    assert lines and lines[-1].startswith("flashinfer build: 10/10 (100%)")
+
+    def broken(report, *, arch=None, poll_s=5.0):
+        raise pb.PrebuildError("no CUDA GPU visible: pass arch='sm90' or arch='sm120'")
+
+    monkeypatch.setattr(pb, "prebuild", broken)
+    assert CliRunner().invoke(main, ["prebuild"]).exit_code == 1
