@@ -1,4 +1,4 @@
-"""The converter's commands: `convert` (the default) and `synth`.
+"""The converter's commands: `convert` and `synth` (the command line is `kimi_w31.cli`).
 
 click parses, `pipeline.convert` works, `console` renders. Exit codes: 0 ok, 1 invalid
 input or a failed check, 2 usage error, 130 interrupted, 143 terminated.
@@ -16,7 +16,6 @@ from rich.errors import LiveError
 from rich.markup import escape
 from rich.table import Table
 
-from .. import __version__
 from . import console
 from .console import err, human, out, parse_size, run_guarded
 from .errors import EXIT_USAGE, Code, fail
@@ -24,7 +23,7 @@ from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
 from .outdir import Mode
-from .pipeline import ConvertOptions, ConvertResult, Reporter, convert
+from .pipeline import ConvertOptions, ConvertResult, Reporter, convert, gc_paused
 
 RESUME_HINT = "rerun the same command to resume: finished shards are kept"
 
@@ -104,36 +103,6 @@ class ProgressReporter(Reporter):
         download, self.download = self.download, None
         if download is not None:
             download.stop()
-
-
-class DefaultConvert(click.Group):
-    """`kimi-convert SRC OUT` means `kimi-convert convert SRC OUT`."""
-
-    def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
-            args = ["convert", *args]
-        return super().parse_args(ctx, args)
-
-
-@click.group(cls=DefaultConvert, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="kimi-convert")
-def main() -> None:
-    """Convert Kimi-K3 MXFP4 checkpoints to the fused [up; gate] (w31) expert layout,
-    prove the result, and serve it with SGLang.
-
-    \b
-    Examples:
-      kimi-convert /data/hf_models/Kimi-K3 out/         convert a local checkpoint
-      kimi-convert moonshotai/Kimi-K3 out/              a repo already in the HF cache
-      kimi-convert moonshotai/Kimi-K3 out/ --download   stream it from the Hub
-      kimi-convert SRC out/ --dry-run                   check and plan only, write nothing
-      kimi-convert verify out/ --checksums              prove an output intact
-      kimi-convert synth src/                           make a small checkpoint to try
-      kimi-convert serve out/ --tp 8                    check, then run SGLang on it
-
-    Exit codes: 0 ok, 1 invalid input or failed check, 2 usage error, 130 interrupted,
-    143 terminated.
-    """
 
 
 def _hub_and_cluster_options(fn):
@@ -248,7 +217,7 @@ def _origin_and_executor(
         opts.executor = LocalExecutor(workers)
 
 
-@main.command("convert")
+@click.command("convert")
 @click.argument("source", metavar="SRC_DIR_OR_REPO_ID")
 @click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
 @click.option(
@@ -368,7 +337,12 @@ def convert_cmd(
         reporter = ProgressReporter(mode)
         if hasattr(opts.executor, "download_progress"):  # --download: bytes from the Hub
             opts.executor.download_progress = reporter
-        result = convert(opts, reporter)
+        # The GC stays off until the plan is gone too: re-enabled over ~2M live objects,
+        # its first collection alone would rescan them all (see `gc_paused`).
+        with gc_paused():
+            report(convert(opts, reporter))
+
+    def report(result: ConvertResult) -> None:
         summary = result.summary()
         extra = getattr(opts.executor, "summary", None)
         if extra is not None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from . import contract
 from .errors import Code, fail
 from .manifest import Dims
 from .safetensors_format import MAX_HEADER_BYTES, TensorInfo, build_header
@@ -125,10 +127,12 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
     """
     outputs: list[OutputTensor | None] = []
     waiting: dict[str, tuple[int, str, TensorInfo, bool]] = {}  # w31 name -> first half
-    new, tensor_cls, piece_cls, fusion = _new_tuple, OutputTensor, Piece, table.fusion
-    for file in source.shard_files:  # this body runs 500k times at real scale
+    new, tensor_cls, piece_cls = _new_tuple, OutputTensor, Piece
+    split, fusions = contract.split_expert_name, table.fusions  # bound once: 500k calls
+    for file in source.shard_files:
         for info in source.headers[file].tensors.values():
-            role = fusion(info.name)
+            parts = split(info.name)
+            role = None if parts is None else fusions.get(parts[1])
             if role is None:
                 length = info.end - info.begin
                 piece = new(piece_cls, (file, info.begin, length))
@@ -136,7 +140,7 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
                     new(tensor_cls, (info.name, info.dtype, info.shape, (piece,), length))
                 )
                 continue
-            w31, is_up = role
+            w31, is_up = parts[0] + "experts." + role.w31_tail, role.is_up
             first = waiting.pop(w31, None)
             if first is None:
                 waiting[w31] = (len(outputs), file, info, is_up)
@@ -164,49 +168,62 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
 
 
 def header_entry_bound(t: OutputTensor) -> int:
-    """At least the bytes `build_header` spends on this tensor's entry. A printable ASCII
-    name is written as it is (a quote or backslash gains one escape byte); any other
-    character takes up to 12 bytes once JSON-escaped (a surrogate pair). An offset has up to
-    20 digits."""
+    """At least the bytes `build_header` spends on this tensor's entry: a name character
+    takes 1 byte in JSON when it is printable ASCII, 2 for a quote or backslash, up to 12
+    otherwise (a surrogate pair escaped); a shape dimension up to 21, two offsets of 20
+    digits, a dtype of 7 characters and the punctuation fit in 104."""
     name = t.name
     if name.isascii() and name.isprintable():
-        size = 2 * len(name) if '"' in name or "\\" in name else len(name)
+        size = len(name) + name.count('"') + name.count("\\")
     else:
         size = 12 * len(name)
-    return size + len(t.dtype) + 21 * len(t.shape) + 96
+    return size + 21 * len(t.shape) + 104
 
 
 def pack_shards(
     tensors: list[OutputTensor], max_shard_size: int, max_header: int = MAX_SHARD_HEADER
 ) -> list[OutputShard]:
     """Greedy, order-preserving: a new shard starts when the next tensor would overflow the
-    data size or the header bound. A tensor larger than the limit gets a shard of its own
-    (as huggingface_hub does)."""
-    groups: list[list[OutputTensor]] = [[]]
-    size = header = 0
-    for t in tensors:
-        entry = header_entry_bound(t)
-        if groups[-1] and (size + t.nbytes > max_shard_size or header + entry > max_header):
-            groups.append([])
-            size = header = 0
-        groups[-1].append(t)
-        size += t.nbytes
-        header += entry
-    count = len(groups)
+    data size, or the header bound (checked on the header itself, which every shard needs
+    anyway; only a shard found over it is packed again by entry). A tensor larger than the
+    limit gets a shard of its own (as huggingface_hub does)."""
+    packed: list[tuple[list[OutputTensor], bytes]] = []
+    for group in _greedy(tensors, max_shard_size, lambda t: t.nbytes):
+        header = build_header(group)  # OutputTensor has HeaderEntry's fields
+        if len(header) - 8 <= max_header or len(group) == 1:
+            packed.append((group, header))
+            continue
+        for part in _greedy(group, max_header, header_entry_bound):
+            packed.append((part, build_header(part)))
     shards = []
-    for i, group in enumerate(groups, start=1):
-        shard = OutputShard(shard_name(i, count), group)
-        shard.header = build_header(group)  # OutputTensor has HeaderEntry's fields
-        if len(shard.header) - 8 > MAX_HEADER_BYTES:  # unreachable through the bound above
+    for i, (group, header) in enumerate(packed, start=1):
+        shard = OutputShard(shard_name(i, len(packed)), group, header)
+        if len(header) - 8 > MAX_HEADER_BYTES:  # one tensor alone: its name is > 100 MB
             raise fail(
                 Code.OUTPUT_HEADER_TOO_LARGE,
                 "planned shard header exceeds the safetensors limit",
                 file=shard.name,
                 expected=f"<= {MAX_HEADER_BYTES}",
-                found=str(len(shard.header) - 8),
+                found=str(len(header) - 8),
             )
         shards.append(shard)
     return shards
+
+
+def _greedy(
+    tensors: list[OutputTensor], limit: int, weight: Callable[[OutputTensor], int]
+) -> list[list[OutputTensor]]:
+    """Consecutive groups whose weights sum to at most `limit` (a heavier one alone)."""
+    groups: list[list[OutputTensor]] = [[]]
+    total = 0
+    for t in tensors:
+        w = weight(t)
+        if groups[-1] and total + w > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(t)
+        total += w
+    return groups
 
 
 def plan_fingerprint(plan: Plan, source: Source, manifest_sha256: str, tool_version: str) -> str:

@@ -34,7 +34,9 @@ class ExpertTable:
     """The source's routed experts as validation parsed them (read by the planner)."""
 
     dims: Dims
-    fusions: dict[str, Fusion] = field(default_factory=dict)  # w1/w3 tail -> its w31
+    # w1/w3 tail ("E.w1.suffix") -> what it becomes. Only tails are kept: the real model's
+    # ~330k w1/w3 names share ~5k tails, and a name splits in one C call.
+    fusions: dict[str, Fusion] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)  # expert prefix -> layer index
     experts: dict[str, int] = field(default_factory=dict)  # expert prefix -> experts found
 
@@ -45,9 +47,7 @@ class ExpertTable:
     def fusion(self, name: str) -> tuple[str, bool] | None:
         """(w31 name, is up) for a w1/w3 expert tensor; None for anything copied as it is."""
         split = contract.split_expert_name(name)
-        if split is None:
-            return None
-        role = self.fusions.get(split[1])
+        role = None if split is None else self.fusions.get(split[1])
         return None if role is None else (split[0] + "experts." + role.w31_tail, role.is_up)
 
 
@@ -133,6 +133,7 @@ def check_expert_tensors(
     tails_by_prefix: dict[str, list[str]] = {}
     verdicts: dict[str, _Verdict | Problem] = {}
     layer_of: dict[str, int | None] = {}
+    fusions = table.fusions
     for file, info in tensors:
         name = info.name
         split = contract.split_expert_name(name)
@@ -144,7 +145,7 @@ def check_expert_tensors(
             verdict = verdicts[tail] = _judge_tail(tail, rules, shapes, num_experts, converted)
             if isinstance(verdict, _Verdict) and verdict.key.startswith(("w1.", "w3.")):
                 w31_tail = f"{verdict.expert}.{contract.FUSED}.{verdict.key[3:]}"
-                table.fusions[tail] = Fusion(w31_tail, verdict.key[:2] == contract.UP)
+                fusions[tail] = Fusion(w31_tail, verdict.key[:2] == contract.UP)
         if type(verdict) is Problem:
             problems.append(
                 Problem(

@@ -112,6 +112,7 @@ def test_without_a_gpu_flashinfer_must_not_be_imported_first(fake_flashinfer, mo
 def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_path):
     """`kimi-convert prebuild`: progress lines for a log, exit 0 when built, 1 when not."""
     from click.testing import CliRunner
+
     from kimi_w31.cli import main
 
     def fake(report, *, arch=None, poll_s=5.0):

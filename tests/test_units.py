@@ -272,7 +272,7 @@ def test_a_source_of_many_small_tensors_plans_readable_shards():
     together exceed a bound are split over several shards, each readable."""
     spec = SynthSpec(layers=2, experts=2, k=64, n=32)
     source, tensors = synth_source(spec)
-    tiny = [(f"model.extra.{i:06d}." + "n" * 200, "U8", (1,)) for i in range(3000)]
+    tiny = [(f"model.extra.{i:06d}." + "n" * 400, "U8", (1,)) for i in range(3000)]
     source = header_only_source(tensors + tiny, make_config(spec), files=2)
     table, problems = validate_source(source, load_manifest("kimi-k3-any"))
     assert problems == []

@@ -102,13 +102,16 @@ def read_source(root: Path, label: str, origin: Origin) -> Source:
 
     headers: dict[str, ShardHeader] = {}
     problems = []
+    # On disk, one after another; over the network, several requests at once.
     with ThreadPoolExecutor(max_workers=origin.header_workers) as pool:
-        futures = {f: pool.submit(origin.read_header, root, f) for f in shard_files}
-        for f, fut in futures.items():
-            try:
-                headers[f] = fut.result()
-            except Fatal as exc:
-                problems.extend(exc.problems)
+        mapper = pool.map if origin.header_workers > 1 else map
+        for f, result in zip(
+            shard_files, mapper(_read_or_fail(origin, root), shard_files), strict=True
+        ):
+            if isinstance(result, Fatal):
+                problems.extend(result.problems)
+            else:
+                headers[f] = result
     if problems:
         raise Fatal(problems)
     if weight_map:
@@ -118,6 +121,16 @@ def read_source(root: Path, label: str, origin: Origin) -> Source:
     del weight_map  # the headers say the same from here on (single file: the header is the map)
     extra = origin.extra_files(root, set(shard_files) | {INDEX_NAME, CONFIG_NAME})
     return Source(root, label, config, shard_files, headers, extra, index_metadata)
+
+
+def _read_or_fail(origin: Origin, root: Path):
+    def read(file: str) -> ShardHeader | Fatal:
+        try:
+            return origin.read_header(root, file)
+        except Fatal as exc:  # collected: every shard's problems are reported together
+            return exc
+
+    return read
 
 
 def read_index(path: Path) -> tuple[dict, dict]:
