@@ -155,6 +155,10 @@ class OutputDir:
         self.root = root.expanduser().resolve()
         self.state = self.root / STATE_DIR
         self.tmp = self.state / _TMP
+        self.lock_path = self.state / _LOCK
+        self.ledger_path = self.state / _LEDGER
+        self.journal_path = self.state / _JOURNAL
+        self.partials_path = self.state / _PARTIALS
         self.index = self.root / INDEX_NAME
         self.checksums = self.root / CHECKSUMS_NAME
         self.ledger: Ledger | None = None
@@ -173,7 +177,7 @@ class OutputDir:
 
     def previous_records(self, fingerprint: str) -> tuple[Mode, dict[str, ShardRecord]]:
         """What an earlier run of this plan left: its mode and shard records."""
-        ledger_fp, records = Ledger.read(self.state / _LEDGER)
+        ledger_fp, records = Ledger.read(self.ledger_path)
         if ledger_fp == fingerprint:
             return Mode.RESUME, records
         recorded = self._checksums_file()
@@ -200,7 +204,7 @@ class OutputDir:
             )
         self._make_dir(self.root)
         self._make_dir(self.state)
-        self._lock = OutputLock(self.state / _LOCK)
+        self._lock = OutputLock(self.lock_path)
         self._lock.acquire()  # on any failure from here the caller calls `abandon`
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
@@ -208,7 +212,7 @@ class OutputDir:
         mode, records = self.previous_records(fingerprint)
         if mode is Mode.FRESH:
             self._make_room(force)
-        self.ledger = Ledger(self.state / _LEDGER, fingerprint)
+        self.ledger = Ledger(self.ledger_path, fingerprint)
         if mode is Mode.RESUME:
             self.ledger.load()
         else:
@@ -265,9 +269,9 @@ class OutputDir:
                     names[name] = (entry["size"], entry.get("header_sha256"))
             if self.checksums.is_file():
                 names[CHECKSUMS_NAME] = (self.checksums.stat().st_size, None)
-        for record in Ledger.read(self.state / _LEDGER)[1].values():
+        for record in Ledger.read(self.ledger_path)[1].values():
             names[record.shard] = (record.size, record.header_sha256)
-        for entry in _read_lines(self.state / _JOURNAL):
+        for entry in _read_lines(self.journal_path):
             if isinstance(entry.get("file"), str) and type(entry.get("size")) is int:
                 names[entry["file"]] = (entry["size"], None)
         return names
@@ -300,7 +304,7 @@ class OutputDir:
         checksums file last (it is the record); the journal keeps the record meanwhile."""
         recorded = self._recorded()
         files = self._all_files(entries)
-        with open(self.state / _JOURNAL, "a", encoding="utf-8") as fh:
+        with open(self.journal_path, "a", encoding="utf-8") as fh:
             for path in files:
                 rel = str(path.relative_to(self.root))
                 fh.write(json.dumps({"file": rel, "size": recorded[rel][0]}) + "\n")
@@ -392,7 +396,7 @@ class OutputDir:
 
     def _journal(self, f: FinalFile) -> None:
         """Record a file before writing it, so --force may remove it after a crash."""
-        with open(self.state / _JOURNAL, "a", encoding="utf-8") as fh:
+        with open(self.journal_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"file": f.name, "size": f.size}) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
@@ -472,19 +476,19 @@ class OutputDir:
     def note_partial(self, path: Path) -> None:
         """Record a partial download this run started (fsynced), so that a later run, or this
         one, may remove it: the only proof this tool has that the file is its own."""
-        with open(self.state / _PARTIALS, "a", encoding="utf-8") as fh:
+        with open(self.partials_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"path": str(path)}) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
     def partials(self) -> list[Path]:
         """Every partial download recorded by `note_partial` and not yet forgotten."""
-        entries = _read_lines(self.state / _PARTIALS)
+        entries = _read_lines(self.partials_path)
         return [Path(e["path"]) for e in entries if isinstance(e.get("path"), str)]
 
     def forget_partials(self) -> None:
         """Called once every recorded partial download is removed."""
-        (self.state / _PARTIALS).unlink(missing_ok=True)
+        (self.partials_path).unlink(missing_ok=True)
 
     def release(self, finished: bool) -> None:
         """Let go of the lock; a finished run also removes its state folder."""

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 from kimi_w31.converter.errors import Code
+from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 from kimi_w31.converter.pipeline import ConvertOptions, prepare
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
@@ -48,7 +49,7 @@ WRONG = "silently wrong"
 MANIFEST = ["--manifest", "kimi-k3-any"]
 SHARD_SIZE = ["--max-shard-size", "300KB"]  # ~11 output shards from the small synth source
 INDEX = "model.safetensors.index.json"
-STATE = ".kimi_w31"
+STATE = STATE_DIR
 VICTIM = "model-00002-of-00004.safetensors"  # the source shard the data faults hit
 
 
@@ -830,7 +831,7 @@ def torn_ledger_cases(template: Path, work: Path) -> list[Case]:
     args = convert_args(src, out, "--workers", "1")
     proc = run_cli(args, env={"KIMI_W31_FAULT_AT": "ledger.appended:4"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    ledger = out / STATE / "ledger.jsonl"
+    ledger = OutputDir(out).ledger_path
     lines = ledger.read_bytes().splitlines(keepends=True)
     torn = b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2]
     ledger.write_bytes(torn)
@@ -1117,7 +1118,7 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
             for p in json_problems(stdout)
             if p.get("code") == Code.SOURCE_CHANGED.value and p.get("file") == VICTIM
         ]
-        ledger = out / STATE / "ledger.jsonl"
+        ledger = OutputDir(out).ledger_path
         marked = [json.loads(x) for x in ledger.read_text().splitlines()[1:]]
         # Nothing copied from the changed file may be marked done.
         derived_new = [

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli
 from kimi_w31.converter.contract import unwrap_config
+from kimi_w31.converter.outdir import STATE_DIR
 from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec
 from safetensors import safe_open
 
@@ -114,7 +115,7 @@ def test_config_changed_exactly_as_the_contract_says(small_source, converted):
 def test_extra_files_copied_unchanged(small_source, converted):
     for name in EXTRA_FILES:
         assert (converted / name).read_bytes() == (small_source / name).read_bytes()
-    assert not (converted / ".kimi_w31").exists()  # no state left after a complete run
+    assert not (converted / STATE_DIR).exists()  # no state left after a complete run
 
 
 def test_output_shards_respect_max_size_and_hf_names(converted):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 from kimi_w31.converter.verify import verify
 from kimi_w31.converter.verify.command import verify as command
 from verify_mutations import CONFIG, INDEX, Model, edit_json, read_shard, rerecord
@@ -385,7 +386,7 @@ ROWS: dict[str, Row] = {
     # -- incomplete ------------------------------------------------------------------------
     "no index": Row(lambda out: (out / INDEX).unlink(), {Code.INCOMPLETE_OUTPUT}),
     "no index, a run in progress": Row(
-        lambda out: ((out / INDEX).unlink(), (out / ".kimi_w31").mkdir()), {Code.INCOMPLETE_OUTPUT}
+        lambda out: ((out / INDEX).unlink(), (out / STATE_DIR).mkdir()), {Code.INCOMPLETE_OUTPUT}
     ),
     "output is a file": Row(
         lambda out: (shutil.rmtree(out), out.write_text("x")), {Code.OUTPUT_NOT_DIRECTORY}
@@ -462,15 +463,15 @@ def test_every_structure_code_has_a_row():
 def test_incomplete_output_says_whether_a_run_is_in_progress(output_copy):
     (output_copy / INDEX).unlink()
     idle = verify(output_copy).problems[0]
-    (output_copy / ".kimi_w31").mkdir()
+    (output_copy / STATE_DIR).mkdir()
     running = verify(output_copy).problems[0]
     assert idle.code == running.code == Code.INCOMPLETE_OUTPUT
     assert idle.found != running.found
 
 
 def test_state_folder_is_not_a_stray(output_copy):
-    (output_copy / ".kimi_w31" / "tmp").mkdir(parents=True)
-    (output_copy / ".kimi_w31" / "ledger.jsonl").write_text("{}\n")
+    OutputDir(output_copy).tmp.mkdir(parents=True)
+    OutputDir(output_copy).ledger_path.write_text("{}\n")
     assert verify(output_copy).ok
 
 

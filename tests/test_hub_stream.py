@@ -28,7 +28,7 @@ import pytest
 from hub_server import FakeHub
 from kimi_w31.converter.console import human
 from kimi_w31.converter.execute.hub import download_order, estimate
-from kimi_w31.converter.outdir import OutputDir
+from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare
 from kimi_w31.converter.source.hub import remove_partial
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
@@ -37,7 +37,7 @@ REPO = "org/kimi-synth"
 SHARD_SIZE = "600000"
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", SHARD_SIZE]
 SHARDS = [f"model-0000{i}-of-00006.safetensors" for i in range(1, 7)]
-STATE = ".kimi_w31"
+STATE = STATE_DIR
 # The convert command as `kimi-convert SRC OUT ...` runs it; SMALL_CHUNKS also scales the
 # client's read chunk down to these shards' size (see the module docstring).
 CONVERT = "from kimi_w31.cli import main; main(prog_name='kimi-convert')"
@@ -404,7 +404,7 @@ def test_killed_run_resumes_without_downloading_finished_shards_again(hub, refer
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    ledger = out / STATE / "ledger.jsonl"
+    ledger = OutputDir(out).ledger_path
     try:
         # the fingerprint line and two finished shards
         _wait_for(
@@ -454,7 +454,7 @@ def test_interrupted_downloads_leave_no_partial_files(hub, reference, tmp_path, 
         """Partial downloads hold data and every one is recorded: a kill now cannot land in
         the instant between a download creating its file and the record of it (a known
         limit, documented in the README)."""
-        journal = out / STATE / "partials.jsonl"
+        journal = OutputDir(out).partials_path
         try:
             recorded = {Path(json.loads(x)["path"]) for x in journal.read_text().splitlines()}
         except (OSError, ValueError):
@@ -483,7 +483,7 @@ def test_interrupted_downloads_leave_no_partial_files(hub, reference, tmp_path, 
         else:  # a kill leaves them, each recorded before it held any data
             left = set(_partials(storage)) - {foreign}
             assert left, stderr
-            journal = out / STATE / "partials.jsonl"
+            journal = OutputDir(out).partials_path
             recorded = {Path(json.loads(line)["path"]) for line in journal.read_text().splitlines()}
             assert {p.resolve() for p in left} <= recorded
     hub.rate = None

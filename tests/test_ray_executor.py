@@ -12,6 +12,7 @@ import os
 
 import pytest
 from cli_helpers import run_cli
+from kimi_w31.converter.outdir import OutputDir
 
 # Ray binds to the machine's address unless told that this is a one-node, loopback setup.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -49,7 +50,7 @@ def _killed_after_two(src, out, *args):
     r = _run(src, out, *args, env_extra=KILL_AFTER_TWO)
     assert r.returncode == -9, (r.returncode, r.stderr)
     assert not (out / "model.safetensors.index.json").exists()
-    ledger = (out / ".kimi_w31" / "ledger.jsonl").read_text().splitlines()
+    ledger = OutputDir(out).ledger_path.read_text().splitlines()
     assert len(ledger) == 3  # the fingerprint and two finished shards
 
 
@@ -93,7 +94,7 @@ def test_corrupted_shard_is_found_by_a_ray_task_and_redone(
 ):
     out = tmp_path / "out"
     _killed_after_two(small_source, out, "--workers", "1")
-    done = json.loads((out / ".kimi_w31" / "ledger.jsonl").read_text().splitlines()[1])["shard"]
+    done = json.loads(OutputDir(out).ledger_path.read_text().splitlines()[1])["shard"]
     data = bytearray((out / done).read_bytes())
     data[-1] ^= 0xFF  # same size, same header: only the re-hash (--rehash) can tell
     (out / done).write_bytes(bytes(data))

@@ -201,7 +201,7 @@ def test_state_folder_removed_mid_run_gives_a_true_message(small_source, tmp_pat
     def lose_state(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
-            shutil.rmtree(out / ".kimi_w31")
+            shutil.rmtree(OutputDir(out).state)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(shard_mod, "write_shard", lose_state)

@@ -18,6 +18,7 @@ import sys
 import pytest
 from cli_helpers import run_cli
 from kimi_w31.converter.errors import Code
+from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000", "--workers", "1"]
 INDEX = "model.safetensors.index.json"
@@ -49,7 +50,7 @@ def test_sigterm_is_an_interruption_with_a_message_and_resumes(small_source, con
     assert proc.returncode == 143
     assert err.strip() and "Traceback" not in err
     assert not (out / INDEX).exists()
-    assert not (out / ".kimi_w31" / "lock").exists()  # released on the way out
+    assert not OutputDir(out).lock_path.exists()  # released on the way out
     assert run_cli(small_source, out, *ARGS, "-q").returncode == 0  # "rerun to resume": true
     assert _files(out) == _files(converted)
 
@@ -139,13 +140,13 @@ def test_a_file_appearing_in_the_output_is_never_finalized_into_it(small_source,
 
 def test_our_own_artefacts_in_a_source_are_not_carried_over(source_copy, tmp_path):
     (source_copy / "kimi_w31.checksums.json").write_text('{"format_version": 1, "files": {}}')
-    (source_copy / ".kimi_w31").mkdir()
-    (source_copy / ".kimi_w31" / "ledger.jsonl").write_text("{}\n")
+    (source_copy / STATE_DIR).mkdir()
+    OutputDir(source_copy).ledger_path.write_text("{}\n")
     out = tmp_path / "out"
     assert run_cli(source_copy, out, *ARGS, "-q").returncode == 0
     ours = json.loads((out / "kimi_w31.checksums.json").read_text())
     assert ours["plan_fingerprint"] and "kimi_w31.checksums.json" not in ours["files"]
-    assert not (out / ".kimi_w31").exists()
+    assert not (out / STATE_DIR).exists()
 
 
 @pytest.mark.parametrize("content", ["file", "dir"])

@@ -163,7 +163,7 @@ class HubSourceFiles(SourceFiles):
         with self._lock:
             self.identity[file] = file_identity(self.root / file)
 
-    def release(self, file: str) -> None:
+    def drop(self, file: str) -> None:
         with self._lock:
             fd = self._fds.pop(file, None)
             if fd is not None:
@@ -445,7 +445,7 @@ class HubExecutor:
                 if not consumers[f]:
                     live.discard(f)
                     if self.delete_source_shards and result.outcome is Outcome.WRITTEN:
-                        sources.release(f)
+                        sources.drop(f)
                         self._delete(root, f)
 
         try:
