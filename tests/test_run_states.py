@@ -161,3 +161,29 @@ def test_synth_never_mixes_two_checkpoints(tmp_path, content):
     assert sorted(p.name for p in target.iterdir()) == (
         ["old.txt"] if content == "file" else ["sub"]
     )
+
+
+def test_an_unreadable_source_file_is_named(source_copy, tmp_path):
+    (source_copy / "config.json").unlink()
+    (source_copy / "config.json").mkdir()  # cannot be read as a file, even by root
+    proc = run_cli(source_copy, tmp_path / "out", *ARGS, "--json")
+    assert proc.returncode == 1
+    (problem,) = json.loads(proc.stdout)["problems"]
+    assert problem["code"] == Code.FILE_UNREADABLE.value
+    assert problem["file"] == str(source_copy / "config.json")
+
+
+def test_another_os_error_names_the_file_and_keeps_its_promise(tmp_path):
+    import errno
+
+    from kimi_w31.converter.outdir import OutputDir
+
+    out = OutputDir(tmp_path / "out")
+    out.claim("f" * 64, force=False)
+    try:
+        error = out.io_error(OSError(errno.EIO, "Input/output error", str(out.root / "x")))
+    finally:
+        out.release(finished=False)
+    assert error.codes == [Code.IO_ERROR]
+    assert error.problems[0].file == str(out.root / "x")
+    assert out.state.is_dir()  # "rerun the same command" is true: the run's state is there

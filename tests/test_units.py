@@ -308,3 +308,11 @@ def test_importing_the_converter_never_imports_sglang_flashinfer_torch_or_the_ad
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_tensor_whose_own_header_entry_passes_the_limit_is_refused():
+    """Packing can split shards, not names: a 100 MB name is refused with its reason."""
+    huge = OutputTensor("n" * 100_000_000, "U8", (1,), (Piece("f", 0, 1),), 1)
+    with pytest.raises(Fatal) as exc:
+        pack_shards([huge], 1 << 40)
+    assert exc.value.codes == [Code.OUTPUT_HEADER_TOO_LARGE]

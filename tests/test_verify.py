@@ -404,6 +404,19 @@ def test_reversed_fc1_order_fails_numerics(output_copy, small_source):
     assert failed(report)["numerics"] == {Code.NUMERICS_DIFFER}
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda block: block.update(fc1_order=["up", "up"]),  # no gate half to compute with
+        lambda block: block.update(situ_beta="4"),  # no number to compute with
+    ],
+)
+def test_a_block_numerics_cannot_compute_with_is_said_so(output_copy, small_source, edit):
+    edit_json(output_copy / CONFIG, lambda c: edit(c["kimi_w31"]))
+    report = verify(output_copy, source=str(small_source), numerics=True, sample=2)
+    assert failed(report)["numerics"] == {Code.NUMERICS_UNAVAILABLE}
+
+
 def test_numerics_sample_is_seeded(converted, small_source):
     def chosen(seed):
         report = verify(converted, source=str(small_source), numerics=True, sample=3, seed=seed)
