@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from ..converter import contract
+from ..converter.console import progress_option
 from ..converter.errors import Code
 from .layout import OPT_IN_ENV, find_block, text_config
 
@@ -334,14 +335,7 @@ def run_prebuild(arch: str | None, progress_mode: str) -> None:
     help="Build for this GPU architecture [default: the visible GPU's]; without a GPU, "
     "build for the machines you will serve on and copy FlashInfer's cache directory over.",
 )
-@click.option(
-    "--progress",
-    "progress_mode",
-    type=click.Choice(["auto", "bar", "lines", "none"]),
-    default="auto",
-    show_default=True,
-    help="bar: live bar; lines: a plain line every 30 s (logs); none.",
-)
+@progress_option
 def prebuild_command(arch: str | None, progress_mode: str) -> None:
     """Build FlashInfer's CUTLASS fused-MoE module into its JIT cache before serving.
 

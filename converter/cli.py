@@ -273,15 +273,7 @@ def _origin_and_executor(
     is_flag=True,
     help="Also scan every E8M0 scale byte for 0xFF (NaN) while copying.",
 )
-@click.option(
-    "--progress",
-    "progress_mode",
-    type=click.Choice(console.PROGRESS_MODES),
-    default="auto",
-    show_default=True,
-    help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
-    "bar on a terminal, lines otherwise.",
-)
+@console.progress_option
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary (errors only).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @_hub_and_cluster_options

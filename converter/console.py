@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
@@ -65,6 +65,35 @@ def human(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return str(n)
+
+
+def id_ranges(ids: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5" (the first ten runs)."""
+    ids = sorted(ids)
+    if not ids:
+        return "(none)"
+    runs, start, prev = [], ids[0], ids[0]
+    for i in [*ids[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(runs[:10]) + (" ..." if len(runs) > 10 else "")
+
+
+def progress_option(fn: Callable) -> Callable:
+    """The `--progress` option every long-running command takes."""
+    return click.option(
+        "--progress",
+        "progress_mode",
+        type=click.Choice(PROGRESS_MODES),
+        default="auto",
+        show_default=True,
+        help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
+        "bar on a terminal, lines otherwise.",
+    )(fn)
 
 
 def duration(seconds: float) -> str:

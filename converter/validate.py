@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from . import contract
+from .console import id_ranges
 from .errors import Code, Problem
 from .manifest import Dims, Manifest, TensorRule, resolve_dims
 from .safetensors_format import TensorInfo
@@ -293,8 +294,8 @@ def _check_layers(
             Problem(
                 Code.LAYER_MISSING,
                 f"{len(missing)} MoE layer(s) have no routed experts at all",
-                expected=f"experts in layers {_id_ranges(sorted(moe_layers))}",
-                found=f"none in layers {_id_ranges(missing)}",
+                expected=f"experts in layers {id_ranges(sorted(moe_layers))}",
+                found=f"none in layers {id_ranges(missing)}",
             )
         )
     if not table.experts_fused:
@@ -322,7 +323,7 @@ def _missing_in_layer(
                     f"MoE layer is missing {len(missing)} of {num_experts} experts",
                     tensor=f"{prefix}experts.*",
                     expected=f"ids 0..{num_experts - 1}",
-                    found=f"missing {_id_ranges(missing)}",
+                    found=f"missing {id_ranges(missing)}",
                 )
             )
     for expert, parts in sorted(experts.items()):
@@ -335,17 +336,3 @@ def _missing_in_layer(
                 )
             )
     return problems
-
-
-def _id_ranges(ids: list[int]) -> str:
-    if not ids:
-        return "(none)"
-    out, start, prev = [], ids[0], ids[0]
-    for i in [*ids[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ", ".join(out[:10]) + (" ..." if len(out) > 10 else "")

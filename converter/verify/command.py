@@ -87,15 +87,7 @@ DEFAULT_SAMPLE = 8
     metavar="N",
     help="Files read at once by --checksums and --source (each holds at most two 8 MiB buffers).",
 )
-@click.option(
-    "--progress",
-    "progress_mode",
-    type=click.Choice(console.PROGRESS_MODES),
-    default="auto",
-    show_default=True,
-    help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
-    "bar on a terminal, lines otherwise.",
-)
+@console.progress_option
 @click.option(
     "--json",
     "as_json",

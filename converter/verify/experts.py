@@ -16,12 +16,12 @@ names that are not exactly what is expected are taken apart one by one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain, compress, groupby, repeat
 from operator import add, eq, ge, getitem, itemgetter, or_
 
 from .. import contract
+from ..console import id_ranges
 from ..errors import Code, Problem
 from ..manifest import Dims, Manifest
 from ..safetensors_format import ShardHeader, TensorInfo
@@ -299,19 +299,3 @@ def _missing(prefix: str, missing: set[str], experts: int) -> list[Problem]:
                 )
             )
     return problems
-
-
-def id_ranges(ids: Iterable[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5" (the first ten runs)."""
-    ids = sorted(ids)
-    if not ids:
-        return "(none)"
-    runs, start, prev = [], ids[0], ids[0]
-    for i in [*ids[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ", ".join(runs[:10]) + (" ..." if len(runs) > 10 else "")
