@@ -359,6 +359,8 @@ def main() -> None:
         str(src),
         "--layers",
         str(args.layers),
+        "--dense-layers",  # every layer a MoE layer: the 4.3 GB of earlier reports
+        "0",
         "--experts",
         str(args.experts),
         "--shards",
