@@ -311,6 +311,8 @@ def check_wrapped(cfg: Any) -> list[Problem]:
 
 GATE, UP, DOWN, FUSED = "w1", "w3", "w2", "w31"
 SUFFIXES = ("weight_packed", "weight_scale")
+# How every name of a w1/w3 expert tensor ends (a cheap test before the full grammar).
+FUSED_HALF_ENDINGS = tuple(f".{proj}.{suffix}" for proj in (GATE, UP) for suffix in SUFFIXES)
 
 
 # A routed-expert tensor name's tail after "experts.": matched in full, ASCII only, expert

@@ -129,9 +129,12 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
     waiting: dict[str, tuple[int, str, TensorInfo, bool]] = {}  # w31 name -> first half
     new, tensor_cls, piece_cls = _new_tuple, OutputTensor, Piece
     split, fusions = contract.split_expert_name, table.fusions  # bound once: 500k calls
+    halves = contract.FUSED_HALF_ENDINGS
     for file in source.shard_files:
         for info in source.headers[file].tensors.values():
-            parts = split(info.name)
+            # Only names ending like a w1/w3 half can have a role: w2 and the rest skip the
+            # split (a third of the real model's names).
+            parts = split(info.name) if info.name.endswith(halves) else None
             role = None if parts is None else fusions.get(parts[1])
             if role is None:
                 length = info.end - info.begin
