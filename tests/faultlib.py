@@ -149,6 +149,13 @@ def json_problems(text: str) -> list[dict]:
     return found
 
 
+def _first_problem(text: str) -> str:
+    problems = json_problems(text)
+    if not problems:
+        return text[-160:]
+    return f"[{problems[0].get('code')}] {problems[0].get('what', '')}"[:160]
+
+
 def codes(text: str) -> set[str]:
     return {p.get("code") for p in json_problems(text)}
 
@@ -1250,7 +1257,7 @@ def path_cases(template: Path, work: Path) -> list[Case]:
             and codes(proc.stdout) == {Code.OUTPUT_INSIDE_SOURCE.value}
         )
         outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
-        rows.append(Case("paths", name, outcome, proc.stdout[-160:]))
+        rows.append(Case("paths", name, outcome, _first_problem(proc.stdout)))
     rows += [
         _force_case(template, work / "force"),
         _hub_cache_case(template, work / "hub"),
@@ -1280,7 +1287,10 @@ def _symlinked_dir_case(template: Path, work: Path) -> Case:
     )
     outcome = CRASH if looks_like_crash(proc.stderr) else CLEAN if good else WRONG
     return Case(
-        "paths", "a folder of the output is a symlink elsewhere", outcome, proc.stdout[-160:]
+        "paths",
+        "a folder of the output is a symlink elsewhere",
+        outcome,
+        _first_problem(proc.stdout),
     )
 
 
@@ -1492,31 +1502,34 @@ def fuzz(examples: int):
 # ----------------------------------------------------------- verify on hostile outputs
 
 
-OUT_VICTIM = "model-00002-of-00011.safetensors"
+def _output_victim(out: Path) -> str:
+    """The second shard of a converted output: the one the verify faults are planted in."""
+    return sorted(p.name for p in out.glob("model-*.safetensors"))[1]
 
 
 def verify_hostile_cases(template: Path, work: Path) -> list[Case]:
     """`verify` reads outputs copied from anywhere: each header and index fault planted in a
-    converted output must be reported (exit 1, the file named), never crash."""
+    converted output must be reported (exit 1, a reason code in `--json`), never crash."""
     src = copy_source(template, work / "src")
     ref = work / "ref"
     reference_output(src, ref)
+    victim = _output_victim(ref)
     index_faults = {
         "weight_map entry absolute": "/etc/passwd.safetensors",
-        "weight_map entry with ..": "../ref/" + OUT_VICTIM,
+        "weight_map entry with ..": "../ref/" + victim,
         "weight_map entry not .safetensors": "config.json",
         "weight_map entry with a NUL byte": "a\x00.safetensors",
         "weight_map entry not a string": 17,
     }
     cases: dict[str, Callable[[Path], None]] = {
-        f"header: {n}": (lambda f: lambda out: f(out / OUT_VICTIM))(f)  # noqa: B023
-        for n, f in HEADER_CASES.items()
+        f"header: {n}": (lambda f: lambda out: f(out / victim))(fn)
+        for n, (fn, _) in HEADER_CASES.items()
         if n != "tensor the index does not list"
     }
     for n, value in index_faults.items():
-        cases[f"index: {n}"] = _index_edit(_map_shard(OUT_VICTIM, value))
+        cases[f"index: {n}"] = _index_edit(_map_shard(victim, value))
     cases["index: not JSON"] = _write(INDEX, "{not json")
-    cases["index: shard missing"] = lambda out: (out / OUT_VICTIM).unlink()
+    cases["index: shard missing"] = lambda out: (out / victim).unlink()
     cases["checksums file not JSON"] = _write("kimi_w31.checksums.json", "[")
     cases["config not JSON"] = _write("config.json", "{")
     rows = []
@@ -1525,17 +1538,18 @@ def verify_hostile_cases(template: Path, work: Path) -> list[Case]:
         shutil.copytree(ref, out)
         mutate(out)
         before = {k: v for k, v in tree(work).items() if not k.startswith(f"v{i}")}
-        code, text, exc = run_inprocess(["verify", out, "--checksums"])
+        code, text, exc = run_inprocess(["verify", out, "--checksums", "--json"])
         after = {k: v for k, v in tree(work).items() if not k.startswith(f"v{i}")}
         flat = " ".join(text.split())
+        found = sorted(c for c in codes(text) if c)
         if exc is not None or looks_like_crash(text):
             outcome, detail = CRASH, f"{type(exc).__name__ if exc else 'traceback'}: {flat[-300:]}"
-        elif code != 1:
+        elif code != 1 or not found:
             outcome, detail = WRONG, f"exit {code}: {flat[-200:]}"
         elif before != after:
             outcome, detail = WRONG, "verify wrote outside the directory it checks"
         else:
-            outcome, detail = CLEAN, flat[-160:]
+            outcome, detail = CLEAN, ", ".join(found)
         rows.append(Case("verify on a hostile output", name, outcome, detail))
         shutil.rmtree(out, ignore_errors=True)
     return rows
@@ -1557,7 +1571,7 @@ def verify_fifo_case(template: Path, work: Path) -> list[Case]:
     out = work / "out"
     reference_output(src, out)
     os.mkfifo(work / "fifo.safetensors")
-    _index_edit(_map_shard(OUT_VICTIM, "../fifo.safetensors"))(out)
+    _index_edit(_map_shard(_output_victim(out), "../fifo.safetensors"))(out)
     try:
         proc = run_cli(["verify", out], timeout=6)  # a clean run takes < 1 s
     except subprocess.TimeoutExpired:
