@@ -225,13 +225,6 @@ class Progress:
                 self.moved += n
         self._refresh()
 
-    def set_total(self, total: int | None) -> None:
-        with self._lock:
-            self.total = total
-        if self._bar is not None:
-            self._bar.update(self._task, total=total)
-        self._refresh()
-
     def note(self, **notes: str) -> None:
         with self._lock:
             self.notes.update(notes)

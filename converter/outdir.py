@@ -169,12 +169,6 @@ class OutputDir:
         self.warnings: list[str] = []
 
     # -- reading, no lock needed ---------------------------------------------------------
-    def is_complete_looking(self) -> bool:
-        return self.index.exists()
-
-    def in_progress(self) -> bool:
-        return self.state.is_dir()
-
     def previous_records(self, fingerprint: str) -> tuple[Mode, dict[str, ShardRecord]]:
         """What an earlier run of this plan left: its mode and shard records."""
         ledger_fp, records = Ledger.read(self.ledger_path)

@@ -45,12 +45,6 @@ class ExpertTable:
     def experts_fused(self) -> int:
         return sum(self.experts.values())
 
-    def fusion(self, name: str) -> tuple[str, bool] | None:
-        """(w31 name, is up) for a w1/w3 expert tensor; None for anything copied as it is."""
-        split = contract.split_expert_name(name)
-        role = None if split is None else self.fusions.get(split[1])
-        return None if role is None else (split[0] + "experts." + role.w31_tail, role.is_up)
-
 
 def source_tensors(source: Source) -> Iterator[tuple[str, TensorInfo]]:
     """All source tensors as (file, info) in read order (index order of files, offsets)."""
