@@ -1158,54 +1158,49 @@ def source_change_cases(template: Path, work: Path) -> list[Case]:
         )
     # Changed between a crash and the rerun: same header and size, so only the recorded
     # source identity tells the finished shards are stale.
-    case = work / "between"
-    src = copy_source(template, case / "src")
-    out = case / "out"
-    args = convert_args(src, out, "--workers", "1")
-    proc = run_cli(args, env={"KIMI_W31_FAULT_AT": "shard.renamed:9"})
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    _rewrite_data(src / VICTIM)
-    rows.append(
-        Case(
-            "source changes between runs",
-            "rewritten after a crash, same size/header",
-            *_rerun_matches_fresh(src, out, case / "fresh", args),
-        )
-    )
-    # The same, with the modification time put back: only the change time tells.
-    case = work / "between-mtime"
-    src = copy_source(template, case / "src")
-    out = case / "out"
-    args = convert_args(src, out, "--workers", "1")
-    proc = run_cli(args, env={"KIMI_W31_FAULT_AT": "shard.renamed:9"})
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    st = (src / VICTIM).stat()
-    _rewrite_in_place(src / VICTIM)
-    os.utime(src / VICTIM, ns=(st.st_atime_ns, st.st_mtime_ns))
-    rows.append(
-        Case(
-            "source changes between runs",
+    for case, name, killed, change in (
+        ("between", "rewritten after a crash, same size/header", True, _rewrite_data),
+        (
+            "between-mtime",
             "rewritten in place after a crash, same size, header, inode and mtime",
-            *_rerun_matches_fresh(src, out, case / "fresh", args),
-        )
-    )
-    # And under a finished output: a rerun proves it again and redoes what the change touched.
-    case = work / "after-complete"
+            True,
+            _rewrite_keeping_mtime,
+        ),
+        (
+            "after-complete",
+            "rewritten in place under a complete output, mtime restored",
+            False,
+            _rewrite_keeping_mtime,
+        ),
+    ):
+        rows.append(_changed_between_runs(template, work / case, name, killed, change))
+    return rows + header_swap_case(template, work / "swap")
+
+
+def _changed_between_runs(
+    template: Path, case: Path, name: str, killed: bool, change: Callable[[Path], None]
+) -> Case:
+    """A run killed midway (or a finished one), then the source changed, then a rerun: it
+    must redo what came from the change and equal a fresh conversion."""
     src = copy_source(template, case / "src")
     out = case / "out"
     args = convert_args(src, out, "--workers", "1")
-    assert run_cli(args).returncode == 0
-    st = (src / VICTIM).stat()
-    _rewrite_in_place(src / VICTIM)
-    os.utime(src / VICTIM, ns=(st.st_atime_ns, st.st_mtime_ns))
-    rows.append(
-        Case(
-            "source changes between runs",
-            "rewritten in place under a complete output, mtime restored",
-            *_rerun_matches_fresh(src, out, case / "fresh", args),
-        )
+    if killed:
+        proc = run_cli(args, env={"KIMI_W31_FAULT_AT": "shard.renamed:9"})
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+    else:
+        assert run_cli(args).returncode == 0
+    change(src / VICTIM)
+    return Case(
+        "source changes between runs", name, *_rerun_matches_fresh(src, out, case / "fresh", args)
     )
-    return rows + header_swap_case(template, work / "swap")
+
+
+def _rewrite_keeping_mtime(path: Path) -> None:
+    """Rewritten through the same inode, the modification time put back: only ctime tells."""
+    st = path.stat()
+    _rewrite_in_place(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def _rewrite_in_place(path: Path) -> None:
