@@ -112,6 +112,7 @@ class Code(str, Enum):
     SOURCE_CHANGED_SINCE = "source-changed-since"
     NUMERICS_DIFFER = "numerics-differ"
     NUMERICS_UNAVAILABLE = "numerics-unavailable"
+    NUMERICS_SELF_TEST = "numerics-self-test"
     TENSOR_DTYPE_DIFFERS = "tensor-dtype-differs"
     TENSOR_SHAPE_DIFFERS = "tensor-shape-differs"
     FILE_NOT_FROM_SOURCE = "file-not-from-source"
