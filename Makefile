@@ -5,6 +5,8 @@ PY           ?= python3
 VENV         := .venv
 BIN          := $(VENV)/bin
 STAMP        := $(VENV)/.installed
+# `make demo` needs the converter alone: no development tools, no Ray, no torch.
+DEMO_STAMP   := $(VENV)/.converter
 TORCH_STAMP  := $(VENV)/.torch
 DEMO         := demo
 # torch is needed only by the adapter's CPU tests, and as the CPU build: on Linux the plain
@@ -23,11 +25,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
+$(DEMO_STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $(DEMO_STAMP)
+
 $(TORCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q --retries 1 --index-url $(TORCH_INDEX) '$(TORCH)'
 	touch $(TORCH_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/kimi-convert synth $(DEMO)/src --layers 4 --experts 8
 	$(BIN)/kimi-convert $(DEMO)/src $(DEMO)/out --manifest kimi-k3-any --max-shard-size 1MB
