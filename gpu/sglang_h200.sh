@@ -183,27 +183,33 @@ tuned_timing() {
 # 15 MiB parts (.fi/prebuilt/ for reuse).
 w4a8_pipeline() {
     cd "$WORK" || exit 1
+    STATUS=$WORK/w4a8.status
+    : > "$STATUS"
+    record "plan w4a8-build w4a16-timing w4a8-checks-and-timing"
     echo "== w4a8 pipeline start $(date -u +%FT%TZ)"
     (time nice -n 5 python3 -m gpu.trimmed_build --build --variant w4a8) > "$OUTD/build-w4a8.log" 2>&1 &
     local build_pid=$!
     if [ ! -d "$WORK/conv" ]; then
-        kimi_convert synth "$WORK/src" --layers 1 --experts 28 --top-k 16 --real-dims >/dev/null
-        kimi_convert "$WORK/src" "$WORK/conv" --manifest kimi-k3-any -q
+        kimi_convert synth "$WORK/src" --layers 1 --experts 28 --top-k 16 --real-dims >/dev/null \
+            && kimi_convert "$WORK/src" "$WORK/conv" --manifest kimi-k3-any -q \
+            || { record "synth-convert 1"; wait "$build_pid"; touch "$WORK/done-w4a8"; exit 1; }
     fi
     local args=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD")
     # Its own FlashInfer workspace: FlashInfer regenerates kernel sources on spec creation,
     # which must not touch the files the W4A8 build is compiling.
-    FLASHINFER_WORKSPACE_BASE=$WORK/fiws-w4a16 CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 \
-        --module w4a16 --prebuilt "$WORK/prebuilt_moe.so" "${args[@]}"
-    echo "== w4a16 timing exit $? $(date -u +%FT%TZ)"
+    run_suite w4a16-timing 1 env FLASHINFER_WORKSPACE_BASE="$WORK/fiws-w4a16" \
+        CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 --module w4a16 \
+        --prebuilt "$WORK/prebuilt_moe.so" "${args[@]}"
     if ! wait "$build_pid"; then
-        echo "W4A8 BUILD FAILED"; tail -40 "$OUTD/build-w4a8.log"; touch "$WORK/done-w4a8"; exit 1
+        echo "W4A8 BUILD FAILED"; tail -40 "$OUTD/build-w4a8.log"
+        record "w4a8-build 1"; touch "$WORK/done-w4a8"; exit 1
     fi
+    record "w4a8-build 0"
     tail -2 "$OUTD/build-w4a8.log"
     so=$(find "$FLASHINFER_WORKSPACE_BASE" -name 'fused_moe_90_kimi_w31_w4a8_humming*.so' | head -1)
     mkdir -p "$OUTD/so" && xz -T0 -6 -c "$so" | split -b 15M -d - "$OUTD/so/w4a8.so.xz.part-"
-    CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 --module w4a8 "${args[@]}"
-    echo "== w4a8 exit $? $(date -u +%FT%TZ)"
+    run_suite w4a8-checks-and-timing 1 env CUDA_VISIBLE_DEVICES=0 \
+        python3 -m gpu.w4a8 --module w4a8 "${args[@]}"
     touch "$WORK/done-w4a8"
 }
 
@@ -220,7 +226,9 @@ case "${1:-}" in
     w4a8-wait)
         deadline=$((SECONDS + ${2:-540}))
         while [ ! -f "$WORK/done-w4a8" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
-        echo "== done: $([ -f "$WORK/done-w4a8" ] && echo yes || echo no)"
+        finished=no
+        [ -f "$WORK/done-w4a8" ] && finished=yes
+        echo "== w4a8 pipeline finished: $finished"
         grep -v "Warning\|warn(" "$OUTD/w4a8-pipeline.log" | tail -30
         tail -3 "$OUTD/build-w4a8.log"
         ls "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops/*w4a8*/ 2>/dev/null \
@@ -230,6 +238,7 @@ case "${1:-}" in
             cat "$OUTD"/w4a8-*.log "$OUTD/build-w4a8.log" > "$OUT/w4a8-logs.txt" 2>/dev/null
             if [ -d "$OUTD/so" ]; then mkdir -p "$OUT/so" && cp "$OUTD"/so/* "$OUT/so/"; fi
         fi
+        (cd "$REPO" && python3 -m gpu.sglang_cases status "$WORK/w4a8.status" --finished "$finished")
         ;;
     start)
         rm -f "$WORK/done"
