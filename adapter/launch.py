@@ -366,16 +366,17 @@ def check_capacity(
         per_gpu, how = found
     cap = Capacity(size, source, tp * pp, nnodes, per_gpu, how, mem_fraction)
     if not cap.fits:
-        frac = "" if mem_fraction is None else f" x --mem-fraction-static {mem_fraction}"
+        each = human(per_gpu)
+        if mem_fraction is not None:
+            each += f" x --mem-fraction-static {mem_fraction} = {human(cap.usable)}"
         raise ServeError(
             f"the GPUs cannot hold this checkpoint: {human(size)} ({source}) over "
             f"tp {tp} x pp {pp} = {cap.gpus} GPU(s) (on {nnodes} node(s)) is "
-            f"{human(cap.needed_per_gpu)} per GPU at the least, more than the "
-            f"{human(per_gpu)}{frac} = {human(cap.usable)} each GPU has ({how}). It needs at "
-            f"least {cap.min_gpus} such GPUs for the weights alone, before KV cache and "
-            "activations (Kimi-K3 on H200s: 16, two nodes; see the README). Use more GPUs "
-            "(--tp, -- --pp-size/--nnodes), or --gpu-memory if this machine is not the one "
-            "that serves.",
+            f"{human(cap.needed_per_gpu)} per GPU at the least, more than the {each} each GPU "
+            f"has ({how}). It needs at least {cap.min_gpus} such GPUs for the weights alone, "
+            "before KV cache and activations (Kimi-K3 on H200s: 16, two nodes; see the "
+            "README). Use more GPUs (a larger --tp, or -- --pp-size; across nodes with -- "
+            "--nnodes), or give --gpu-memory when this machine is not the one that serves.",
             "capacity",
         )
     return cap
