@@ -199,9 +199,9 @@ def read_config(root: Path) -> tuple[dict, bool]:
     return cfg, find_block(cfg) is not None
 
 
-def check_checkpoint(root: Path, cfg: dict, *, converted: bool, unconverted: bool) -> None:
-    """The config-level checks: a usable block and wrapper, or an unconverted checkpoint the
-    user opted into; SiTU experts."""
+def check_config(root: Path, cfg: dict, *, converted: bool) -> None:
+    """The config-level checks: a usable block and fail-closed wrapper, or a config that
+    carries neither; SiTU experts."""
     cfg_path = root / "config.json"
     if converted:
         problems = contract.check_block(cfg) + contract.check_wrapped(cfg)
@@ -238,6 +238,30 @@ def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str) -> None:
             f"{ALIGNMENT}: the CUTLASS SiTU method does not pad. Pick another --tp/--ep "
             "(Kimi-K3: tp/ep in 1, 2, 3, 4, 6, 8, 12, 24), or --backend marlin.",
             "moe-tp-alignment",
+        )
+
+
+def check_checkpoint(
+    root: Path, *, unconverted: bool, tp: int, ep: int, backend: str = BACKEND
+) -> tuple[dict, bool]:
+    """(config, converted?) after the config-level and MoE-TP checks; raises ServeError."""
+    cfg, converted = read_config(root)
+    _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
+    check_config(root, cfg, converted=converted)
+    if tp < 1 or ep < 1 or tp % ep:
+        raise ServeError(f"--tp {tp} / --ep {ep}: both >= 1 and --ep must divide --tp", "bad-flag")
+    check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
+    return cfg, converted
+
+
+def _require_converted_or_opt_in(root: Path, cfg: dict, *, converted: bool, unconverted: bool):
+    # Not a check that --skip-checks skips: it decides what is served (and the opt-in).
+    if not converted and not unconverted and not contract.marks(cfg):
+        raise ServeError(
+            f"{root} is not a converted checkpoint (no '{contract.BLOCK_KEY}' block in "
+            "config.json). Convert it with `kimi-convert SRC OUT`, or pass --unconverted to "
+            f"serve the original with the adapter's SiTU method ({OPT_IN_ENV}=1).",
+            "not-converted",
         )
 
 
@@ -407,20 +431,14 @@ def plan_serve(
     pp = given.get("pp_size", 1)
     nnodes = given.get("nnodes", 1)
     cfg, converted = read_config(root)
-    if not converted and not unconverted and not contract.marks(cfg):
-        raise ServeError(
-            f"{root} is not a converted checkpoint (no '{contract.BLOCK_KEY}' block in "
-            "config.json). Convert it with `kimi-convert SRC OUT`, or pass --unconverted to "
-            f"serve the original with the adapter's SiTU method ({OPT_IN_ENV}=1).",
-            "not-converted",
-        )
+    _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
     for name, value in (("tp", tp), ("ep", ep), ("pp", pp), ("nnodes", nnodes)):
         if value < 1:
             raise ServeError(f"--{name} {value}: must be at least 1", "bad-flag")
     if tp % ep:
         raise ServeError(f"--tp {tp} / --ep {ep}: --ep must divide --tp", "bad-flag")
     if checks:
-        check_checkpoint(root, cfg, converted=converted, unconverted=unconverted)
+        check_config(root, cfg, converted=converted)
         check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
         check_capacity(
             root,
