@@ -175,3 +175,49 @@ def test_only_the_first_load_is_held_to_completeness(plugins, converted_dir, con
         )
         # and the hook left SGLang's own loader in place
         assert all("_weight_loader_impl" not in m.__dict__ for m in moes)
+
+
+class _Placement:
+    """EPLB's expert placement as FusedMoE reads it: 6 physical slots for 4 logical experts
+    (0 and 1 replicated), 3 slots per EP rank."""
+
+    num_logical_experts = E
+    MAP = [0, 1, 2, 3, 0, 1]
+
+    def __init__(self) -> None:
+        import torch
+
+        self.physical_to_logical_map_cpu = torch.tensor([self.MAP] * LAYERS)
+
+    def logical_to_all_physical(self, layer_id, logical_id, require_global=False):
+        return [p for p, lid in enumerate(self.MAP) if lid == logical_id]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_eplb_replicas_name_logical_experts(
+    plugins, converted_dir, converted_tensors, monkeypatch, rank
+):
+    """With EPLB, local slots hold physical replicas: a missing logical expert is missing on
+    every rank that holds one of its replicas, named by its checkpoint id."""
+    from sglang.srt.eplb import expert_location
+    from sglang.srt.layers.moe.fused_moe_triton import layer as fused_layer
+
+    placement = _Placement()
+    for mod in (expert_location, fused_layer):
+        monkeypatch.setattr(mod, "get_global_expert_location_metadata", lambda: placement)
+    slots = 3
+
+    def setup(m):
+        m.moe_ep_size, m.moe_ep_rank = 2, rank
+        m._num_global_routed, m._num_local_routed, m._expert_storage_rank = 6, slots, rank
+
+    held = {placement.MAP[p] for p in range(rank * slots, (rank + 1) * slots)}
+    for logical in range(E):
+        gone = P.format(L=0, E=logical) + "w2.weight_scale"
+        holed = {k: v for k, v in converted_tensors.items() if k != gone}
+        kw = dict(arch="sm90", backend="flashinfer_mxfp4", experts=slots, setup=setup)
+        if logical in held:
+            want = {0: {"w2.weight_scale": [logical]}}
+            _expect_refusal(converted_dir, holed, want, **kw)
+        else:
+            _load(converted_dir, holed, **kw)
