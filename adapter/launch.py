@@ -486,7 +486,7 @@ def verify_structure(root: Path) -> list[str]:
     default=1,
     show_default=True,
     metavar="N",
-    help="Tensor-parallel size (GPUs); --tp-size after -- is checked the same way.",
+    help="Tensor-parallel size (GPUs); a --tp-size/--tensor-parallel-size after -- wins.",
 )
 @click.option(
     "--ep",
@@ -553,13 +553,13 @@ def serve(
     --moe-runner-backend win over ours, in any form argparse takes, and are checked).
 
     \b
-    Examples:
-      kimi-convert serve out/ --tp 8                         check, then serve on 8 GPUs
-      kimi-convert serve out/ --tp 8 --print                 show the server command only
-      kimi-convert serve out/ --tp 16 --ep 2 -- --port 30000
-      kimi-convert serve out/ --backend marlin               SGLang's marlin MoE instead
-      kimi-convert serve SRC/ --unconverted                  the original checkpoint, SiTU
-      kimi-convert serve out/ --tp 8 --prebuild              pay FlashInfer's build first
+    Examples (Kimi-K3 needs 16 H200s on two nodes: run on each, with its --node-rank):
+      kimi-convert serve out/ --tp 16 --ep 2 -- --nnodes 2 --node-rank 0 \\
+          --dist-init-addr HEAD:5000
+      kimi-convert serve out/ --tp 16 --ep 2 --gpu-memory 141GB --print   from a login node
+      kimi-convert serve out/ --tp 16 --ep 2 --backend marlin             SGLang's marlin MoE
+      kimi-convert serve SRC/ --unconverted --tp 16 --ep 2                the original, SiTU
+      kimi-convert serve out/ --tp 16 --ep 2 --prebuild                   FlashInfer's build first
 
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
