@@ -552,8 +552,10 @@ def serve(
     --pp-size/--pipeline-parallel-size, --nnodes, --mem-fraction-static and
     --moe-runner-backend win over ours, in any form argparse takes, and are checked).
 
+    Kimi-K3 needs 16 H200s on two nodes: run on each node, with its --node-rank.
+
     \b
-    Examples (Kimi-K3 needs 16 H200s on two nodes: run on each, with its --node-rank):
+    Examples:
       kimi-convert serve out/ --tp 16 --ep 2 -- --nnodes 2 --node-rank 0 \\
           --dist-init-addr HEAD:5000
       kimi-convert serve out/ --tp 16 --ep 2 --gpu-memory 141GB --print   from a login node
