@@ -18,7 +18,7 @@ from rich.table import Table
 
 from . import console
 from .console import err, human, out, parse_size, run_guarded
-from .errors import EXIT_USAGE, Code, fail
+from .errors import Code, fail
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
@@ -179,13 +179,9 @@ def _origin_and_executor(
             if v
         ]
         if given:
-            raise fail(
-                Code.USAGE, f"{', '.join(given)} only apply with --download", exit_code=EXIT_USAGE
-            )
+            raise fail(Code.USAGE, f"{', '.join(given)} only apply with --download")
     if ray_address and executor != "ray":
-        raise fail(
-            Code.USAGE, "--ray-address only applies with --executor ray", exit_code=EXIT_USAGE
-        )
+        raise fail(Code.USAGE, "--ray-address only applies with --executor ray")
     if executor == "ray":
         if download:
             raise fail(
@@ -193,7 +189,6 @@ def _origin_and_executor(
                 "--download and --executor ray do not combine: download "
                 "first (hf download ... --local-dir on shared storage), then convert on "
                 "Ray",
-                exit_code=EXIT_USAGE,
             )
         from .execute.ray import RayExecutor, import_ray
 
@@ -327,24 +322,20 @@ def convert_cmd(
         _origin_and_executor(opts, workers, **where)
         mode = console.resolve_mode(progress_mode, quiet or as_json)
         reporter = ProgressReporter(mode)
-        if hasattr(opts.executor, "download_progress"):  # --download: bytes from the Hub
-            opts.executor.download_progress = reporter
+        opts.executor.download_progress = reporter  # --download: bytes from the Hub
         # The GC stays off until the plan is gone too: re-enabled over ~2M live objects,
         # its first collection alone would rescan them all (see `gc_paused`).
         with gc_paused():
             report(convert(opts, reporter))
 
     def report(result: ConvertResult) -> None:
-        summary = result.summary()
-        extra = getattr(opts.executor, "summary", None)
-        if extra is not None:
-            summary.update(extra(result.plan))
+        summary = {**result.summary(), **opts.executor.summary(result.plan)}
         if as_json:
             out.print_json(json.dumps({"ok": True, **summary}))
         elif quiet:
             return
         elif dry_run:
-            _print_plan(result, getattr(opts.executor, "plan_rows", lambda plan: [])(result.plan))
+            _print_plan(result, opts.executor.plan_rows(result.plan))
         elif result.already_complete:
             err.print(
                 f"[green]already complete:[/] {escape(str(result.out))} holds this "
@@ -507,7 +498,6 @@ def synth(
                 Code.OUTPUT_NOT_EMPTY,
                 "synth writes into an empty or new directory",
                 file=str(output.resolve()),
-                exit_code=EXIT_USAGE,
                 hint="choose another directory or remove this one first",
             )
         kk = k or (REAL_K if real_dims else 128)
@@ -516,7 +506,6 @@ def synth(
             raise fail(
                 Code.USAGE,
                 "--k and --n must be multiples of 32 (the MXFP4 group size)",
-                exit_code=EXIT_USAGE,
             )
         dense = min(1, layers - 1) if dense_layers is None else dense_layers
         spec = SynthSpec(
@@ -535,7 +524,6 @@ def synth(
             raise fail(
                 Code.USAGE,
                 "no MoE layer: raise --layers or lower --dense-layers / --moe-every",
-                exit_code=EXIT_USAGE,
             )
         started = time.perf_counter()
         info = synth_checkpoint(output, spec)
