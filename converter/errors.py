@@ -299,7 +299,6 @@ CONSEQUENCES: dict[Code, frozenset[Code]] = {
     Code.LAYER_UNEXPECTED: frozenset({Code.NO_EXPERTS}),
     Code.EXPERT_OUTSIDE_LAYER: frozenset({Code.NO_EXPERTS}),
     Code.LAYER_DUPLICATED: frozenset({Code.NO_EXPERTS}),
-    Code.EXPERT_NAME: frozenset({Code.NO_EXPERTS}),
     Code.EXPERT_TENSOR_UNEXPECTED: frozenset({Code.NO_EXPERTS}),
 }
 
