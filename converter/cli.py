@@ -29,10 +29,16 @@ RESUME_HINT = "rerun the same command to resume: finished shards are kept"
 
 
 class ProgressReporter(Reporter):
-    """Conversion progress: bytes written (shards kept from an earlier run count as done,
-    not as speed), shards done, and what was kept. With --download, a second quantity
-    beside it: source bytes arriving from the Hub (`download_*`, the Hub executor's
-    `DownloadProgress`), a second bar or its own `download: ...` lines."""
+    """Conversion progress: output bytes settled (written, or kept from an earlier run once
+    proven), shards done, and what was kept. With --download, a second quantity beside it:
+    source bytes arriving from the Hub (`download_*`, the executor's `DownloadProgress`), a
+    second bar or its own `download: ...` lines.
+
+    Each shard counts its size once, however often its bytes flow: proving a kept shard
+    with --rehash re-reads it, a shard that fails that proof is read and then written.
+    Bytes flowing count at once (so a large shard moves the bar) but only up to what is
+    left; a settled shard's size replaces what flowed for it. Never past 100 %, never
+    backwards, exactly 100 % when every shard is done."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -41,26 +47,42 @@ class ProgressReporter(Reporter):
         self.shards = 0
         self.done = self.kept = 0
         self.files = self.fetched = 0
+        self.total = 0
+        self.settled = 0  # bytes of the shards done
+        self.flowed = 0  # bytes read or written not yet matched to a done shard
+        self.shown = 0  # what the progress says is done
         self.lock = threading.Lock()
 
     def start(self, total_bytes: int, shards: int) -> None:
-        self.shards = shards
+        self.shards, self.total = shards, total_bytes
         self.progress = console.Progress(self.mode, "convert", total_bytes)
         self.progress.note(shards=f"0/{shards}")
 
+    def _recount(self) -> int:
+        """How much further the shown figure moves (under the lock)."""
+        shown = min(self.total, self.settled + min(self.flowed, self.total - self.settled))
+        step, self.shown = max(0, shown - self.shown), max(shown, self.shown)
+        return step
+
     def advance(self, nbytes: int) -> None:
+        with self.lock:
+            self.flowed += nbytes
+            step = self._recount()
         if self.progress is not None:
-            self.progress.advance(nbytes)
+            self.progress.add(step, nbytes)
 
     def shard_done(self, result: ShardOutcome) -> None:
+        size = result.record.size if result.record is not None else 0
         with self.lock:
             self.done += 1
             if result.outcome is Outcome.KEPT:
                 self.kept += 1
+            self.settled += size
+            self.flowed -= min(self.flowed, size)
+            step = self._recount()
             note = f"{self.done}/{self.shards}" + (f" ({self.kept} kept)" if self.kept else "")
         if self.progress is not None:
-            if result.outcome is Outcome.KEPT and result.record is not None:
-                self.progress.advance(result.record.size, moved=False)
+            self.progress.add(step, 0)
             self.progress.note(shards=note)
 
     def warn(self, message: str) -> None:

@@ -228,6 +228,7 @@ class Progress:
         self._lock = threading.Lock()
         self._next_tenth = 1
         self._last_line = self.started
+        self._lines = 0  # plain lines printed so far
         self._bar = None
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -249,10 +250,14 @@ class Progress:
             self._ticker.start()
 
     def advance(self, n: int, moved: bool = True) -> None:
+        self.add(n, n if moved else 0)
+
+    def add(self, done: int, moved: int) -> None:
+        """`done`: how much further the work got; `moved`: bytes this run read or wrote for
+        it (the rate). They differ when proving a kept shard re-reads it."""
         with self._lock:
-            self.done += n
-            if moved:
-                self.moved += n
+            self.done += done
+            self.moved += moved
         self._refresh()
 
     def note(self, **notes: str) -> None:
@@ -297,14 +302,23 @@ class Progress:
 
     def _line(self) -> None:
         self._last_line = time.monotonic()
+        self._lines += 1
         err.print(f"{self.label}: {self.status()}", markup=False)
 
     def stop(self) -> None:
+        """The final state; nothing at all when the work never started (a run refused
+        before its first byte shows the refusal, not a 0 % line above it)."""
         self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        silent = self.done == 0 and self.moved == 0
         if self._bar is not None:
-            self._bar.update(self._task, completed=self.done, status=self.status())
+            if silent:
+                self._bar.remove_task(self._task)
+            else:
+                self._bar.update(self._task, completed=self.done, status=self.status())
             self._bar.stop()
-        elif self.mode == "lines":
+        elif self.mode == "lines" and not (silent and self._lines == 0):
             self._line()
 
     def __enter__(self) -> Progress:
