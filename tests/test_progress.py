@@ -3,17 +3,21 @@ a final line, nothing with `--progress none`; checked from captured output."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
 import pytest
 from cli_helpers import run_cli
+from hub_server import FakeHub
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter import console
 from kimi_w31.converter.cli import ProgressReporter
+from kimi_w31.converter.errors import EXIT_CODES, Code
 from kimi_w31.converter.execute.shard import Outcome, ShardOutcome
 from kimi_w31.converter.outdir import ShardRecord
+from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 LINE = re.compile(
     r"^convert: \S+ \S+/\S+ \S+ \((\d+)%\), .*elapsed \d+:\d\d:\d\d; shards (\d+)/(\d+)"
@@ -111,3 +115,31 @@ def test_work_that_never_started_leaves_no_progress_line(mode, capsys):
     progress.note(shards="0/3")
     progress.stop()
     assert "convert" not in capsys.readouterr().err
+
+
+def test_a_window_refused_before_any_download_prints_no_progress(tmp_path):
+    """The refusal is the whole message: no 0 % line above it."""
+    repo = tmp_path / "repo"
+    synth_checkpoint(repo, SynthSpec(layers=4, experts=8, shards=6))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KIMI_W31_"))}
+    with FakeHub({"org/kimi-synth": repo}) as hub:
+        env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"))
+        env.update(HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_DISABLE_TELEMETRY="1")
+        proc = run_cli(
+            "org/kimi-synth",
+            tmp_path / "out",
+            "--download",
+            "--manifest",
+            "kimi-k3-any",
+            "--max-shard-size",
+            "600000",
+            "--delete-source-shards",
+            "--max-source-window",
+            "1",
+            "--progress",
+            "lines",
+            env=env,
+        )
+    assert proc.returncode == EXIT_CODES[Code.WINDOW_TOO_SMALL], proc.stderr
+    assert Code.WINDOW_TOO_SMALL.value not in proc.stdout  # text mode: on stderr
+    assert not [x for x in proc.stderr.splitlines() if x.startswith(("convert:", "download:"))]
