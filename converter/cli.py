@@ -18,7 +18,7 @@ from rich.table import Table
 
 from . import console
 from .console import err, human, out, parse_size, run_guarded
-from .errors import Code, fail
+from .errors import EXIT_OK, Code, fail
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
@@ -353,7 +353,7 @@ def convert_cmd(
     def report(result: ConvertResult) -> None:
         summary = {**result.summary(), **opts.executor.summary(result.plan)}
         if as_json:
-            out.print_json(json.dumps({"ok": True, **summary}))
+            out.print_json(json.dumps({"ok": True, "exit_code": EXIT_OK, **summary}))
         elif quiet:
             return
         elif dry_run:

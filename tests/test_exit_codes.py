@@ -96,3 +96,10 @@ def test_the_same_reason_exits_the_same_in_every_command(small_source, tmp_path)
             codes |= {p["code"] for c in doc.get("checks", []) for p in c["problems"]}
             assert code.value in codes, (command, doc)
     assert all(len(exits) == 1 for exits in seen.values()), seen
+
+
+def test_success_says_exit_code_0_in_json(small_source, tmp_path):
+    result = CliRunner().invoke(main, [str(small_source), str(tmp_path / "o"), *ANY, "--json"])
+    assert result.exit_code == json.loads(result.output)["exit_code"] == 0
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "o"), "--json"])
+    assert result.exit_code == json.loads(result.output)["exit_code"] == 0
