@@ -17,7 +17,7 @@ TORCH        ?= torch==2.13.0
 # `make bench` and `make faults` write their reports here; UPDATE_DOCS=1 writes docs/.
 REPORTS      := $(if $(UPDATE_DOCS),docs,.reports)
 
-.PHONY: demo test lint bench faults test-sglang clean
+.PHONY: demo test test-floors lint bench faults test-sglang clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,28 @@ test: $(TORCH_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
+# The tests that exercise each runtime dependency, in a second venv holding the lowest
+# versions pyproject.toml declares (constraints-floors.txt): the declared ranges hold.
+FLOORS       := .venv-floors
+FLOORS_TESTS := \
+	tests/test_hub_stream.py tests/test_progress.py \
+	tests/test_fault_headers.py tests/test_format_spec.py tests/test_convert_e2e.py \
+	tests/test_units.py tests/test_reference.py tests/test_verify.py \
+	tests/test_cli_help.py tests/test_exit_codes.py tests/test_root_cause.py \
+	tests/test_bad_input.py tests/test_dependency_floors.py
+# huggingface_hub: hub_stream, progress. safetensors: fault_headers (the library's own
+# reader), format_spec, convert_e2e, units. numpy: reference, verify (numerics). click and
+# click-default-group: cli_help, exit_codes, root_cause, bad_input. rich: progress.
+
+$(FLOORS)/.installed: pyproject.toml constraints-floors.txt
+	rm -rf $(FLOORS)
+	$(PY) -m venv $(FLOORS)
+	$(FLOORS)/bin/pip install -q --constraint constraints-floors.txt -e . pytest hypothesis
+	touch $@
+
+test-floors: $(FLOORS)/.installed
+	KIMI_W31_EXPECT_FLOORS=constraints-floors.txt $(FLOORS)/bin/python -m pytest -q $(FLOORS_TESTS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -62,4 +84,4 @@ test-sglang:
 	.venv-sglang/bin/python -m pytest -q -m sglang tests/sglang
 
 clean:
-	rm -rf $(VENV) .venv-sglang $(DEMO) .bench .reports
+	rm -rf $(VENV) .venv-sglang $(FLOORS) $(DEMO) .bench .reports
