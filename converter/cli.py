@@ -460,14 +460,20 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     metavar="N",
     help="Source shards to spread the tensors over.",
 )
-@click.option("--real-dims", is_flag=True, help="True per-expert shapes (K 3584, N 3072).")
+@click.option(
+    "--real-dims",
+    is_flag=True,
+    help="The official model's shapes: experts K 3584 x N 3072, hidden 7168, its attention "
+    "and shared-expert widths (vocabulary and vision depth stay small).",
+)
 @click.option(
     "--k",
     "k",
     type=click.IntRange(32),
     default=None,
     metavar="N",
-    help="routed_expert_hidden_size, a multiple of 32 [default: 128, 3584 with --real-dims].",
+    help="routed_expert_hidden_size, a multiple of 32 [default: 256, 3584 with --real-dims]; "
+    "the hidden size is twice it, as in the real model.",
 )
 @click.option(
     "--n",
@@ -475,7 +481,7 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     type=click.IntRange(32),
     default=None,
     metavar="N",
-    help="moe_intermediate_size, a multiple of 32 [default: 64, 3072 with --real-dims].",
+    help="moe_intermediate_size, a multiple of 32 [default: 128, 3072 with --real-dims].",
 )
 @click.option(
     "--seed",
@@ -488,7 +494,11 @@ def synth(
     output, layers, dense_layers, moe_every, experts, top_k, shards, real_dims, k, n, seed
 ) -> None:
     """Write a synthetic Kimi-K3-format source checkpoint to OUT_DIR (which must be empty
-    or absent): the real tensor names, dtypes, config and layout, random weights.
+    or absent), random weights: every tensor SGLang's Kimi-K3 model loads (KDA and MLA
+    attention, dense MLPs, router, shared experts, latent projections, MXFP4 routed
+    experts, norms, embeddings, lm_head, vision tower), named, typed and quantized as the
+    real checkpoint carries them (docs/inventory.md). The default dims suit the SM90/SM120
+    MXFP4 MoE kernels at one GPU (K and N multiples of 256 and 128).
 
     Its dimensions are not the official model's, so convert it with
     --manifest kimi-k3-any (the default manifest pins the real dims).
@@ -499,7 +509,15 @@ def synth(
       kimi-convert synth src/ --layers 4 --dense-layers 1 --experts 16 --k 256 --n 128
       kimi-convert synth big/ --real-dims --layers 2 --experts 28
     """
-    from .synth import REAL_K, REAL_N, SynthSpec, synth_checkpoint
+    from .synth import (
+        REAL_ATTN,
+        REAL_HIDDEN,
+        REAL_K,
+        REAL_N,
+        REAL_VISION,
+        SynthSpec,
+        synth_checkpoint,
+    )
 
     def body() -> None:
         if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -510,8 +528,8 @@ def synth(
                 exit_code=EXIT_USAGE,
                 hint="choose another directory or remove this one first",
             )
-        kk = k or (REAL_K if real_dims else 128)
-        nn = n or (REAL_N if real_dims else 64)
+        kk = k or (REAL_K if real_dims else 256)
+        nn = n or (REAL_N if real_dims else 128)
         if kk % 32 or nn % 32:
             raise fail(
                 Code.USAGE,
@@ -529,7 +547,8 @@ def synth(
             top_k=min(top_k, experts),
             shards=shards,
             seed=seed,
-            hidden=1024 if real_dims else 256,
+            hidden=REAL_HIDDEN if real_dims else 2 * kk,
+            **({"attn": REAL_ATTN, "vision": REAL_VISION} if real_dims else {}),
         )
         if not spec.moe_layers():
             raise fail(
