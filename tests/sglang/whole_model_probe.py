@@ -4,10 +4,12 @@ SGLang's own weight reader and the model's own `load_weights`, and report (JSON,
 which checkpoint tensors reached which parameters and which parameter bytes were never
 written.
 
-usage: python whole_model_probe.py MODEL_DIR OUT_JSON ARCH TP EP RANK [--stock]
+usage: python whole_model_probe.py MODEL_DIR OUT_JSON RANK WORLD CONFIGS [--stock]
 
-TP/EP > 1: the caller starts one process per rank (MASTER_ADDR/MASTER_PORT set), each
-builds and loads its rank's model. --stock: the plugin is not loaded (SGLang as shipped).
+CONFIGS: comma-separated ARCH:TP:EP (e.g. sm90:2:1,sm120:2:2), built one after the other;
+every TP must equal WORLD. With WORLD > 1 the caller starts one process per rank
+(MASTER_ADDR/MASTER_PORT set); each builds and loads its rank's model. --stock: the
+plugin is not loaded (SGLang as shipped).
 
 "Written" is measured, not inferred: every parameter is filled with bytes 0x00, the
 checkpoint loaded, then filled with 0xFF and loaded again; a byte that differs between the
@@ -27,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import harness  # noqa: E402  (import stand-ins first)
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -61,10 +64,10 @@ def _load(model, weights, params: dict[str, torch.Tensor], fill: int, attribute:
         reached[name] = changed
 
     model.load_weights(stream())
-    return {n: _bytes(p).clone() for n, p in params.items()}, reached
+    return {n: _bytes(p).numpy().tobytes() for n, p in params.items()}, reached
 
 
-def main(model_dir: str, out_json: str, arch: str, tp: int, ep: int, rank: int, stock: bool):
+def probe(model_dir: str, arch: str, tp: int, ep: int, rank: int) -> dict:
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.model_loader.loader import (
         DefaultModelLoader,
@@ -72,19 +75,9 @@ def main(model_dir: str, out_json: str, arch: str, tp: int, ep: int, rank: int, 
         _initialize_model,
     )
     from sglang.srt.model_loader.utils import set_default_torch_dtype
-    from sglang.srt.models import kimi_k3
     from sglang.srt.runtime_context import process_model_config
 
-    plugin = False
-    if not stock:
-        from sglang.srt.plugins import load_plugins
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        load_plugins()
-        plugin = "sglang.srt.models.kimi_k3.KimiK3LinearForCausalLM.load_weights" in (
-            HookRegistry._patched
-        )
-    report: dict = {"plugin": plugin, "rank": rank}
+    report: dict = {}
     with (
         harness.sglang_process(
             model_dir, arch=arch, world_rank=rank, world_size=tp, tp_size=tp, ep_size=ep
@@ -97,8 +90,6 @@ def main(model_dir: str, out_json: str, arch: str, tp: int, ep: int, rank: int, 
         with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
             model = _initialize_model(model_config, load_config, quant_config)
         report["model_class"] = type(model).__name__
-        # The post-load step is not loading (see the module docstring).
-        kimi_k3.KimiK3LinearForCausalLM.post_load_weights = lambda self: None
         params = dict(model.named_parameters())
         loader = DefaultModelLoader(load_config)
         first, reached = _load(
@@ -109,26 +100,53 @@ def main(model_dir: str, out_json: str, arch: str, tp: int, ep: int, rank: int, 
             name: {
                 "shape": list(p.shape),
                 "dtype": str(p.dtype),
-                "bytes": int(first[name].numel()),
-                "unwritten": int((first[name] != second[name]).sum()),
+                "bytes": len(first[name]),
+                "unwritten": int(
+                    np.count_nonzero(
+                        np.frombuffer(first[name], np.uint8)
+                        != np.frombuffer(second[name], np.uint8)
+                    )
+                ),
             }
             for name, p in params.items()
         }
         report["reached"] = reached
         moe = [m for m in model.modules() if type(m).__name__ in ("FusedMoE", "EPMoE")]
         report["moe_methods"] = sorted({type(m.quant_method).__name__ for m in moe})
-        report["linear_methods"] = sorted(
+        report["other_methods"] = sorted(
             {
                 type(m.quant_method).__name__
                 for m in model.modules()
-                if hasattr(m, "quant_method") and m not in moe and m.quant_method is not None
+                if m not in moe and getattr(m, "quant_method", None) is not None
             }
         )
-    Path(out_json).write_text(json.dumps(report))
+    return report
+
+
+def main(model_dir: str, out_json: str, rank: int, world: int, configs: str, stock: bool):
+    from sglang.srt.models import kimi_k3
+
+    plugin = False
+    if not stock:
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        load_plugins()
+        plugin = "sglang.srt.models.kimi_k3.KimiK3LinearForCausalLM.load_weights" in (
+            HookRegistry._patched
+        )
+    # The post-load step is not loading (see the module docstring).
+    kimi_k3.KimiK3LinearForCausalLM.post_load_weights = lambda self: None
+    reports = {}
+    for config in configs.split(","):
+        arch, tp, ep = config.split(":")
+        assert int(tp) == world, "every config's TP is the world size"
+        reports[config] = probe(model_dir, arch, int(tp), int(ep), rank)
+    Path(out_json).write_text(json.dumps({"plugin": plugin, "rank": rank, "configs": reports}))
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     stock = "--stock" in args
     args = [a for a in args if a != "--stock"]
-    main(args[0], args[1], args[2], int(args[3]), int(args[4]), int(args[5]), stock)
+    main(args[0], args[1], int(args[2]), int(args[3]), args[4], stock)

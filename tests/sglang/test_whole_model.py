@@ -1,0 +1,183 @@
+"""SGLang 0.5.23's whole Kimi-K3 model (KimiK3ForConditionalGeneration), built on CPU from
+`kimi-convert synth` -> `kimi-convert` output and loaded through SGLang's own weight reader
+and the model's own `load_weights`: every checkpoint tensor reaches a parameter and every
+parameter is loaded, at TP1 and per rank at TP2 and EP2, pretending SM90 and SM120. The
+unconverted synth source loads the same way through SGLang's stock path (no plugin), which
+proves synth a real Kimi-K3 checkpoint. The measuring is whole_model_probe.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+pytestmark = pytest.mark.sglang
+
+PROBE = Path(__file__).with_name("whole_model_probe.py")
+# Two layers cover every layer kind: layer 0 KDA attention + dense MLP, layer 1 MLA
+# attention + MoE. N 256 keeps N/2 a multiple of 128 (the MXFP4 CUTLASS tile) at TP2.
+EXPERTS, N = 4, 256
+ARCHS = ("sm90", "sm120")
+# Parameters no checkpoint tensor is for. SGLang's MXFP4 MoE method allocates zero expert
+# biases on every CUDA-like build (mxfp4.py create_weights: create_bias = with_bias or not
+# _is_hip); Kimi-K3's experts have none, and the kimi_w31 method frees them after loading.
+NO_CHECKPOINT_TENSOR = ("mlp.experts.w13_weight_bias", "mlp.experts.w2_weight_bias")
+
+
+def _cli(*args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimi_w31", *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("whole")
+    src, out = root / "src", root / "out"
+    _cli("synth", str(src), "--layers", "2", "--experts", str(EXPERTS), "--n", str(N))
+    _cli(str(src), str(out), "--manifest", "kimi-k3-any")
+    return src, out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _probe(model: Path, tmp: Path, world: int, configs: list[str], stock: bool = False) -> list:
+    """Run the probe as `world` ranks at once; their reports, by rank."""
+    env = {k: v for k, v in os.environ.items() if k != "KIMI_W31_SERVE_UNCONVERTED"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if stock:
+        env["SGLANG_PLUGINS"] = "no_such_plugin"  # SGLang as shipped
+    procs = []
+    for rank in range(world):
+        out = tmp / f"{model.name}-{world}-{rank}-{stock}.json"
+        cmd = [sys.executable, str(PROBE), str(model), str(out), str(rank), str(world)]
+        cmd += [",".join(configs)] + (["--stock"] if stock else [])
+        procs.append(
+            (
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, text=True, stderr=subprocess.STDOUT
+                ),
+                out,
+            )
+        )
+    reports = []
+    for proc, out in procs:
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, log[-4000:]
+        reports.append(json.loads(out.read_text()))
+    return reports
+
+
+def _checkpoint_tensors(model: Path) -> set[str]:
+    """Every tensor in the checkpoint's files, read with the safetensors library."""
+    names: set[str] = set()
+    for shard in model.glob("*.safetensors"):
+        with safe_open(str(shard), "np") as f:
+            names.update(f.keys())
+    return names
+
+
+def _assert_every_parameter_loaded(report: dict) -> None:
+    params = report["params"]
+    excused = {n for n in params if n.endswith(NO_CHECKPOINT_TENSOR)}
+    assert excused, "the MoE method no longer allocates expert biases: update the exclusion"
+    for name, p in params.items():
+        if name in excused:
+            assert p["unwritten"] == p["bytes"], f"{name}: a checkpoint tensor now loads it"
+        else:
+            assert p["unwritten"] == 0, f"{name}: {p['unwritten']} of {p['bytes']} bytes unloaded"
+
+
+def _reached(report: dict) -> dict[str, list[str]]:
+    return report["reached"]
+
+
+@pytest.fixture(scope="module")
+def converted_tp1(pair, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("probe")
+    return _probe(pair[1], tmp, 1, [f"{a}:1:1" for a in ARCHS])[0]
+
+
+@pytest.fixture(scope="module")
+def converted_tp2_ep2(pair, tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("probe")
+    return _probe(pair[1], tmp, 2, [f"{a}:2:{ep}" for ep in (1, 2) for a in ARCHS])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_converted_tp1_every_tensor_reaches_a_parameter_every_parameter_loads(
+    pair, converted_tp1, arch
+):
+    assert converted_tp1["plugin"] is True
+    report = converted_tp1["configs"][f"{arch}:1:1"]
+    assert report["model_class"] == "KimiK3ForConditionalGeneration"
+    assert report["moe_methods"] == ["KimiW31SituMoEMethod"]
+    # only the routed experts are quantized: everything else resolves to unquantized methods
+    assert set(report["other_methods"]) <= {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
+    tensors = _checkpoint_tensors(pair[1])
+    reached = _reached(report)
+    assert set(reached) == tensors, "SGLang's reader did not stream exactly the checkpoint"
+    assert [n for n, ps in reached.items() if not ps] == []
+    assert all(p in report["params"] for ps in reached.values() for p in ps)
+    _assert_every_parameter_loaded(report)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_converted_tp2_every_rank_loads_every_tensor(pair, converted_tp2_ep2, arch):
+    tensors = _checkpoint_tensors(pair[1])
+    for rank, ranked in enumerate(converted_tp2_ep2):
+        report = ranked["configs"][f"{arch}:2:1"]
+        assert report["moe_methods"] == ["KimiW31SituMoEMethod"]
+        reached = _reached(report)
+        assert set(reached) == tensors
+        # TP shards every tensor: each rank takes its slice of each
+        assert [n for n, ps in reached.items() if not ps] == [], rank
+        _assert_every_parameter_loaded(report)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_converted_ep2_each_expert_on_its_rank_everything_else_everywhere(
+    pair, converted_tp2_ep2, arch
+):
+    tensors = _checkpoint_tensors(pair[1])
+    local = EXPERTS // 2
+    for rank, ranked in enumerate(converted_tp2_ep2):
+        report = ranked["configs"][f"{arch}:2:2"]
+        reached = _reached(report)
+        assert set(reached) == tensors
+        for name, ps in reached.items():
+            if ".mlp.experts." in name:
+                expert = int(name.split(".mlp.experts.")[1].split(".")[0])
+                assert bool(ps) == (expert // local == rank), (rank, name, ps)
+            else:
+                assert ps, (rank, name)
+        _assert_every_parameter_loaded(report)
+
+
+def test_unconverted_source_loads_whole_through_stock_sglang(pair, tmp_path):
+    """No plugin: synth's source is a checkpoint SGLang's Kimi-K3 model loads as it ships."""
+    report_all = _probe(pair[0], tmp_path, 1, ["sm90:1:1"], stock=True)[0]
+    assert report_all["plugin"] is False
+    report = report_all["configs"]["sm90:1:1"]
+    assert report["moe_methods"] == ["Mxfp4MoEMethod"]  # SGLang's own
+    reached = _reached(report)
+    assert set(reached) == _checkpoint_tensors(pair[0])
+    assert [n for n, ps in reached.items() if not ps] == []
+    _assert_every_parameter_loaded(report)
+    # the source's w1 and w3 both land in the fused w13 parameters, as the w31 does
+    for name, ps in reached.items():
+        if ".mlp.experts." in name and (".w1." in name or ".w3." in name):
+            want = "w13_weight_scale" if name.endswith("weight_scale") else "w13_weight"
+            assert [p.rsplit(".", 1)[1] for p in ps] == [want], name
