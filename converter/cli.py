@@ -509,15 +509,7 @@ def synth(
       kimi-convert synth src/ --layers 4 --dense-layers 1 --experts 16 --k 256 --n 128
       kimi-convert synth big/ --real-dims --layers 2 --experts 28
     """
-    from .synth import (
-        REAL_ATTN,
-        REAL_HIDDEN,
-        REAL_K,
-        REAL_N,
-        REAL_VISION,
-        SynthSpec,
-        synth_checkpoint,
-    )
+    from .synth import cli_spec, synth_checkpoint
 
     def body() -> None:
         if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -528,28 +520,25 @@ def synth(
                 exit_code=EXIT_USAGE,
                 hint="choose another directory or remove this one first",
             )
-        kk = k or (REAL_K if real_dims else 256)
-        nn = n or (REAL_N if real_dims else 128)
+        spec = cli_spec(
+            layers=layers,
+            dense_layers=dense_layers,
+            moe_every=moe_every,
+            experts=experts,
+            top_k=top_k,
+            shards=shards,
+            real_dims=real_dims,
+            k=k,
+            n=n,
+            seed=seed,
+        )
+        kk, nn = spec.k, spec.n
         if kk % 32 or nn % 32:
             raise fail(
                 Code.USAGE,
                 "--k and --n must be multiples of 32 (the MXFP4 group size)",
                 exit_code=EXIT_USAGE,
             )
-        dense = min(1, layers - 1) if dense_layers is None else dense_layers
-        spec = SynthSpec(
-            layers=layers,
-            dense_layers=dense,
-            moe_every=moe_every,
-            experts=experts,
-            k=kk,
-            n=nn,
-            top_k=min(top_k, experts),
-            shards=shards,
-            seed=seed,
-            hidden=REAL_HIDDEN if real_dims else 2 * kk,
-            **({"attn": REAL_ATTN, "vision": REAL_VISION} if real_dims else {}),
-        )
         if not spec.moe_layers():
             raise fail(
                 Code.USAGE,

@@ -117,6 +117,40 @@ class SynthSpec:
         return [i for i in range(self.layers) if (i + 1) % 4 == 0 or i == self.layers - 1]
 
 
+def cli_spec(
+    *,
+    layers: int,
+    dense_layers: int | None,
+    moe_every: int,
+    experts: int,
+    top_k: int,
+    shards: int,
+    real_dims: bool,
+    k: int | None,
+    n: int | None,
+    seed: int,
+) -> SynthSpec:
+    """The spec `kimi-convert synth` writes for its options (None: the option's default).
+
+    Default dims suit the SM90/SM120 MXFP4 MoE at one GPU (K a multiple of 256, N of 128);
+    the hidden size is twice K, as in the real model (7168 = 2 x 3584)."""
+    kk = k or (REAL_K if real_dims else 256)
+    nn = n or (REAL_N if real_dims else 128)
+    return SynthSpec(
+        layers=layers,
+        dense_layers=min(1, layers - 1) if dense_layers is None else dense_layers,
+        moe_every=moe_every,
+        experts=experts,
+        k=kk,
+        n=nn,
+        top_k=min(top_k, experts),
+        shards=shards,
+        seed=seed,
+        hidden=REAL_HIDDEN if real_dims else 2 * kk,
+        **({"attn": REAL_ATTN, "vision": REAL_VISION} if real_dims else {}),
+    )
+
+
 def quantization_config() -> dict:
     """What compressed-tensors writes for an MXFP4 weight-only scheme on the routed experts.
 
