@@ -81,6 +81,8 @@ class Code(str, Enum):
     LAYER_UNEXPECTED = "layer-unexpected"
     LAYER_DUPLICATED = "layer-duplicated"
     NO_EXPERTS = "no-experts"
+    INVENTORY_MISSING = "inventory-missing"
+    INVENTORY_DTYPE = "inventory-dtype"
     # -- the output directory and the run
     OUTPUT_NOT_DIRECTORY = "output-not-directory"
     OUTPUT_NOT_EMPTY = "output-not-empty"

@@ -405,7 +405,8 @@ def tensor_specs(spec: SynthSpec) -> list[tuple[str, str, tuple[int, ...]]]:
             continue
         out.append((f"{p}.mlp.gate.weight", "F32", (spec.experts, h)))
         out.append((f"{p}.mlp.gate.e_score_correction_bias", "F32", (spec.experts,)))
-        out += _mlp(f"{p}.mlp.shared_experts", h, n * spec.attn.shared_experts)
+        if spec.attn.shared_experts:
+            out += _mlp(f"{p}.mlp.shared_experts", h, n * spec.attn.shared_experts)
         out.append((f"{p}.mlp.routed_expert_down_proj.weight", "BF16", (k, h)))
         out.append((f"{p}.mlp.routed_expert_norm.weight", "BF16", (k,)))
         out.append((f"{p}.mlp.routed_expert_up_proj.weight", "BF16", (h, k)))
