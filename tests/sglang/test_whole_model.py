@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +183,89 @@ def test_unconverted_source_loads_whole_through_stock_sglang(pair, tmp_path):
         if ".mlp.experts." in name and (".w1." in name or ".w3." in name):
             want = "w13_weight_scale" if name.endswith("weight_scale") else "w13_weight"
             assert [p.rsplit(".", 1)[1] for p in ps] == [want], name
+
+
+# -- SGLang's real server on CPU --------------------------------------------------------------
+
+SERVER_SITE = Path(__file__).with_name("server_site")
+HOOKS = {
+    "sglang.srt.models.kimi_k3.KimiK3LinearForCausalLM.load_weights": True,
+    "sglang.srt.layers.quantization.mxfp4.Mxfp4Config.get_quant_method": True,
+}
+
+
+def _launch_server(model: Path, probe_dir: Path, log: Path, parallel: list[str]):
+    """`python -m sglang.launch_server --device cpu`, with the stand-ins and the probe of
+    server_site/sitecustomize.py in every process it starts."""
+    cores = os.cpu_count() or 1
+    env = {k: v for k, v in os.environ.items() if k != "KIMI_W31_SERVE_UNCONVERTED"}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(SERVER_SITE), env.get("PYTHONPATH")])),
+        KIMI_W31_TEST_PROBE_DIR=str(probe_dir),
+        KIMI_W31_TEST_PROBE_HOLD="600",
+        # one core per rank (SGLang's CPU backend binds each rank's threads)
+        SGLANG_CPU_OMP_THREADS_BIND=f"0|{min(1, cores - 1)}",
+    )
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+        "--device", "cpu", "--port", str(_free_port()), "--skip-tokenizer-init",
+        "--disable-radix-cache", "--attention-backend", "torch_native",
+        "--sampling-backend", "pytorch", "--grammar-backend", "none",
+        # served as text: the checkpoint ships no image processor (the model class still
+        # builds its vision tower)
+        "--json-model-override-args", '{"language_model_only": true}',
+        *parallel,
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the server and every process it started (its own process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait(timeout=20)
+
+
+def test_real_server_builds_the_model_with_the_plugin_in_every_process(pair, tmp_path):
+    """TP2 and DP2 at once: two processes each build SGLang's Kimi-K3 model class, and each
+    has the kimi_w31 hooks applied when it does (written from inside that process)."""
+    runs = {"tp2": ["--tp-size", "2"], "dp2": ["--dp-size", "2"]}
+    procs = {}
+    try:
+        for name, parallel in runs.items():
+            (tmp_path / name).mkdir()
+            procs[name] = _launch_server(
+                pair[1], tmp_path / name, tmp_path / f"{name}.log", parallel
+            )
+        deadline = time.monotonic() + 540
+        while time.monotonic() < deadline:
+            if all(len(list((tmp_path / n).glob("built-*.json"))) >= 2 for n in runs):
+                break
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            assert not dead, (tmp_path / f"{dead[0]}.log").read_text()[-4000:]
+            time.sleep(2)
+    finally:
+        for proc in procs.values():
+            _stop(proc)
+    for name in runs:
+        reports = [json.loads(f.read_text()) for f in (tmp_path / name).glob("built-*.json")]
+        log = (tmp_path / f"{name}.log").read_text()[-4000:]
+        assert len(reports) == 2, log
+        assert len({r["pid"] for r in reports}) == 2
+        for r in reports:
+            assert r["model_class"] == "KimiK3ForConditionalGeneration"
+            assert r["hooks"] == HOOKS, (name, r)
+        if name == "tp2":
+            assert sorted((r["tp_rank"], r["tp_size"]) for r in reports) == [(0, 2), (1, 2)]
+        else:
+            assert [(r["tp_rank"], r["tp_size"]) for r in reports] == [(0, 1), (0, 1)]
