@@ -13,9 +13,11 @@ import dataclasses
 import json
 from importlib import resources
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter import contract
+from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.manifest import (
     check_inventory,
     expected_inventory,
@@ -135,3 +137,23 @@ def test_validation_reports_the_inventory_with_the_expert_checks():
 def test_a_manifest_without_an_inventory_checks_none():
     spec = SynthSpec()
     assert check_inventory(load_manifest("kimi-k3-any"), make_config(spec), _infos([])) == []
+
+
+@SETTINGS
+@given(specs())
+def test_no_non_expert_name_trips_the_expert_grammar(spec):
+    """Shared experts, the router, the latent projections... are not routed experts: the
+    contract's grammar takes exactly the routed-expert tensors, under either spelling."""
+    for name, _, _ in tensor_specs(spec):
+        for spelled in (name, name.replace(".mlp.", ".block_sparse_moe.")):
+            routed = ".experts." in spelled and ".shared_experts." not in spelled
+            assert (contract.split_expert_name(spelled) is not None) == routed, spelled
+            assert (contract.parse_expert_name(spelled) is not None) == routed, spelled
+
+
+def test_a_malformed_inventory_is_a_malformed_manifest():
+    raw = json.loads((resources.files("kimi_w31.manifests") / "kimi-k3.json").read_bytes())
+    raw["inventory"]["groups"].append({"place": "nowhere", "names": ["x.weight"]})
+    with pytest.raises(Fatal) as err:
+        parse_manifest(json.dumps(raw).encode(), "broken")
+    assert [p.code for p in err.value.problems] == [Code.MANIFEST_INVALID]
