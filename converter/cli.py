@@ -418,7 +418,8 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     show_default=True,
     type=click.IntRange(1),
     metavar="N",
-    help="Layers in all (num_hidden_layers).",
+    help="Layers in all (num_hidden_layers); every fourth and the last have MLA attention, "
+    "the others KDA.",
 )
 @click.option(
     "--dense-layers",
@@ -463,8 +464,9 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
 @click.option(
     "--real-dims",
     is_flag=True,
-    help="The official model's shapes: experts K 3584 x N 3072, hidden 7168, its attention "
-    "and shared-expert widths (vocabulary and vision depth stay small).",
+    help="The official model's shapes: experts K 3584 x N 3072, hidden 7168, 96 KDA heads, "
+    "two shared experts; MLA and dense-MLP widths assumed (docs/inventory.md); the "
+    "vocabulary and the vision tower's depth stay small.",
 )
 @click.option(
     "--k",
@@ -494,11 +496,11 @@ def synth(
     output, layers, dense_layers, moe_every, experts, top_k, shards, real_dims, k, n, seed
 ) -> None:
     """Write a synthetic Kimi-K3-format source checkpoint to OUT_DIR (which must be empty
-    or absent), random weights: every tensor SGLang's Kimi-K3 model loads (KDA and MLA
-    attention, dense MLPs, router, shared experts, latent projections, MXFP4 routed
-    experts, norms, embeddings, lm_head, vision tower), named, typed and quantized as the
-    real checkpoint carries them (docs/inventory.md). The default dims suit the SM90/SM120
-    MXFP4 MoE kernels at one GPU (K and N multiples of 256 and 128).
+    or absent), random weights: every tensor SGLang's Kimi-K3 model class loads (KDA and
+    MLA attention, dense MLPs, router, shared experts, latent projections, routed experts,
+    norms, embeddings, lm_head, vision tower), under the names it loads them by, with only
+    the routed experts quantized (MXFP4), as docs/inventory.md lists. The default dims suit
+    the SM90/SM120 MXFP4 MoE kernels on one GPU (K a multiple of 256, N of 128).
 
     Its dimensions are not the official model's, so convert it with
     --manifest kimi-k3-any (the default manifest pins the real dims).
