@@ -269,3 +269,28 @@ def test_real_server_builds_the_model_with_the_plugin_in_every_process(pair, tmp
             assert sorted((r["tp_rank"], r["tp_size"]) for r in reports) == [(0, 2), (1, 2)]
         else:
             assert [(r["tp_rank"], r["tp_size"]) for r in reports] == [(0, 1), (0, 1)]
+
+
+def test_the_manifests_spellings_are_the_ones_sglang_maps_alike():
+    """The kimi-k3 manifest's inventory aliases restate KimiK3ForConditionalGeneration's
+    hf_to_sglang_mapper: every synth name, spelled the other way, maps to the same name."""
+    from kimi_w31.converter.manifest import load_manifest
+    from kimi_w31.converter.synth import SynthSpec, tensor_specs
+    from sglang.srt.models.kimi_k3 import KimiK3ForConditionalGeneration
+
+    mapper = KimiK3ForConditionalGeneration.hf_to_sglang_mapper
+    aliases = load_manifest("kimi-k3").inventory.aliases  # (other spelling, canonical)
+    names = [name for name, _, _ in tensor_specs(SynthSpec(layers=5))]
+    others = []
+    for name in names:
+        for spelled, canonical in aliases:
+            name = name.replace(canonical, spelled)
+        others.append(name)
+    assert sum(o != n for o, n in zip(others, names, strict=True)) > len(names) // 2
+    mapped = [n for n, _ in mapper.apply((o, None) for o in others)]
+    ours = []
+    for name in others:
+        for spelled, canonical in aliases:
+            name = name.replace(spelled, canonical)
+        ours.append(name)
+    assert mapped == ours == names
