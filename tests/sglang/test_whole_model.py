@@ -64,20 +64,18 @@ def _probe(model: Path, tmp: Path, world: int, configs: list[str], stock: bool =
     procs = []
     for rank in range(world):
         out = tmp / f"{model.name}-{world}-{rank}-{stock}.json"
+        log = out.with_suffix(".log")
         cmd = [sys.executable, str(PROBE), str(model), str(out), str(rank), str(world)]
         cmd += [",".join(configs)] + (["--stock"] if stock else [])
-        procs.append(
-            (
-                subprocess.Popen(
-                    cmd, env=env, stdout=subprocess.PIPE, text=True, stderr=subprocess.STDOUT
-                ),
-                out,
+        # output to files, not pipes: a rank blocked on a full pipe would stall the others
+        with open(log, "w") as sink:
+            procs.append(
+                (subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT), out, log)
             )
-        )
     reports = []
-    for proc, out in procs:
-        log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, log[-4000:]
+    for proc, out, log in procs:
+        proc.wait(timeout=600)
+        assert proc.returncode == 0, log.read_text()[-4000:]
         reports.append(json.loads(out.read_text()))
     return reports
 

@@ -125,16 +125,12 @@ def probe(model_dir: str, arch: str, tp: int, ep: int, rank: int) -> dict:
 
 def main(model_dir: str, out_json: str, rank: int, world: int, configs: str, stock: bool):
     from sglang.srt.models import kimi_k3
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
-    plugin = False
     if not stock:
         from sglang.srt.plugins import load_plugins
-        from sglang.srt.plugins.hook_registry import HookRegistry
 
         load_plugins()
-        plugin = "sglang.srt.models.kimi_k3.KimiK3LinearForCausalLM.load_weights" in (
-            HookRegistry._patched
-        )
     # The post-load step is not loading (see the module docstring).
     kimi_k3.KimiK3LinearForCausalLM.post_load_weights = lambda self: None
     reports = {}
@@ -142,6 +138,10 @@ def main(model_dir: str, out_json: str, rank: int, world: int, configs: str, sto
         arch, tp, ep = config.split(":")
         assert int(tp) == world, "every config's TP is the world size"
         reports[config] = probe(model_dir, arch, int(tp), int(ep), rank)
+    # whether the plugin's load hook was in place in this process (read after the builds)
+    plugin = "sglang.srt.models.kimi_k3.KimiK3LinearForCausalLM.load_weights" in (
+        HookRegistry._patched
+    )
     Path(out_json).write_text(json.dumps({"plugin": plugin, "rank": rank, "configs": reports}))
 
 
