@@ -84,6 +84,8 @@ class Code(str, Enum):
     LAYER_UNEXPECTED = "layer-unexpected"
     LAYER_DUPLICATED = "layer-duplicated"
     NO_EXPERTS = "no-experts"
+    INVENTORY_MISSING = "inventory-missing"
+    INVENTORY_DTYPE = "inventory-dtype"
     # -- the output directory and the run
     OUTPUT_NOT_DIRECTORY = "output-not-directory"
     OUTPUT_NOT_EMPTY = "output-not-empty"
@@ -248,6 +250,8 @@ EXIT_CODES: dict[Code, int] = {
     Code.NUMERICS_DIFFER: EXIT_PROBLEMS,
     Code.NUMERICS_UNAVAILABLE: EXIT_PROBLEMS,
     Code.NUMERICS_SELF_TEST: EXIT_PROBLEMS,
+    Code.INVENTORY_MISSING: EXIT_PROBLEMS,
+    Code.INVENTORY_DTYPE: EXIT_PROBLEMS,
     Code.TENSOR_DTYPE_DIFFERS: EXIT_PROBLEMS,
     Code.TENSOR_SHAPE_DIFFERS: EXIT_PROBLEMS,
     Code.FILE_NOT_FROM_SOURCE: EXIT_PROBLEMS,

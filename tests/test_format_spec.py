@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from kimi_w31.converter.hashing import TENSOR_HASH
 from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.outdir import CHECKSUMS_FORMAT
 from kimi_w31.converter.pipeline import ConvertOptions, convert
-from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, synth_checkpoint
+from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, cli_spec, synth_checkpoint
 from safetensors import safe_open
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
@@ -193,18 +194,7 @@ def example_run_options(src: Path, out: Path) -> tuple[SynthSpec, ConvertOptions
     assert synth_line[:2] == ["kimi-convert", "synth"]
     p = synth.make_context("synth", synth_line[2:]).params
     assert not p["real_dims"], "the worked example is a small checkpoint"
-    layers = p["layers"]
-    spec = SynthSpec(
-        layers=layers,
-        dense_layers=min(1, layers - 1) if p["dense_layers"] is None else p["dense_layers"],
-        moe_every=p["moe_every"],
-        experts=p["experts"],
-        top_k=min(p["top_k"], p["experts"]),
-        shards=p["shards"],
-        k=p["k"] or 128,
-        n=p["n"] or 64,
-        seed=p["seed"],
-    )
+    spec = cli_spec(**{key: p[key] for key in inspect.signature(cli_spec).parameters})
     assert convert_line[0] == "kimi-convert" and convert_line[1] != "synth"
     c = convert_cmd.make_context("convert", convert_line[1:]).params
     assert Path(c["source"]) == Path(p["output"]), "convert reads what synth wrote"
