@@ -34,7 +34,7 @@ from .execute.shard import (
 )
 from .hashing import sha256_bytes, sha256_file
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
-from .outdir import FinalFile, Mode, OutputDir, checksums_document
+from .outdir import FinalFile, Mode, OutputDir, SourceId, checksums_document
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
 from .source import Origin, Source, read_source
 from .source.local import LocalOrigin
@@ -76,6 +76,7 @@ class ConvertResult:
     files_rewritten: int = 0
     warnings: list[str] = field(default_factory=list)
     preview: Preview | None = None
+    rehash: bool = False  # kept shards' data re-read this run
 
     def count(self, outcome: Outcome) -> int:
         return sum(1 for o in self.outcomes if o.outcome is outcome)
@@ -123,6 +124,9 @@ class ConvertResult:
             "bytes_written": self.bytes_written,
             "bytes_kept": self.bytes_kept,
             "redone": {o.shard: o.redo_reason for o in self.outcomes if o.redo_reason},
+            # What keeping a shard proved: never more than was read (`kept_data_reread`).
+            "kept_proven_by": KEPT_PROOF_REHASH if self.rehash else KEPT_PROOF,
+            "kept_data_reread": self.rehash or not self.count(Outcome.KEPT),
             "files_rewritten": self.files_rewritten,
             "seconds": round(self.seconds, 3),
             # Only what this run moved: bytes kept from an earlier run cost no time here.
@@ -132,6 +136,10 @@ class ConvertResult:
             "warnings": self.warnings,
         }
         return out
+
+
+KEPT_PROOF = "size, header bytes and source identity (data not re-read: --rehash re-reads it)"
+KEPT_PROOF_REHASH = "size, header bytes, source identity and every tensor's checksum"
 
 
 class Reporter:
@@ -202,15 +210,16 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
 def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     source, manifest, plan = prepare(opts)
     out = OutputDir(opts.out)
-    result = ConvertResult(plan, source, out.root)
+    result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
     sources = _source_files(opts, source)
+    identity = source_id(source, opts.origin)
     try:
         if opts.dry_run:
-            result.preview = preview(out, plan, sources, opts.rehash)
+            result.preview = preview(out, plan, sources, opts.rehash, identity, opts.force)
             return result
-        final = final_files(source, plan, manifest)
+        final = final_files(source, plan, manifest, identity.name)
         try:
-            _run(opts, out, plan, sources, final, reporter, result)
+            _run(opts, out, plan, sources, final, reporter, result, identity)
         except BaseException as exc:
             error = _as_fatal(exc, out)  # worded while the state it describes still holds
             out.abandon()
@@ -243,10 +252,32 @@ def _source_files(opts: ConvertOptions, source: Source) -> SourceFiles:
     return SourceFiles(source.root, source.shard_files, planned)
 
 
-def preview(out: OutputDir, plan: Plan, sources: SourceFiles, rehash: bool) -> Preview:
+def source_id(source: Source, origin: Origin) -> SourceId:
+    """Which source this is: where it was read from (machine-local, kept in the state folder
+    and, hashed, in the checksums file) and a name safe to publish (a repo id, or the
+    directory's own name: never a path of this machine)."""
+    repo = getattr(origin, "repo", None)  # a Hub origin, pinned to one commit
+    if repo is not None:
+        return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
+    key = str(source.root.resolve())
+    typed = Path(source.label).expanduser()
+    is_repo_id = not typed.exists() and source.label.count("/") == 1
+    return SourceId(source.label if is_repo_id else source.root.resolve().name, key)
+
+
+def preview(
+    out: OutputDir,
+    plan: Plan,
+    sources: SourceFiles,
+    rehash: bool,
+    identity: SourceId | None = None,
+    force: bool = False,
+) -> Preview:
     """Which shards a run would keep and which it would write, proven as a run proves them
-    (read-only: no lock, nothing written)."""
-    mode, records = out.previous_records(plan.fingerprint)
+    (read-only: no lock, nothing written). Refuses what the run would refuse."""
+    identity = identity or SourceId("", "")
+    mode, records = out.previous_records(plan.fingerprint, identity)
+    out.check_usable(mode, force)
     job = Job(sources, out.root, out.tmp, rehash=rehash)
     result = Preview(mode)
     for shard in plan.shards:
@@ -267,8 +298,9 @@ def _run(
     final: list[FinalFile],
     reporter: Reporter,
     result: ConvertResult,
+    identity: SourceId,
 ) -> None:
-    result.mode = out.claim(plan.fingerprint, opts.force)
+    result.mode = out.claim(plan.fingerprint, opts.force, identity)
     for warning in out.warnings:
         result.warnings.append(warning)
         reporter.warn(warning)
@@ -303,7 +335,7 @@ def _run(
         )
     records = [ledger.done[s.name] for s in plan.shards]
     others = [f for f in final if f.name != contract.CHECKSUMS_NAME]
-    checksums = checksums_document(plan.fingerprint, records, others)
+    checksums = checksums_document(plan.fingerprint, records, others, identity)
     final = [
         *others[:-2],
         FinalFile(contract.CHECKSUMS_NAME, len(checksums), sha256_bytes(checksums), data=checksums),
@@ -314,11 +346,15 @@ def _run(
     out.release(finished=True)
 
 
-def final_files(source: Source, plan: Plan, manifest: Manifest) -> list[FinalFile]:
+def final_files(
+    source: Source, plan: Plan, manifest: Manifest, name: str | None = None
+) -> list[FinalFile]:
     """The source's other files, then config.json and the index (always the last two),
     computed before any write."""
     identity = {
-        "path": source.label,  # as given: a repo id, or a path (no machine-local absolute)
+        # Published: a repo id or the source directory's own name, never a path of this
+        # machine (`source_id`).
+        "path": name if name is not None else source.root.name,
         "files": {
             f: {"size": h.file_size, "header_sha256": h.header_sha256}
             for f, h in sorted(source.headers.items())

@@ -163,13 +163,21 @@ def test_synth_never_mixes_two_checkpoints(tmp_path, content):
     )
 
 
-def test_an_unreadable_source_file_is_named(source_copy, tmp_path):
+@pytest.mark.parametrize(
+    "make, code",
+    [
+        (lambda p: p.mkdir(), Code.NOT_A_REGULAR_FILE),  # not a file, even for root
+        (lambda p: p.symlink_to(p.name), Code.FILE_UNREADABLE),  # a link loop: ELOOP
+    ],
+    ids=["directory", "link-loop"],
+)
+def test_an_unreadable_source_file_is_named(source_copy, tmp_path, make, code):
     (source_copy / "config.json").unlink()
-    (source_copy / "config.json").mkdir()  # cannot be read as a file, even by root
+    make(source_copy / "config.json")
     proc = run_cli(source_copy, tmp_path / "out", *ARGS, "--json")
     assert proc.returncode == 1
     (problem,) = json.loads(proc.stdout)["problems"]
-    assert problem["code"] == Code.FILE_UNREADABLE.value
+    assert problem["code"] == code.value
     assert problem["file"] == str(source_copy / "config.json")
 
 

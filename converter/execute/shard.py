@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from .. import faults
+from .. import faults, fsio
 from ..errors import Code, Problem
 from ..hashing import (
     Crc32,
@@ -69,7 +69,7 @@ class SourceFiles:
     def fd(self, file: str) -> int:
         with self._lock:
             if file not in self._fds:
-                fd = os.open(self.root / file, os.O_RDONLY)
+                fd = fsio.open_regular(self.root / file)  # a link to a regular file is fine
                 if os.fstat(fd).st_ino != self.identity[file][3]:
                     os.close(fd)
                     raise SourceChanged(file, "was replaced since the run started")
