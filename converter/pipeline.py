@@ -259,10 +259,12 @@ def source_id(source: Source, origin: Origin) -> SourceId:
     repo = getattr(origin, "repo", None)  # a Hub origin, pinned to one commit
     if repo is not None:
         return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
-    key = str(source.root.resolve())
-    typed = Path(source.label).expanduser()
-    is_repo_id = not typed.exists() and source.label.count("/") == 1
-    return SourceId(source.label if is_repo_id else source.root.resolve().name, key)
+    root = source.root.resolve()
+    folder = root.parent.parent.name  # the Hub cache: models--org--name/snapshots/<commit>
+    if root.parent.name == "snapshots" and folder.startswith("models--"):
+        repo_id = folder.removeprefix("models--").replace("--", "/")
+        return SourceId(repo_id, f"hub:{repo_id}@{root.name}")  # as a --download run
+    return SourceId(root.name, str(root))
 
 
 def preview(
