@@ -62,7 +62,7 @@ def describe(path: str | os.PathLike[str]) -> str:
         what = kind(os.stat(path).st_mode)
     except OSError:
         what = "nothing (a dangling link)"
-    return f"symlink to {'a ' if what[0] not in 'dn' else ''}{what} (-> {target})"
+    return f"symlink to {'' if what.startswith('nothing') else 'a '}{what} (-> {target})"
 
 
 def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:

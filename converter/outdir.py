@@ -316,7 +316,7 @@ class OutputDir:
     def _make_room(self, force: bool) -> None:
         """A fresh run: the directory must be empty, or hold only files we recorded writing
         (removed with --force). The state folder of another plan is reset."""
-        entries = [p for p in self.root.iterdir() if p.name != STATE_DIR]
+        entries = self._entries()
         if entries:
             foreign = self._foreign(entries)
             if not force:
@@ -383,7 +383,11 @@ class OutputDir:
             paths = (
                 [entry]
                 if entry.is_symlink() or not entry.is_dir()
-                else sorted(p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir())
+                else sorted(
+                    p
+                    for p in entry.rglob("*")
+                    if (p.is_symlink() or not p.is_dir()) and not _hidden(p, self.root)
+                )
             )
             for path in paths:
                 rel = str(path.relative_to(self.root))
@@ -450,7 +454,7 @@ class OutputDir:
         """Make every final file what it must be, the index last; returns how many were
         (re)written. Refuses while anything else lies in the directory."""
         expected = {f.name for f in files} | set(self.ledger.done if self.ledger else ())
-        entries = [p for p in self.root.iterdir() if p.name != STATE_DIR]
+        entries = self._entries()
         strays = [
             p for p in self._all_files(entries) if str(p.relative_to(self.root)) not in expected
         ]
@@ -480,6 +484,9 @@ class OutputDir:
             for path in dropped:
                 path.unlink(missing_ok=True)
                 rewritten += 1
+                for folder in path.relative_to(self.root).parents[:-1]:  # now empty: gone too
+                    with contextlib.suppress(OSError):
+                        (self.root / folder).rmdir()
             fsync_dir(self.root)
         index = [f for f in files if f.name == INDEX_NAME]
         for group in ([f for f in files if f.name != INDEX_NAME], index):
@@ -495,11 +502,22 @@ class OutputDir:
             fsync_dir(self.root)  # everything else is durable before the index appears
         return rewritten
 
+    def _entries(self) -> list[Path]:
+        """What is in the directory, hidden paths left out: they are never part of a
+        checkpoint (`contract.file_name_problem`; the state folder is one, `.git/` and upload
+        tools' `.cache/huggingface/` others), so they are neither ours to remove nor in the
+        way: a clone of an empty model repo is an empty output directory."""
+        return [p for p in self.root.iterdir() if not p.name.startswith(".")]
+
     def _all_files(self, entries: list[Path]) -> list[Path]:
         out = []
         for entry in entries:
             if entry.is_dir() and not entry.is_symlink():
-                out += [p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir()]
+                out += [
+                    p
+                    for p in entry.rglob("*")
+                    if (p.is_symlink() or not p.is_dir()) and not _hidden(p, self.root)
+                ]
             else:
                 out.append(entry)
         return out
@@ -669,6 +687,10 @@ def _records_of(checksums: dict) -> dict[str, ShardRecord]:
             if record is not None:
                 records[name] = record
     return records
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 def _read_lines(path: Path) -> list[dict]:
