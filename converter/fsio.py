@@ -11,6 +11,7 @@ Rules every reader and writer of the tool goes through here for:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -69,7 +70,15 @@ def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
     """A read-only fd of a regular file; never blocks. `follow=False` refuses a link
     (ELOOP). Raises `NotRegularFile` for anything else that is there."""
     flags = os.O_RDONLY | _NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW)
-    fd = os.open(path, flags)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket cannot be opened at all
+            with contextlib.suppress(OSError):
+                mode = (os.stat if follow else os.lstat)(path).st_mode
+                if not stat.S_ISREG(mode):
+                    raise NotRegularFile(path, kind(mode)) from None
+        raise
     try:
         mode = os.fstat(fd).st_mode
     except BaseException:

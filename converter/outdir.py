@@ -182,7 +182,7 @@ class FinalFile:
 
 class OutputDir:
     def __init__(self, root: Path) -> None:
-        self.root = root.expanduser().resolve()
+        self.root = Path(os.path.realpath(root.expanduser()))  # a link loop: no exception
         self.state = self.root / STATE_DIR
         self.tmp = self.state / _TMP
         self.lock_path = self.state / _LOCK
@@ -717,10 +717,7 @@ def _same_file(path: Path, f: FinalFile) -> bool:
 
 
 def _inside(root: Path, path: Path) -> bool:
-    try:
-        parent = path.parent.resolve()
-    except OSError:
-        return False
+    parent = Path(os.path.realpath(path.parent))  # never raises on a link loop
     return parent == root or root in parent.parents
 
 

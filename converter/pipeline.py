@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -163,7 +164,7 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
         )
     manifest = load_manifest(opts.manifest)
     root = opts.origin.resolve(opts.source, opts.revision)
-    out = opts.out.expanduser().resolve()
+    out = Path(os.path.realpath(opts.out.expanduser()))  # a link loop: no exception
     if out == root or root in out.parents:
         raise fail(
             Code.OUTPUT_INSIDE_SOURCE,

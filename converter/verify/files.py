@@ -59,9 +59,9 @@ def unsafe_name(root: Path, name: object) -> str | None:
     if why is not None:
         return why
     assert isinstance(name, str)
-    real_root = root.resolve()
-    target = (root / name).resolve()
-    if real_root not in target.parents:
+    # realpath, not Path.resolve: a link loop must be a finding, not an exception
+    real_root = Path(os.path.realpath(root))
+    if real_root not in Path(os.path.realpath(root / name)).parents:
         return "points outside the output directory"
     return None
 
