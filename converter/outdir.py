@@ -285,7 +285,8 @@ class OutputDir:
         """Take the lock, then make the directory this run's (or refuse). Returns the mode;
         `self.ledger` holds the records of shards an earlier run finished."""
         source = source or SourceId("", "")
-        self.check_usable()
+        # Refused before the lock too: a refusal changes nothing, not even a stale lock.
+        self.check_usable(self.previous_records(fingerprint, source)[0], force)
         self._make_dir(self.root)
         if fsio.lkind(self.state) is None:
             self._make_dir(self.state)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -78,7 +79,8 @@ def judge_refusal(
     if not got & {c.value for c in want}:
         return CRASH, f"codes {sorted(got)} (want {sorted(c.value for c in want)})"
     first = json_problems(proc.stdout)[0]
-    return CLEAN, f"[{first.get('code')}] {first.get('what', '')}"[:160]
+    what = re.sub(r"/[^\s'\"]+", "<path>", first.get("what", ""))  # no machine path in a table
+    return CLEAN, f"[{first.get('code')}] {what}"[:160]
 
 
 # ------------------------------------------------------------------- the state folder
@@ -153,9 +155,12 @@ def _loop(path: Path) -> None:
 def _socket(path: Path) -> None:
     path.unlink(missing_ok=True)
     sock = socket.socket(socket.AF_UNIX)
+    here = os.getcwd()
     try:
-        sock.bind(str(path))
+        os.chdir(path.parent)  # a relative name: socket paths are limited to ~108 bytes
+        sock.bind(path.name)
     finally:
+        os.chdir(here)
         sock.close()
 
 

@@ -96,7 +96,9 @@ class LocalOrigin:
             else:
                 extra.append(rel)
         if problems:
-            raise Fatal(problems, hint=LINK_HINT)
+            named = any(p.code is Code.FILE_NAME_INVALID for p in problems)
+            linked = any(p.code is not Code.FILE_NAME_INVALID for p in problems)
+            raise Fatal(problems, hint="; ".join([NAME_HINT] * named + [LINK_HINT] * linked))
         return sorted(extra)
 
 
@@ -104,6 +106,7 @@ LINK_HINT = (
     "a checkpoint publishes regular files: replace each link named with a copy of a file "
     "that belongs with the model (cp -L), or remove it; linked *.safetensors shards are fine"
 )
+NAME_HINT = "rename each file named (or move it out of the source): its name cannot be published"
 
 
 def published_directly(rel: str) -> bool:
