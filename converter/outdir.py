@@ -387,7 +387,7 @@ class OutputDir:
                 else sorted(
                     p
                     for p in entry.rglob("*")
-                    if (p.is_symlink() or not p.is_dir()) and not _hidden(p, self.root)
+                    if (p.is_symlink() or not p.is_dir()) and not _ignored(p, self.root)
                 )
             )
             for path in paths:
@@ -504,11 +504,11 @@ class OutputDir:
         return rewritten
 
     def _entries(self) -> list[Path]:
-        """What is in the directory, hidden paths left out: they are never part of a
-        checkpoint (`contract.file_name_problem`; the state folder is one, `.git/` and upload
-        tools' `.cache/huggingface/` others), so they are neither ours to remove nor in the
-        way: a clone of an empty model repo is an empty output directory."""
-        return [p for p in self.root.iterdir() if not p.name.startswith(".")]
+        """What is in the directory, less what is never part of a checkpoint (the state
+        folder, git's files, huggingface_hub's `.cache/huggingface/`: see
+        `contract.not_part_of_checkpoint`): neither ours to remove nor in the way, so a clone
+        of an empty model repo is an empty output directory."""
+        return [p for p in self.root.iterdir() if not contract.not_part_of_checkpoint(p.name)]
 
     def _all_files(self, entries: list[Path]) -> list[Path]:
         out = []
@@ -517,7 +517,7 @@ class OutputDir:
                 out += [
                     p
                     for p in entry.rglob("*")
-                    if (p.is_symlink() or not p.is_dir()) and not _hidden(p, self.root)
+                    if (p.is_symlink() or not p.is_dir()) and not _ignored(p, self.root)
                 ]
             else:
                 out.append(entry)
@@ -690,8 +690,8 @@ def _records_of(checksums: dict) -> dict[str, ShardRecord]:
     return records
 
 
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
+def _ignored(path: Path, root: Path) -> bool:
+    return contract.not_part_of_checkpoint(path.relative_to(root).as_posix())
 
 
 def _read_lines(path: Path) -> list[dict]:

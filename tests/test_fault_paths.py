@@ -402,37 +402,65 @@ def test_no_machine_path_is_published(small_source, tmp_path_factory, dirname, h
     assert config["kimi_w31"]["source"]["path"] == dirname
 
 
+IGNORED = [
+    ".cache/huggingface/upload/model.safetensors.metadata",
+    ".cache/huggingface/download/x.lock",
+    ".git/HEAD",
+    ".gitattributes",
+    "sub/.git/config",
+]
+PUBLISHED_HIDDEN = [".DS_Store", "sub/.hidden.txt", ".ipynb_checkpoints/x.json", ".cache/x"]
+
+
 @FAST
 @given(
-    hidden=st.lists(
-        st.sampled_from(
-            [
-                ".cache/huggingface/upload/model.safetensors.metadata",
-                ".cache/huggingface/download/x.lock",
-                ".git/HEAD",
-                ".gitattributes",
-                ".DS_Store",
-                "sub/.hidden.safetensors",
-                ".ipynb_checkpoints/x.json",
-            ]
-        ),
-        min_size=1,
-        max_size=4,
-        unique=True,
-    )
+    paths=st.lists(st.sampled_from(IGNORED + PUBLISHED_HIDDEN), min_size=1, max_size=4, unique=True)
 )
-def test_verify_ignores_hidden_paths_and_says_which(converted, tmp_path_factory, hidden):
+def test_verify_ignores_what_upload_tools_ignore_and_says_which(
+    converted, tmp_path_factory, paths
+):
+    """Upload state and git's files are not part of a checkpoint: ignored, and named. Any
+    other file (hidden or not) would be published, so it must be one the conversion wrote."""
     out = tmp_path_factory.mktemp("hidden") / "out"
     shutil.copytree(converted, out)
-    for rel in hidden:
+    for rel in paths:
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        (out / rel).write_text("not part of the checkpoint\n")
+        (out / rel).write_text("not written by the conversion\n")
     report = verify(out, checksums=True)
-    assert report.ok, report.problems
+    stray = [p for p in paths if p in PUBLISHED_HIDDEN]
+    assert report.ok is not stray
+    if stray:
+        assert Code.FILE_UNRECORDED in report.codes
     detail = report.check("files").detail
-    for rel in hidden:
-        top = rel.split("/")[0] if not rel.startswith("sub/") else rel
-        assert top in detail or len(hidden) > 5
+    for rel in paths:
+        if rel in IGNORED:
+            top = next(p for p in (".cache/huggingface", ".git", "sub/.git", ".gitattributes")
+                       if rel.startswith(p))
+            assert top in detail
+
+
+@FAST
+@given(
+    path=st.lists(
+        st.sampled_from([".git", ".cache", "huggingface", "a", ".gitattributes", "b.txt", ".x"]),
+        min_size=1,
+        max_size=4,
+    ).map("/".join)
+)
+def test_what_is_not_part_of_a_checkpoint_is_what_huggingface_hub_does_not_upload(path):
+    """Differential: our restatement against huggingface_hub's own upload filter (plus the
+    two additions it does not know: our state folder and `.gitattributes`)."""
+    from huggingface_hub.utils import filter_repo_objects
+    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+    hub_skips = not list(filter_repo_objects([path], ignore_patterns=DEFAULT_IGNORE_PATTERNS))
+    ours = contract.not_part_of_checkpoint(path)
+    top = path.split("/")[0]
+    if top in contract.NOT_CHECKPOINT_TOP:
+        assert ours
+    else:
+        assert ours is hub_skips, path
+    assert STATE_DIR in contract.NOT_CHECKPOINT_TOP
 
 
 # ------------------------------------------------------------------ blame the right thing

@@ -22,17 +22,23 @@ from ..outdir import CHECKSUMS_FORMAT
 
 def list_files(root: Path) -> tuple[list[str], list[Problem], list[str]]:
     """Every file of the checkpoint under `root` (posix relative paths, sorted), every problem
-    (anything that is not a regular file: symlink, FIFO, socket, device), and the hidden
-    paths left out, as loaders and upload tools leave them out: a hidden path (the state
-    folder, `.git/`, `.cache/huggingface/`, `.gitattributes`) is never part of a checkpoint
-    (`contract.file_name_problem`); the converter never writes one."""
+    (anything that is not a regular file: symlink, FIFO, socket, device), and the paths left
+    out as the upload tools leave them out: the state folder, `.git/`, `.gitattributes` and
+    `.cache/huggingface/` are never part of a checkpoint (`contract.not_part_of_checkpoint`);
+    any other file is, and must be one the conversion recorded."""
     files, problems, ignored = [], [], []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
-        for name in sorted(n for n in (*dirnames, *filenames) if n.startswith(".")):
-            ignored.append((here / name).relative_to(root).as_posix())
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        filenames = [f for f in filenames if not f.startswith(".")]
+
+        def kept(name: str, here: Path = here) -> bool:
+            rel = (here / name).relative_to(root).as_posix()
+            if contract.not_part_of_checkpoint(rel):
+                ignored.append(rel)
+                return False
+            return True
+
+        dirnames[:] = [d for d in dirnames if kept(d)]
+        filenames = [f for f in filenames if kept(f)]
         links = [d for d in dirnames if (here / d).is_symlink()]
         dirnames[:] = sorted(d for d in dirnames if d not in links)
         for name in [*filenames, *links]:
