@@ -416,9 +416,7 @@ PUBLISHED_HIDDEN = [".DS_Store", "sub/.hidden.txt", ".ipynb_checkpoints/x.json",
 @given(
     paths=st.lists(st.sampled_from(IGNORED + PUBLISHED_HIDDEN), min_size=1, max_size=4, unique=True)
 )
-def test_verify_ignores_what_upload_tools_ignore_and_says_which(
-    converted, tmp_path_factory, paths
-):
+def test_verify_ignores_what_upload_tools_ignore_and_says_which(converted, tmp_path_factory, paths):
     """Upload state and git's files are not part of a checkpoint: ignored, and named. Any
     other file (hidden or not) would be published, so it must be one the conversion wrote."""
     out = tmp_path_factory.mktemp("hidden") / "out"
@@ -434,8 +432,11 @@ def test_verify_ignores_what_upload_tools_ignore_and_says_which(
     detail = report.check("files").detail
     for rel in paths:
         if rel in IGNORED:
-            top = next(p for p in (".cache/huggingface", ".git", "sub/.git", ".gitattributes")
-                       if rel.startswith(p))
+            top = next(
+                p
+                for p in (".cache/huggingface", ".git", "sub/.git", ".gitattributes")
+                if rel.startswith(p)
+            )
             assert top in detail
 
 

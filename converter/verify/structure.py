@@ -314,4 +314,4 @@ def _ignored(out: Output) -> str:
         return ""
     more = len(out.ignored) - 5
     shown = ", ".join(out.ignored[:5]) + (f" and {more} more" if more > 0 else "")
-    return f"; ignored (hidden, not part of a checkpoint): {shown}"
+    return f"; ignored (not part of a checkpoint): {shown}"
