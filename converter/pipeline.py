@@ -281,6 +281,8 @@ def preview(
     identity = identity or SourceId("", "")
     mode, records = out.previous_records(plan.fingerprint, identity)
     out.check_usable(mode, force)
+    if mode is Mode.OTHER_SOURCE:  # with --force: replaced, as a fresh run
+        mode = Mode.FRESH
     job = Job(sources, out.root, out.tmp, rehash=rehash)
     result = Preview(mode)
     for shard in plan.shards:
