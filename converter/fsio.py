@@ -49,7 +49,7 @@ def lkind(path: str | os.PathLike[str]) -> str | None:
     """What the path itself is (a link is a "symlink"); None if nothing is there."""
     try:
         return kind(os.lstat(path).st_mode)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # or a file where a folder would be
         return None
 
 

@@ -261,6 +261,14 @@ class OutputDir:
                 "delete), then rerun; nothing was changed",
             )
         base = fsio.nearest_existing(self.state)
+        if not os.path.isdir(base):
+            raise fail(
+                Code.OUTPUT_NOT_DIRECTORY,
+                "a folder of the output path is not a directory",
+                file=str(base),
+                expected="a directory",
+                found=fsio.describe(base),
+            )
         if not os.access(base, os.W_OK | os.X_OK):
             raise fail(
                 Code.PERMISSION_DENIED,
@@ -579,6 +587,7 @@ class OutputDir:
                 f"the state folder {self.state} was removed or replaced during the "
                 "run: there is no longer a record of what this run wrote",
                 file=file,
+                expected="the state folder this run made",
                 found=fsio.describe(self.state),
                 hint="find what removed it, then rerun: files kimi-convert cannot prove "
                 "it wrote are never deleted (choose an empty directory if it refuses)",
