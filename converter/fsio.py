@@ -131,3 +131,21 @@ def nearest_existing(path: Path) -> Path:
         if os.path.lexists(p):
             return p
     return Path(path.anchor or ".")
+
+
+def append_durably(path: str | os.PathLike[str], data: bytes) -> None:
+    """Append to a record file and fsync it; never through a link (`O_NOFOLLOW`), never to
+    anything but a regular file (a FIFO planted there would block the write)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, kind(mode))
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)

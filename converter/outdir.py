@@ -150,7 +150,7 @@ class Ledger:
         write_atomic(self.path, ("\n".join(lines) + "\n").encode(), self.path.parent)
 
     def load(self) -> None:
-        data = self.path.read_bytes()
+        data = fsio.read_regular(self.path, follow=False)
         if not data.endswith(b"\n"):  # a torn last line: drop it, or the next append
             os.truncate(self.path, data.rfind(b"\n") + 1)  # would be glued onto it
         _, self.done = self.read(self.path)
@@ -158,10 +158,8 @@ class Ledger:
     def record(self, record: ShardRecord) -> None:
         with self._lock:
             faults.fault_point("ledger.append")
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+            fsio.append_durably(self.path, line.encode())
             faults.fault_point("ledger.appended")
             self.done[record.shard] = record
 
@@ -416,12 +414,11 @@ class OutputDir:
         checksums file last (it is the record); the journal keeps the record meanwhile."""
         recorded = self._recorded()
         files = self._all_files(entries)
-        with open(self.journal_path, "a", encoding="utf-8") as fh:
-            for path in files:
-                rel = str(path.relative_to(self.root))
-                fh.write(json.dumps({"file": rel, "size": recorded[rel][0]}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        lines = []
+        for path in files:
+            rel = str(path.relative_to(self.root))
+            lines.append(json.dumps({"file": rel, "size": recorded[rel][0]}) + "\n")
+        fsio.append_durably(self.journal_path, "".join(lines).encode())
         last = {self.index: 0, self.checksums: 2}
         for path in sorted(files, key=lambda p: last.get(p, 1)):
             path.unlink(missing_ok=True)
@@ -533,10 +530,8 @@ class OutputDir:
 
     def _journal(self, f: FinalFile) -> None:
         """Record a file before writing it, so --force may remove it after a crash."""
-        with open(self.journal_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"file": f.name, "size": f.size}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        line = json.dumps({"file": f.name, "size": f.size}) + "\n"
+        fsio.append_durably(self.journal_path, line.encode())
 
     def _write_final(self, path: Path, f: FinalFile) -> None:
         if not _inside(self.root, path):  # a symlinked folder must not lead writes elsewhere
@@ -623,10 +618,8 @@ class OutputDir:
     def note_partial(self, path: Path) -> None:
         """Record a partial download this run started (fsynced), so that a later run, or this
         one, may remove it: the only proof this tool has that the file is its own."""
-        with open(self.partials_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"path": str(path)}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        line = json.dumps({"path": str(path)}) + "\n"
+        fsio.append_durably(self.partials_path, line.encode())
 
     def partials(self) -> list[Path]:
         """Every partial download recorded by `note_partial` and not yet forgotten."""
@@ -705,8 +698,8 @@ def _ignored(path: Path, root: Path) -> bool:
 
 def _read_lines(path: Path) -> list[dict]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
+        lines = fsio.read_regular(path, follow=False).decode("utf-8").splitlines()
+    except (OSError, ValueError):  # missing, not a regular file, not UTF-8: no record
         return []
     out = []
     for line in lines:

@@ -172,6 +172,46 @@ def test_a_state_folder_that_is_not_a_real_directory_is_never_used(
     assert fl.tree(work) == before
 
 
+@SLOW
+@given(
+    entry=st.sampled_from(["lock", "ledger.jsonl", "journal.jsonl", "tmp", "partials.jsonl"]),
+    kind=st.sampled_from(["link-to-file", "link-to-dir", "fifo"]),
+    finished=st.booleans(),
+    force=st.booleans(),
+)
+def test_nothing_in_the_state_folder_leads_a_write_or_a_read_elsewhere(
+    small_source, converted, tmp_path_factory, entry, kind, finished, force
+):
+    """Links and FIFOs planted inside a real state folder: never written through, never
+    blocked on; the run either refuses with a code or converts, and the victim is intact."""
+    work = tmp_path_factory.mktemp("inner")
+    victim = work / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text(json.dumps({"pid": 2**22 + 7, "host": os.uname()[1]}))
+    out = work / "out"
+    if finished:
+        shutil.copytree(converted, out)
+    else:
+        out.mkdir()
+    (out / STATE_DIR).mkdir()
+    planted = out / STATE_DIR / entry
+    if kind == "fifo":
+        os.mkfifo(planted)
+    else:
+        planted.symlink_to(victim / "precious.txt" if kind == "link-to-file" else victim)
+    before = fl.tree(victim)
+    opts = ConvertOptions(
+        str(small_source), out, manifest="kimi-k3-any", max_shard_size=600_000, force=force
+    )
+    with within(60):
+        try:
+            convert(opts)
+        except Fatal as exc:
+            assert exc.codes == [Code.STATE_FOLDER_INVALID], exc.problems
+            assert entry == "lock"
+    assert fl.tree(victim) == before
+
+
 # ------------------------------------------------------------------ the link policy
 
 
