@@ -210,7 +210,8 @@ class OutputDir:
             return Mode.OTHER_SOURCE, {}
         recorded = self._checksums_file()
         if recorded.get("plan_fingerprint") == fingerprint and os.path.lexists(self.index):
-            if recorded.get("source_id") == source.digest:
+            mine = recorded.get("source")
+            if isinstance(mine, dict) and mine.get("sha256") == source.digest:
                 return Mode.RECHECK, _records_of(recorded)
             return Mode.OTHER_SOURCE, {}
         return Mode.FRESH, {}
@@ -673,7 +674,9 @@ def checksums_document(
         "format_version": CHECKSUMS_FORMAT,
         "tensor_checksum": TENSOR_HASH,
         "plan_fingerprint": fingerprint,
-        "source_id": source.digest if source is not None else None,
+        # Where the source was read from, hashed: a rerun continues only the same source's
+        # conversion (`OutputDir.previous_records`); no path of this machine is published.
+        "source": {"sha256": source.digest if source is not None else None},
         "files": files,
     }
     return (json.dumps(doc) + "\n").encode()

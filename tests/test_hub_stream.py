@@ -128,7 +128,7 @@ def _assert_same_as_reference(out: Path, reference: Path) -> None:
         json.loads(want["kimi_w31.checksums.json"]),
     )
     assert sums_got["files"].pop("config.json") != sums_want["files"].pop("config.json")
-    assert sums_got.pop("source_id") != sums_want.pop("source_id")  # a Hub commit, a directory
+    assert sums_got.pop("source") != sums_want.pop("source")  # a Hub commit, a directory
     # Source identities differ by kind: a Hub run names each source shard by content (size
     # and the Hub's sha256), a local run by file (size, times, inode).
     for name, entry in sums_got["files"].items():
