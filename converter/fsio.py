@@ -149,3 +149,11 @@ def append_durably(path: str | os.PathLike[str], data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def create_fresh(path: str | os.PathLike[str], mode: int = 0o644) -> int:
+    """A write fd of a new, empty regular file at `path` (a temporary of ours): whatever lay
+    there is removed as itself first (a planted link goes, its target untouched), and the
+    create is exclusive and does not follow links, so no write can land elsewhere."""
+    remove(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)

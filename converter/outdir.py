@@ -544,7 +544,7 @@ class OutputDir:
         self._make_dir(path.parent)
         tmp = self.tmp / (path.name + ".partial")
         try:
-            with open(tmp, "wb") as out:
+            with os.fdopen(fsio.create_fresh(tmp), "wb") as out:
                 if f.data is not None:
                     out.write(f.data)
                 else:
@@ -729,7 +729,7 @@ def _inside(root: Path, path: Path) -> bool:
 
 def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
     tmp = tmp_dir / (path.name + ".partial")
-    with open(tmp, "wb") as fh:
+    with os.fdopen(fsio.create_fresh(tmp), "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())

@@ -16,7 +16,7 @@ from pathlib import Path
 import faultlib as fl
 import faults_filesystem as ffs
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from kimi_w31.converter import contract, fsio
 from kimi_w31.converter.errors import Code, Fatal
@@ -174,11 +174,16 @@ def test_a_state_folder_that_is_not_a_real_directory_is_never_used(
 
 @SLOW
 @given(
-    entry=st.sampled_from(["lock", "ledger.jsonl", "journal.jsonl", "tmp", "partials.jsonl"]),
+    entry=st.sampled_from(
+        ["lock", "ledger.jsonl", "journal.jsonl", "tmp", "partials.jsonl", "ledger.jsonl.partial"]
+    ),
     kind=st.sampled_from(["link-to-file", "link-to-dir", "fifo"]),
     finished=st.booleans(),
     force=st.booleans(),
 )
+@example(entry="ledger.jsonl.partial", kind="link-to-file", finished=True, force=False)
+@example(entry="journal.jsonl", kind="fifo", finished=True, force=True)
+@example(entry="lock", kind="fifo", finished=False, force=False)
 def test_nothing_in_the_state_folder_leads_a_write_or_a_read_elsewhere(
     small_source, converted, tmp_path_factory, entry, kind, finished, force
 ):
