@@ -1,4 +1,12 @@
-"""A source on local disk: a directory, or a repo id already in the Hugging Face cache."""
+"""A source on local disk: a directory, or a repo id already in the Hugging Face cache.
+
+Links, one policy: a shard may be a symlink to a regular file anywhere (1.5 TB spread over
+several disks): reading it is harmless, its header is checked like any other and only its
+rewritten tensors are published. Any other file is published only when it is a regular
+file, or a link to what would be published directly: another published file of the source,
+or a blob of the same Hugging Face cache repo (a snapshot is all links into `../../blobs/`).
+Everything else is refused once per file, with a hint (`publish_problem`).
+"""
 
 from __future__ import annotations
 
