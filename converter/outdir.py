@@ -510,8 +510,8 @@ class OutputDir:
         return rewritten
 
     def _entries(self) -> list[Path]:
-        """What is in the directory, less what is never part of a checkpoint (the state
-        folder, git's files, huggingface_hub's `.cache/huggingface/`: see
+        """What is in the directory, less the hidden paths, never part of a checkpoint (the
+        state folder, git's files, huggingface_hub's `.cache/huggingface/`: see
         `contract.not_part_of_checkpoint`): neither ours to remove nor in the way, so a clone
         of an empty model repo is an empty output directory."""
         return [p for p in self.root.iterdir() if not contract.not_part_of_checkpoint(p.name)]

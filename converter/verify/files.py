@@ -22,10 +22,9 @@ from ..outdir import CHECKSUMS_FORMAT
 
 def list_files(root: Path) -> tuple[list[str], list[Problem], list[str]]:
     """Every file of the checkpoint under `root` (posix relative paths, sorted), every problem
-    (anything that is not a regular file: symlink, FIFO, socket, device), and the paths left
-    out as the upload tools leave them out: the state folder, `.git/`, `.gitattributes` and
-    `.cache/huggingface/` are never part of a checkpoint (`contract.not_part_of_checkpoint`);
-    any other file is, and must be one the conversion recorded."""
+    (anything that is not a regular file: symlink, FIFO, socket, device), and the hidden paths
+    left out, never opened: they are not part of a checkpoint (`contract.not_part_of_checkpoint`:
+    the state folder, `.git/`, `.cache/huggingface/` an upload leaves, `.gitattributes`)."""
     files, problems, ignored = [], [], []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
