@@ -318,7 +318,8 @@ def convert_cmd(
     byte concatenation; everything else is copied unchanged; the index is written last.
 
     Rerun the same command after any interruption: finished shards are kept once proven.
-    On a finished output it proves every shard again and repairs what fails.
+    On a finished output it proves every shard again and rewrites what fails the proof
+    (size, header, source identity; with --rehash also every tensor's data).
 
     \b
     Examples:
@@ -361,8 +362,8 @@ def convert_cmd(
         elif result.already_complete:
             err.print(
                 f"[green]already complete:[/] {escape(str(result.out))} holds this "
-                f"conversion; all {len(result.plan.shards)} shards proven (size, header, "
-                f"source identity{', data' if rehash else ''}); nothing to do."
+                f"conversion; all {len(result.plan.shards)} shards proven by "
+                f"{summary['kept_proven_by']}; nothing to do."
             )
         else:
             _print_summary(result, summary)
@@ -403,8 +404,11 @@ def _print_plan(result: ConvertResult, extra_rows: list[tuple[str, str]]) -> Non
 
 
 def _print_summary(result: ConvertResult, summary: dict) -> None:
-    repaired = result.mode is Mode.RECHECK
-    table = Table(title="Output repaired" if repaired else "Conversion complete", show_header=False)
+    # "Repaired" only when every kept shard's data was re-read (`kept_data_reread`).
+    title = "Conversion complete"
+    if result.mode is Mode.RECHECK:
+        title = "Output repaired" if summary["kept_data_reread"] else "Output updated"
+    table = Table(title=title, show_header=False)
     table.add_row("output", summary["output"])
     table.add_row(
         "shards written / kept", f"{summary['shards_written']} / {summary['shards_kept']}"
@@ -412,6 +416,8 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     table.add_row("bytes written this run", human(summary["bytes_written"]))
     if summary["bytes_kept"]:
         table.add_row("bytes kept from earlier runs", human(summary["bytes_kept"]))
+    if summary["shards_kept"]:
+        table.add_row("kept shards proven by", summary["kept_proven_by"])
     for shard, reason in list(summary["redone"].items())[:5]:
         table.add_row(f"redone {shard}", reason)
     table.add_row("tensors / experts fused", f"{summary['tensors']} / {summary['experts_fused']}")

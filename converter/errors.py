@@ -98,6 +98,10 @@ class Code(str, Enum):
     SCALE_NAN = "scale-nan"
     WINDOW_TOO_SMALL = "window-too-small"
     OUTPUT_HEADER_TOO_LARGE = "output-header-too-large"
+    STATE_FOLDER_INVALID = "state-folder-invalid"
+    PERMISSION_DENIED = "permission-denied"
+    OUTPUT_OF_ANOTHER_SOURCE = "output-of-another-source"
+    FILE_NAME_INVALID = "file-name-invalid"
     # -- a converted checkpoint (verify, serve)
     INCOMPLETE_OUTPUT = "incomplete-output"
     BLOCK_MISSING = "block-missing"
