@@ -44,6 +44,8 @@ class Code(str, Enum):
     INDEX_WRONG_SHARD = "index-wrong-shard"
     INDEX_TOTAL_SIZE = "index-total-size"
     SHARD_UNREFERENCED = "shard-unreferenced"
+    SHARD_NOT_LOADED = "shard-not-loaded"  # a shard the index names that loaders never open
+    TENSOR_IN_TWO_SHARDS = "tensor-in-two-shards"  # no index: one name in two shards
     # -- safetensors headers (one per rule, as the library's own reader)
     HEADER_TOO_SMALL = "header-too-small"
     HEADER_LENGTH_ZERO = "header-length-zero"
@@ -68,6 +70,8 @@ class Code(str, Enum):
     CONFIG_FIELD = "config-field"
     PINNED_MISMATCH = "pinned-mismatch"
     SITU_MISMATCH = "situ-mismatch"
+    CONFIG_CONFLICT = "config-conflict"  # one field said twice, two ways (alias, top level)
+    CONFIG_BOUND = "config-bound"  # a size beyond what the checkpoint can hold
     # -- routed experts and MoE layers
     EXPERT_NAME = "expert-name"
     EXPERT_ID_RANGE = "expert-id-range"
