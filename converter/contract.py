@@ -104,6 +104,9 @@ TEXT_DEFAULTS: dict[str, Any] = {
 # is KimiLinearConfig's attribute_map alias of `num_experts_per_token`.
 ALIASES = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok"}
 KIMI_K3_MODEL_TYPE = "kimi_k3"
+# KimiK3Config answers these from its text_config (read-only properties): a top-level one
+# stops SGLang before it has a config at all.
+KIMI_K3_PROPERTIES = ("hidden_size", "vocab_size")
 
 
 def sglang_text_fields(cfg: Any) -> Any:
@@ -133,23 +136,38 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def config_problems(cfg: Any, keys: Any) -> list[Problem]:
+def config_problems(cfg: Any, keys: Any, whole: bool = False) -> list[Problem]:
     """Every place the config says two things about a field the contract reads (`keys`):
     an alias that disagrees with its field, or a top-level copy that disagrees with what the
-    model reads. Also: a text_config that is not an object."""
+    model reads. `whole`: also what stops SGLang reading the config at all (said once, by
+    `layer_rule`)."""
     if not isinstance(cfg, Mapping):
         return []
     inner = sglang_text_fields(cfg)
     if not isinstance(inner, Mapping):
-        return [
-            Problem(
-                Code.CONFIG_FIELD,
-                "text_config must be an object (SGLang builds the text model from it)",
-                file=CONFIG_NAME,
-                found=type(inner).__name__,
-            )
-        ]
-    problems = []
+        return (
+            []
+            if not whole
+            else [
+                Problem(
+                    Code.CONFIG_FIELD,
+                    "text_config must be an object (SGLang builds the text model from it)",
+                    file=CONFIG_NAME,
+                    found=type(inner).__name__,
+                )
+            ]
+        )
+    problems = [
+        Problem(
+            Code.CONFIG_FIELD,
+            f"config field {key} at the top level of a {KIMI_K3_MODEL_TYPE} config: SGLang "
+            "takes it from text_config only and cannot load this config",
+            file=CONFIG_NAME,
+            found=repr(cfg[key]),
+        )
+        for key in KIMI_K3_PROPERTIES
+        if whole and key in cfg and cfg.get("model_type") == KIMI_K3_MODEL_TYPE
+    ]
     for key in keys:
         value = config_value(cfg, key)
         alias = ALIASES.get(key)
@@ -539,7 +557,7 @@ def layer_rule(cfg: Any, bound: int | None = None) -> tuple[LayerRule, list[Prob
     tensors of its own, so (layers x experts) beyond it cannot all be there: refused before
     anything that size is built (a config may claim 10^10 layers).
     """
-    problems = config_problems(cfg, MOE_RULE_FIELDS)
+    problems = config_problems(cfg, MOE_RULE_FIELDS, whole=True)
     values: dict[str, int] = {}
     for key, minimum in MOE_RULE_FIELDS.items():
         value = config_value(cfg, key)
