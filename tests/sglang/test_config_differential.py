@@ -151,9 +151,9 @@ def test_two_values_for_one_field_are_refused(cfg):
     codes = {p.code for p in problems}
     text = theirs["text"]
     inner = cfg.get("text_config", {}) if cfg["model_type"] == "kimi_k3" else cfg
-    if isinstance(inner, dict) and "num_experts" in inner and "n_routed_experts" in inner:
-        if not contract._same(text.num_experts, text.n_routed_experts):
-            assert Code.CONFIG_CONFLICT in codes
+    both = isinstance(inner, dict) and "num_experts" in inner and "n_routed_experts" in inner
+    if both and not contract._same(text.num_experts, text.n_routed_experts):
+        assert Code.CONFIG_CONFLICT in codes
     if cfg["model_type"] == "kimi_k3":
         for key in ("num_hidden_layers", "num_experts", "moe_intermediate_size"):
             if key in cfg and not contract._same(cfg[key], getattr(text, key)):
