@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..contract import CHECKSUMS_NAME
@@ -67,6 +68,15 @@ class LocalOrigin:
         if not path.is_file():  # a directory, or a FIFO that would block the read forever
             raise fail(Code.NOT_A_REGULAR_FILE, "shard is not a regular file", file=file)
         return read_header(path, display_name=file)
+
+    def top_level_names(self, root: Path) -> list[str]:
+        """Every name directly in the source directory (what a loader's glob sees)."""
+        try:
+            return sorted(os.listdir(root))
+        except OSError as exc:
+            raise fail(
+                Code.FILE_UNREADABLE, f"cannot list ({exc.strerror})", file=str(root)
+            ) from None
 
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
         """Every other file (tokenizer, chat template, custom code, ...), copied unchanged.
