@@ -573,24 +573,37 @@ def layer_rule(cfg: Any, bound: int | None = None) -> tuple[LayerRule, list[Prob
             )
         else:
             values[key] = value
+    freq = values.get("moe_layer_freq", 1)
+    first = -(-values.get("first_k_dense_replace", 0) // freq) * freq  # a multiple of freq
+    layers = values.get("num_hidden_layers", 0)
+    count = max(0, -(-(layers - first) // freq))  # len(range(first, layers, freq)), unbuilt
+    experts, extra = values.get("num_experts", 0), values.get("num_nextn_predict_layers", 0)
+    # Judged even when other fields are wrong: callers build nothing from a refused size.
+    too_big = bound_problem(
+        "(MoE layers + num_nextn_predict_layers) x num_experts",
+        (count + extra) * experts,
+        bound,
+        f"({count} + {extra}) x {experts}",
+    ) or bound_problem("num_experts", experts, bound)
+    if too_big is not None:
+        return LayerRule([], []), [*problems, too_big]
     if problems:
         return LayerRule([], []), problems
-    layers, experts = values["num_hidden_layers"], values["num_experts"]
-    freq = values["moe_layer_freq"]
-    first = -(-values["first_k_dense_replace"] // freq) * freq  # first multiple of freq
-    count = len(range(first, layers, freq))  # O(1): a range is not built
-    extra = values["num_nextn_predict_layers"]
-    if bound is not None and max(experts, (count + extra) * experts) > bound:
-        return LayerRule([], []), [
-            Problem(
-                Code.CONFIG_BOUND,
-                "config describes more routed experts than the checkpoint has tensors",
-                file=CONFIG_NAME,
-                expected=f"(MoE layers + num_nextn_predict_layers) x num_experts <= {bound}",
-                found=f"({count} + {extra}) x {experts}",
-            )
-        ]
     return LayerRule(list(range(first, layers, freq)), list(range(layers, layers + extra))), []
+
+
+def bound_problem(what: str, value: int, bound: int | None, found: str = "") -> Problem | None:
+    """A CONFIG_BOUND problem if `value` (a count of tensors the config asks for) is above
+    `bound` (the tensors the checkpoint holds), else None."""
+    if bound is None or value <= bound:
+        return None
+    return Problem(
+        Code.CONFIG_BOUND,
+        "config describes more routed experts than the checkpoint has tensors",
+        file=CONFIG_NAME,
+        expected=f"{what} <= {bound}",
+        found=found or str(value),
+    )
 
 
 def moe_layer_ids(cfg: Any, bound: int | None = None) -> tuple[list[int], list[Problem]]:

@@ -98,6 +98,10 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
     # Bounded by the source's own tensor count: nothing is built from a config size above it.
     bound = sum(len(h.tensors) for h in source.headers.values())
     rule, rule_problems = contract.layer_rule(config, bound)
+    if not any(p.code is Code.CONFIG_BOUND for p in rule_problems):
+        # E as the manifest names it (the rule bounded `num_experts`).
+        too_big = contract.bound_problem(manifest.dims["E"], dims.values.get("E", 0), bound)
+        rule_problems += [too_big] if too_big else []
     problems += rule_problems
     if any(p.code is Code.CONFIG_BOUND for p in rule_problems):
         return ExpertTable(dims), problems

@@ -79,7 +79,12 @@ def check_experts(
 ) -> tuple[ExpertLayout, list[Problem]]:
     """Compare the routed-expert tensors of `headers` with what the config says must exist."""
     # Bounded by the output's own tensor count: a config may claim 10^10 layers.
-    rule, problems = contract.layer_rule(config, sum(len(h.tensors) for h in headers.values()))
+    bound = sum(len(h.tensors) for h in headers.values())
+    rule, problems = contract.layer_rule(config, bound)
+    if not any(p.code is Code.CONFIG_BOUND for p in problems):
+        # E as the manifest names it (the rule bounded `num_experts`).
+        too_big = contract.bound_problem(manifest.dims["E"], dims.values.get("E", 0), bound)
+        problems += [too_big] if too_big else []
     if any(p.code is Code.CONFIG_BOUND for p in problems):
         return ExpertLayout(None), problems
     moe_ids = rule.moe
