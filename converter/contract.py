@@ -97,13 +97,15 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "activation_situ_linear_beta": None,
     "num_nextn_predict_layers": 0,
 }
-# A second key that sets the same value. PretrainedConfig applies extra keyword arguments
-# after the class's own, so the alias wins when both are given: `n_routed_experts` sizes the
-# experts and the router (models/kimi_k3.py, deepseek_v2.py MoEGate) while `num_experts`
-# decides whether there are experts and which ids the loader maps; `num_experts_per_tok`
-# is KimiLinearConfig's attribute_map alias of `num_experts_per_token`.
+# A second key for the same value; the two must agree (`config_problems`). PretrainedConfig
+# applies extra keyword arguments after the class's own: `num_experts_per_tok`, the
+# attribute_map alias of `num_experts_per_token`, wins when given. `n_routed_experts` sizes
+# the experts and the router (models/kimi_k3.py KimiK3MoE, deepseek_v2.py MoEGate), while
+# `num_experts` alone decides whether there are experts at all and which ids the loader maps.
 ALIASES = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok"}
+ALIAS_WINS = {"num_experts_per_token"}
 KIMI_K3_MODEL_TYPE = "kimi_k3"
+KIMI_LINEAR_MODEL_TYPE = "kimi_linear"
 # KimiK3Config answers these from its text_config (read-only properties): a top-level one
 # stops SGLang before it has a config at all.
 KIMI_K3_PROPERTIES = ("hidden_size", "vocab_size")
@@ -113,6 +115,8 @@ def sglang_text_fields(cfg: Any) -> Any:
     """The mapping (or config object) SGLang builds the text model from."""
     if not isinstance(cfg, Mapping):
         return text_config(cfg)  # a config object: SGLang's own classes already resolved it
+    if cfg.get("model_type") == KIMI_LINEAR_MODEL_TYPE:
+        return cfg  # KimiLinearConfig reads its own top level (a text_config there is inert)
     if "text_config" in cfg:
         inner = cfg["text_config"]
         return {} if inner is None else inner
@@ -126,7 +130,7 @@ def config_value(cfg: Any, key: str) -> Any:
     if not isinstance(inner, Mapping):
         return get(inner, key, TEXT_DEFAULTS.get(key))
     alias = ALIASES.get(key)
-    if alias is not None and alias in inner:
+    if key in ALIAS_WINS and alias in inner:
         return inner[alias]
     return inner.get(key, TEXT_DEFAULTS.get(key))
 
@@ -192,7 +196,7 @@ def config_problems(cfg: Any, keys: Any, whole: bool = False) -> list[Problem]:
 
 
 def _where(cfg: Mapping) -> str:
-    return "text_config." if "text_config" in cfg else ""
+    return "" if sglang_text_fields(cfg) is cfg else "text_config."
 
 
 def _conflict(first: str, second: str, inner: Mapping) -> Problem:
