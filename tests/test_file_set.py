@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
-from file_layouts import layouts, write_layout
+from file_layouts import NESTED, layouts, write_layout
 from hypothesis import HealthCheck, given, settings
 from kimi_w31.converter.contract import INDEX_NAME
 from kimi_w31.converter.errors import Code, Fatal
@@ -84,3 +84,36 @@ def test_verify_finds_an_output_that_dropped_a_source_shard(tmp_path):
     convert(ConvertOptions(str(part), out, manifest="kimi-k3-any"))
     report = verify(out, source=str(src))
     assert Code.TENSOR_MISSING in report.check("source-tensors").codes
+
+
+def _refusal(root) -> set[Code]:
+    source, codes = _converter(root)
+    assert source is None
+    return codes
+
+
+def test_the_loaders_rule_case_by_case(tmp_path):
+    def layout(files, index=None, shared=False):
+        return write_layout(tmp_path / "src", {"files": files, "index": index, "shared": shared})
+
+    # An index entry the loader's glob cannot list: refused by both readers.
+    for entry in ("sub/extra.safetensors", ".hidden.safetensors"):
+        root = layout([entry], {entry: "plain"})
+        assert Code.SHARD_NOT_LOADED in _refusal(root)
+        assert Code.SHARD_NOT_LOADED in {p.code for p in loaded_files(root)[1]}
+    root = layout(["model.safetensors"], {"model.safetensors": "dot-slash"})
+    assert Code.SHARD_NOT_LOADED in _refusal(root)
+    # No index: every top-level shard, hidden and nested ones left out, no name twice.
+    root = layout(["model.safetensors", "extra.safetensors", ".hidden.safetensors", NESTED[0]])
+    assert sorted(read_source(root, "src", LocalOrigin()).shard_files) == loaded_files(root)[0]
+    assert loaded_files(root)[0] == ["extra.safetensors", "model.safetensors"]
+    root = layout(["model.safetensors", "extra.safetensors"], shared=True)
+    assert _refusal(root) == {Code.TENSOR_IN_TWO_SHARDS}
+    # The one pair a loader reads as a single model.
+    root = layout(["consolidated.safetensors", "model.safetensors"], shared=True)
+    assert read_source(root, "src", LocalOrigin()).shard_files == ["model.safetensors"]
+    assert loaded_files(root) == (["model.safetensors"], [])
+    # With an index, a top-level shard it does not name is not served.
+    root = layout(["model.safetensors", "extra.safetensors"], {"model.safetensors": "plain"})
+    assert read_source(root, "src", LocalOrigin()).shard_files == ["model.safetensors"]
+    assert loaded_files(root) == (["model.safetensors"], [])
