@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.errors import Code, Problem
 from kimi_w31.converter.manifest import load_manifest, resolve_dims
 
 pytestmark = pytest.mark.sglang
@@ -37,7 +37,11 @@ _INTS = {
     "routed_expert_hidden_size": st.sampled_from([32, 64]),
     "num_nextn_predict_layers": st.integers(0, 2),
 }
-_OTHER = {"hidden_act": st.just("situ")}
+_OTHER = {
+    "hidden_act": st.sampled_from(["situ", "situ", "silu"]),
+    "activation_situ_beta": st.sampled_from([4.0, 4.0, 4, 5.0]),
+    "activation_situ_linear_beta": st.sampled_from([25.0, 25.0, 30.0]),
+}
 # How a field is written: a JSON integer, or what an editor or script may leave there.
 _ODD = st.one_of(st.just(None), st.booleans(), st.integers(0, 6).map(float), st.just("4"))
 
@@ -56,11 +60,7 @@ def configs(draw) -> dict:
         st.sampled_from(["nested", "nested", "nested", "flat", "flat+text", "no-text-config"])
     )
     keys = [*_INTS, *_OTHER]
-    text: dict = {
-        "hidden_act": "situ",
-        "activation_situ_beta": 4.0,
-        "activation_situ_linear_beta": 25.0,
-    }
+    text: dict = {}
     top: dict = {}
     for key in keys:
         where = draw(st.sampled_from(["text"] * 6 + ["top", "both", "absent"]))
@@ -111,9 +111,12 @@ def sglang_view(cfg: dict):
 
 
 def contract_view(cfg: dict):
+    """What validation reads from a config: the layer rule, the manifest's dims, SiTU."""
     rule, problems = contract.layer_rule(cfg)
     dims, dim_problems = resolve_dims(MANIFEST, cfg)
-    return rule, dims.values, problems + dim_problems
+    act = contract.config_value(cfg, "hidden_act")
+    situ = [] if act == contract.FIXED_FIELDS["activation"] else [Problem(Code.SITU_MISMATCH, act)]
+    return rule, dims.values, problems + dim_problems + situ
 
 
 @settings(
@@ -139,7 +142,10 @@ def test_contract_reads_the_config_as_sglang_does(cfg):
         assert type(theirs[symbol]) is int, symbol
     # Layers past num_hidden_layers (declared MTP layers) are never loaded by the model.
     assert all(i >= theirs["L"] for i in rule.extra)
-    assert theirs["text"].hidden_act == contract.config_value(cfg, "hidden_act")
+    # The activation and its betas as the MoE runner gets them (gemm1_alpha, clamp limit).
+    assert theirs["text"].hidden_act == contract.config_value(cfg, "hidden_act") == "situ"
+    for key, want in (("activation_situ_beta", 4.0), ("activation_situ_linear_beta", 25.0)):
+        assert getattr(theirs["text"], key) == contract.config_value(cfg, key) == want
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
