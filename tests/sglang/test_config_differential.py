@@ -38,9 +38,9 @@ _INTS = {
     "num_nextn_predict_layers": st.integers(0, 2),
 }
 _OTHER = {
-    "hidden_act": st.sampled_from(["situ", "situ", "silu"]),
-    "activation_situ_beta": st.sampled_from([4.0, 4.0, 4, 5.0]),
-    "activation_situ_linear_beta": st.sampled_from([25.0, 25.0, 30.0]),
+    "hidden_act": st.sampled_from(["situ"] * 6 + ["silu"]),
+    "activation_situ_beta": st.sampled_from([4.0] * 6 + [4, 5.0]),
+    "activation_situ_linear_beta": st.sampled_from([25.0] * 6 + [30.0]),
 }
 # How a field is written: a JSON integer, or what an editor or script may leave there.
 _ODD = st.one_of(st.just(None), st.booleans(), st.integers(0, 6).map(float), st.just("4"))
@@ -50,7 +50,7 @@ _ODD = st.one_of(st.just(None), st.booleans(), st.integers(0, 6).map(float), st.
 def field_value(draw, key: str):
     if key in _OTHER:
         return draw(_OTHER[key])
-    return draw(_ODD) if draw(st.integers(0, 19)) == 0 else draw(_INTS[key])
+    return draw(_ODD) if draw(st.integers(0, 29)) == 0 else draw(_INTS[key])
 
 
 @st.composite
@@ -63,7 +63,7 @@ def configs(draw) -> dict:
     text: dict = {}
     top: dict = {}
     for key in keys:
-        where = draw(st.sampled_from(["text"] * 6 + ["top", "both", "absent"]))
+        where = draw(st.sampled_from(["text"] * 12 + ["top", "both", "absent"]))
         if key in ("n_routed_experts", "num_experts_per_tok", "num_nextn_predict_layers"):
             where = draw(st.sampled_from(["absent", "absent", where]))
         if where in ("text", "both"):
@@ -90,7 +90,9 @@ def sglang_view(cfg: dict):
     cls = KimiK3Config if cfg["model_type"] == "kimi_k3" else KimiLinearConfig
     try:
         config = cls.from_dict(copy.deepcopy(cfg))  # what its config registry does
-        text = getattr(config, "text_config", config)  # KimiK3ForConditionalGeneration
+        # KimiK3ForConditionalGeneration builds from text_config; KimiK3LinearForCausalLM
+        # (a kimi_linear config) from the config itself.
+        text = config.text_config if cls is KimiK3Config else config
         moe = [i for i in range(text.num_hidden_layers) if _is_moe_layer(text, i)]
     except Exception as exc:  # noqa: BLE001 - any failure is "SGLang cannot serve this"
         return exc
