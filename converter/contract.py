@@ -149,18 +149,16 @@ def config_problems(cfg: Any, keys: Any, whole: bool = False) -> list[Problem]:
         return []
     inner = sglang_text_fields(cfg)
     if not isinstance(inner, Mapping):
-        return (
-            []
-            if not whole
-            else [
-                Problem(
-                    Code.CONFIG_FIELD,
-                    "text_config must be an object (SGLang builds the text model from it)",
-                    file=CONFIG_NAME,
-                    found=type(inner).__name__,
-                )
-            ]
-        )
+        if not whole:
+            return []
+        return [
+            Problem(
+                Code.CONFIG_FIELD,
+                "text_config must be an object (SGLang builds the text model from it)",
+                file=CONFIG_NAME,
+                found=type(inner).__name__,
+            )
+        ]
     problems = [
         Problem(
             Code.CONFIG_FIELD,
