@@ -20,7 +20,9 @@ from safetensors import safe_open
 
 C = Code
 TEXT_MOE = ("num_experts", "num_hidden_layers", "first_k_dense_replace", "moe_layer_freq")
-MEMORY_LIMIT = 3 << 30  # a run that builds 10^10 layers fails fast instead of swapping
+MEMORY_LIMIT = 4 << 30  # a run that builds 10^10 layers fails fast instead of swapping
+# Address space reserved unused grows with the core count (BLAS threads, malloc arenas).
+QUIET_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
 
 
 def _text(fn: Callable[[dict], None]) -> Callable[[Path], None]:
@@ -170,7 +172,7 @@ def bound_cases(template: Path, work: Path) -> list[fl.Case]:
             ("convert", fl.convert_args(src, out, "--json")),
             ("verify", ["verify", edited, "--json"]),
         ):
-            proc = fl.run_cli(args, preexec_fn=_limited)
+            proc = fl.run_cli(args, env=QUIET_THREADS, preexec_fn=_limited)
             text = proc.stdout
             if fl.looks_like_crash(text + proc.stderr):
                 outcome, detail = fl.CRASH, (text + proc.stderr)[-300:]
