@@ -248,18 +248,21 @@ def check_weight_map(root: Path, weight_map: dict, index_name: str) -> list[Prob
 
 
 def _not_loaded(names: set[str], index_name: str) -> list[Problem]:
-    """Safe entries the loader's glob cannot list: their tensors would never be served."""
+    """Safe entries the loader's glob cannot list: their tensors would never be served.
+    One problem for all of them: one cause (shards kept in a folder), said once."""
+    hidden = sorted(name for name in names if not globbed(name))
+    if not hidden:
+        return []
+    shown = ", ".join(repr(name) for name in hidden[:3]) + (" ..." if len(hidden) > 3 else "")
     return [
         Problem(
             Code.SHARD_NOT_LOADED,
-            "index names a shard that loaders never open: they load only top-level "
-            "*.safetensors files, so its tensors would not be served",
+            f"index names {len(hidden)} shard(s) that loaders never open: they load only "
+            "top-level *.safetensors files, so these tensors would not be served",
             file=index_name,
-            expected="a top-level file name",
-            found=repr(name),
+            expected="top-level file names (move the shards, or links to them, to the top)",
+            found=shown,
         )
-        for name in sorted(names)
-        if not globbed(name)
     ]
 
 
