@@ -62,6 +62,9 @@ class Code(str, Enum):
     HEADER_GAP = "header-gap"
     FILE_TRUNCATED = "file-truncated"
     FILE_TRAILING_BYTES = "file-trailing-bytes"
+    HEADER_OVERFLOW = "header-overflow"
+    HEADER_SUB_BYTE = "header-sub-byte"
+    HEADER_LIBRARY_REFUSES = "header-library-refuses"
     # -- the config
     NO_QUANTIZATION_CONFIG = "no-quantization-config"
     ALREADY_MARKED = "already-marked"

@@ -16,7 +16,7 @@ import faultlib as fl
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Fatal
+from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.safetensors_format import (
     DTYPE_BITS,
     MAX_HEADER_BYTES,
@@ -128,7 +128,11 @@ def test_structured_headers_never_crash(doc: dict, meta, data_len: int, dup: boo
     result = parse_or_error(raw, 8 + len(raw) + data_len)
     if dup and doc:
         assert isinstance(result, Fatal)
-        assert "duplicate key" in result.problems[0].what
+        # NaN/Infinity (Python's json writes them; no JSON reader of the library's reads them)
+        # are refused while parsing, before the duplicate is seen.
+        nonstandard = any(c in text for c in ("NaN", "Infinity"))
+        want = Code.HEADER_NOT_JSON if nonstandard else Code.HEADER_DUPLICATE_KEY
+        assert result.codes[0] is want
     if isinstance(result, ShardHeader):
         assert_tiles(result)
 
