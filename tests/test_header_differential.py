@@ -317,3 +317,22 @@ def test_library_problem_reports_a_file_the_library_refuses(tmp: Path) -> None:
     problem = library_problem(path, skewed)
     assert problem is not None and problem.code is Code.HEADER_LIBRARY_REFUSES
     assert problem.tensor == "a"
+
+
+def test_verify_reports_a_file_the_library_refuses_never_crashes(
+    converted: Path, small_source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where verify hands files to the library (--checksums, --numerics), the library's
+    refusal is a Problem with a code at that level, never a traceback."""
+    from kimi_w31.converter.verify import verify
+
+    def refuse(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while deserializing header: refused")
+
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    report = verify(converted, source=str(small_source), checksums=True, numerics=True, sample=2)
+    failed = {
+        c.level for c in report.checks for p in c.problems if p.code is Code.HEADER_LIBRARY_REFUSES
+    }
+    assert failed == {"checksums", "numerics"}
+    assert not report.ok

@@ -15,6 +15,7 @@ from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.manifest import Dims, load_manifest
 from kimi_w31.converter.plan import OutputTensor, Piece, pack_shards, plan_conversion
 from kimi_w31.converter.safetensors_format import (
+    DTYPE_BITS,
     HeaderEntry,
     build_header,
     parse_header_bytes,
@@ -374,3 +375,22 @@ def test_a_tensor_whose_own_header_entry_passes_the_limit_is_refused():
     with pytest.raises(Fatal) as exc:
         pack_shards([huge], 1 << 40)
     assert exc.value.codes == [Code.OUTPUT_HEADER_TOO_LARGE]
+
+
+@given(
+    prefix=st.sampled_from(["language_model.model.layers.1.mlp.", "model.layers.0.mlp.", ""]),
+    part=st.sampled_from(["experts.3.w1.", "experts.0.w31.", "shared_experts.", "experts.x."]),
+    suffix=st.sampled_from(["weight_scale", "weight_packed", "weight", "input_scale"]),
+    dtype=st.sampled_from(sorted(DTYPE_BITS)),
+    every=st.booleans(),
+)
+def test_e8m0_scales_are_judged_by_dtype(prefix, part, suffix, dtype, every):
+    """A tensor is scanned for 0xFF only where its bytes are E8M0: safetensors' E8M0 dtype,
+    or a U8 routed-expert weight_scale (any U8 weight_scale with --check-scales); a scale
+    of any other dtype (F32, BF16, ...) never is, whatever its name."""
+    from kimi_w31.converter import contract
+
+    name = prefix + part + suffix
+    expert = contract.parse_expert_name(name) is not None
+    want = dtype == "F8_E8M0" or (dtype == "U8" and suffix == "weight_scale" and (expert or every))
+    assert contract.is_e8m0_scale(name, dtype, every) == want
