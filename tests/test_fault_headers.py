@@ -130,7 +130,11 @@ def test_structured_headers_never_crash(doc: dict, meta, data_len: int, dup: boo
         assert isinstance(result, Fatal)
         # NaN/Infinity (Python's json writes them; no JSON reader of the library's reads them)
         # are refused while parsing, before the duplicate is seen.
-        nonstandard = any(c in text for c in ("NaN", "Infinity"))
+        try:
+            json.dumps(doc, allow_nan=False)
+            nonstandard = False
+        except ValueError:
+            nonstandard = True
         want = Code.HEADER_NOT_JSON if nonstandard else Code.HEADER_DUPLICATE_KEY
         assert result.codes[0] is want
     if isinstance(result, ShardHeader):
