@@ -14,7 +14,7 @@ Restated rather than calling the library on every header: the library parses a f
 checkpoint's headers in about a third of the JSON-decoding floor, which planning cannot
 afford; tests/test_header_differential.py holds this restatement to the installed library
 over generated hostile headers, both ways. Where a whole file is at hand anyway,
-`library_refuses` asks the library itself.
+`library_problem` asks the library itself.
 
 The safetensors library has no streaming writer, so `build_header` produces the header
 bytes for a list of tensors whose data the executor then streams in order; a header it
