@@ -34,6 +34,7 @@ import faults_library  # noqa: E402
 OUTCOMES = [fl.CLEAN, fl.RESUMED, fl.CORRECT, fl.CRASH, fl.WRONG]
 PROPERTY_FILES = [
     "tests/test_fault_headers.py",
+    "tests/test_header_differential.py",
     "tests/test_fault_index.py",
     "tests/test_fault_planner.py",
     "tests/test_contract.py",
