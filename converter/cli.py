@@ -18,7 +18,7 @@ from rich.table import Table
 
 from . import console
 from .console import err, human, out, parse_size, run_guarded
-from .errors import EXIT_USAGE, Code, fail
+from .errors import EXIT_OK, Code, fail
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
@@ -29,10 +29,16 @@ RESUME_HINT = "rerun the same command to resume: finished shards are kept"
 
 
 class ProgressReporter(Reporter):
-    """Conversion progress: bytes written (shards kept from an earlier run count as done,
-    not as speed), shards done, and what was kept. With --download, a second quantity
-    beside it: source bytes arriving from the Hub (`download_*`, the Hub executor's
-    `DownloadProgress`), a second bar or its own `download: ...` lines."""
+    """Conversion progress: output bytes settled (written, or kept from an earlier run once
+    proven), shards done, and what was kept. With --download, a second quantity beside it:
+    source bytes arriving from the Hub (`download_*`, the executor's `DownloadProgress`), a
+    second bar or its own `download: ...` lines.
+
+    Each shard counts its size once, however often its bytes flow: proving a kept shard
+    with --rehash re-reads it, a shard that fails that proof is read and then written.
+    Bytes flowing count at once (so a large shard moves the bar) but only up to what is
+    left; a settled shard's size replaces what flowed for it. Never past 100 %, never
+    backwards, exactly 100 % when every shard is done."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -41,26 +47,42 @@ class ProgressReporter(Reporter):
         self.shards = 0
         self.done = self.kept = 0
         self.files = self.fetched = 0
+        self.total = 0
+        self.settled = 0  # bytes of the shards done
+        self.flowed = 0  # bytes read or written not yet matched to a done shard
+        self.shown = 0  # what the progress says is done
         self.lock = threading.Lock()
 
     def start(self, total_bytes: int, shards: int) -> None:
-        self.shards = shards
+        self.shards, self.total = shards, total_bytes
         self.progress = console.Progress(self.mode, "convert", total_bytes)
         self.progress.note(shards=f"0/{shards}")
 
+    def _recount(self) -> int:
+        """How much further the shown figure moves (under the lock)."""
+        shown = min(self.total, self.settled + min(self.flowed, self.total - self.settled))
+        step, self.shown = max(0, shown - self.shown), max(shown, self.shown)
+        return step
+
     def advance(self, nbytes: int) -> None:
+        with self.lock:
+            self.flowed += nbytes
+            step = self._recount()
         if self.progress is not None:
-            self.progress.advance(nbytes)
+            self.progress.add(step, nbytes)
 
     def shard_done(self, result: ShardOutcome) -> None:
+        size = result.record.size if result.record is not None else 0
         with self.lock:
             self.done += 1
             if result.outcome is Outcome.KEPT:
                 self.kept += 1
+            self.settled += size
+            self.flowed -= min(self.flowed, size)
+            step = self._recount()
             note = f"{self.done}/{self.shards}" + (f" ({self.kept} kept)" if self.kept else "")
         if self.progress is not None:
-            if result.outcome is Outcome.KEPT and result.record is not None:
-                self.progress.advance(result.record.size, moved=False)
+            self.progress.add(step, 0)
             self.progress.note(shards=note)
 
     def warn(self, message: str) -> None:
@@ -179,13 +201,9 @@ def _origin_and_executor(
             if v
         ]
         if given:
-            raise fail(
-                Code.USAGE, f"{', '.join(given)} only apply with --download", exit_code=EXIT_USAGE
-            )
+            raise fail(Code.USAGE, f"{', '.join(given)} only apply with --download")
     if ray_address and executor != "ray":
-        raise fail(
-            Code.USAGE, "--ray-address only applies with --executor ray", exit_code=EXIT_USAGE
-        )
+        raise fail(Code.USAGE, "--ray-address only applies with --executor ray")
     if executor == "ray":
         if download:
             raise fail(
@@ -193,7 +211,6 @@ def _origin_and_executor(
                 "--download and --executor ray do not combine: download "
                 "first (hf download ... --local-dir on shared storage), then convert on "
                 "Ray",
-                exit_code=EXIT_USAGE,
             )
         from .execute.ray import RayExecutor, import_ray
 
@@ -329,24 +346,20 @@ def convert_cmd(
         _origin_and_executor(opts, workers, **where)
         mode = console.resolve_mode(progress_mode, quiet or as_json)
         reporter = ProgressReporter(mode)
-        if hasattr(opts.executor, "download_progress"):  # --download: bytes from the Hub
-            opts.executor.download_progress = reporter
+        opts.executor.download_progress = reporter  # --download: bytes from the Hub
         # The GC stays off until the plan is gone too: re-enabled over ~2M live objects,
         # its first collection alone would rescan them all (see `gc_paused`).
         with gc_paused():
             report(convert(opts, reporter))
 
     def report(result: ConvertResult) -> None:
-        summary = result.summary()
-        extra = getattr(opts.executor, "summary", None)
-        if extra is not None:
-            summary.update(extra(result.plan))
+        summary = {**result.summary(), **opts.executor.summary(result.plan)}
         if as_json:
-            out.print_json(json.dumps({"ok": True, **summary}))
+            out.print_json(json.dumps({"ok": True, "exit_code": EXIT_OK, **summary}))
         elif quiet:
             return
         elif dry_run:
-            _print_plan(result, getattr(opts.executor, "plan_rows", lambda plan: [])(result.plan))
+            _print_plan(result, opts.executor.plan_rows(result.plan))
         elif result.already_complete:
             err.print(
                 f"[green]already complete:[/] {escape(str(result.out))} holds this "
@@ -509,7 +522,6 @@ def synth(
                 Code.OUTPUT_NOT_EMPTY,
                 "synth writes into an empty or new directory",
                 file=str(output.resolve()),
-                exit_code=EXIT_USAGE,
                 hint="choose another directory or remove this one first",
             )
         kk = k or (REAL_K if real_dims else 128)
@@ -518,7 +530,6 @@ def synth(
             raise fail(
                 Code.USAGE,
                 "--k and --n must be multiples of 32 (the MXFP4 group size)",
-                exit_code=EXIT_USAGE,
             )
         dense = min(1, layers - 1) if dense_layers is None else dense_layers
         spec = SynthSpec(
@@ -537,7 +548,6 @@ def synth(
             raise fail(
                 Code.USAGE,
                 "no MoE layer: raise --layers or lower --dense-layers / --moe-every",
-                exit_code=EXIT_USAGE,
             )
         started = time.perf_counter()
         info = synth_checkpoint(output, spec)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import contract
-from .errors import EXIT_USAGE, Code, Fatal, Problem, fail
+from .errors import Code, Fatal, Problem, fail
 
 DEFAULT_MANIFEST = "kimi-k3"
 # Symbols every manifest must map to config fields: K (expert input width), N (expert
@@ -75,7 +75,6 @@ def load_manifest(name_or_path: str) -> Manifest:
                 Code.MANIFEST_NOT_FOUND,
                 "manifest file not found",
                 file=str(path),
-                exit_code=EXIT_USAGE,
             )
         data, label = path.read_bytes(), str(path)
     else:
@@ -84,7 +83,6 @@ def load_manifest(name_or_path: str) -> Manifest:
             f"unknown manifest {name_or_path!r}",
             expected=" or ".join(available_manifests()) + " or a path to a .json file",
             found=name_or_path,
-            exit_code=EXIT_USAGE,
         )
     return parse_manifest(data, label)
 
@@ -95,7 +93,6 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
             Code.MANIFEST_INVALID,
             f"manifest is malformed: {what}",
             file=label,
-            exit_code=EXIT_USAGE,
         )
 
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import __version__
 from . import contract
-from .errors import EXIT_USAGE, Code, Fatal, Problem, fail
+from .errors import Code, Fatal, Problem, fail
 from .execute import Executor
 from .execute.local import LocalExecutor
 from .execute.shard import (
@@ -150,7 +150,6 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
         raise fail(
             Code.USAGE,
             "--max-shard-size must be positive",
-            exit_code=EXIT_USAGE,
             found=str(opts.max_shard_size),
         )
     manifest = load_manifest(opts.manifest)
@@ -163,7 +162,6 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
             file=str(out),
             expected="a directory outside the source",
             found=str(root),
-            exit_code=EXIT_USAGE,
         )
     with gc_paused():
         source = read_source(root, opts.source, opts.origin)
@@ -237,10 +235,7 @@ def _as_fatal(exc: BaseException, out: OutputDir) -> Fatal | None:
 
 def _source_files(opts: ConvertOptions, source: Source) -> SourceFiles:
     planned = {f: h.header_sha256 for f, h in source.headers.items()}
-    make = getattr(opts.executor, "source_files", None)
-    if make is not None:  # sources that arrive during the run (the Hub)
-        return make(source.root, source.shard_files, planned)
-    return SourceFiles(source.root, source.shard_files, planned)
+    return opts.executor.source_files(source.root, source.shard_files, planned)
 
 
 def preview(out: OutputDir, plan: Plan, sources: SourceFiles, rehash: bool) -> Preview:

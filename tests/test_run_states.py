@@ -17,7 +17,7 @@ import sys
 
 import pytest
 from cli_helpers import run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.errors import EXIT_CODES, Code
 from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000", "--workers", "1"]
@@ -157,7 +157,7 @@ def test_synth_never_mixes_two_checkpoints(tmp_path, content):
         target / "old.txt"
     ).write_text("x")
     proc = run_cli("synth", target)
-    assert proc.returncode == 2
+    assert proc.returncode == EXIT_CODES[Code.OUTPUT_NOT_EMPTY]  # as in convert
     assert sorted(p.name for p in target.iterdir()) == (
         ["old.txt"] if content == "file" else ["sub"]
     )

@@ -46,7 +46,7 @@ pip_quiet() {
     "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf einops "openai==2.8.0" \
     partial_json_parser nvidia-ml-py uvicorn fastapi \
     "torch==2.13.0" \
-    pytest safetensors click rich huggingface_hub
+    pytest safetensors click click-default-group rich huggingface_hub
 # The project itself, editable, so its entry point is visible to SGLang's plugin loader.
 "${PIP[@]}" --no-deps -e "$HERE"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..contract import CHECKSUMS_NAME
-from ..errors import EXIT_USAGE, Code, Fatal, Problem, fail
+from ..errors import Code, Fatal, Problem, fail
 from ..safetensors_format import ShardHeader, read_header
 from . import stays_inside
 
@@ -20,7 +20,6 @@ def resolve_local(spec: str, revision: str | None = None) -> Path:
                 f"--revision {revision!r} applies to a Hugging Face repo id, "
                 "not to a local directory",
                 file=str(path.resolve()),
-                exit_code=EXIT_USAGE,
             )
         if not path.is_dir():
             raise fail(Code.SOURCE_NOT_FOUND, "source is not a directory", file=str(path))
