@@ -115,6 +115,16 @@ class Code(str, Enum):
     TENSOR_DTYPE_DIFFERS = "tensor-dtype-differs"
     TENSOR_SHAPE_DIFFERS = "tensor-shape-differs"
     FILE_NOT_FROM_SOURCE = "file-not-from-source"
+    # -- a prebuilt kernel bundle (adapter: kimi-convert prebuild --out, KIMI_W31_KERNELS)
+    KERNEL_BUNDLE_INVALID = "kernel-bundle-invalid"
+    KERNEL_BUNDLE_ARCH = "kernel-bundle-arch"
+    KERNEL_BUNDLE_FLASHINFER = "kernel-bundle-flashinfer"
+    KERNEL_BUNDLE_CUDA = "kernel-bundle-cuda"
+    KERNEL_BUNDLE_TORCH = "kernel-bundle-torch"
+    KERNEL_BUNDLE_PYTHON = "kernel-bundle-python"
+    KERNEL_BUNDLE_NO_MODULE = "kernel-bundle-no-module"
+    KERNEL_BUNDLE_SOURCES = "kernel-bundle-sources"
+    KERNEL_BUNDLE_LIBRARY = "kernel-bundle-library"
 
 
 @dataclass(frozen=True)
