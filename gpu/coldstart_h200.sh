@@ -95,11 +95,11 @@ has() { [ "${KIMI_W31_COLDSTART_STEPS:-all}" = all ] || [[ ",$KIMI_W31_COLDSTART
 
 pipeline() {
     cd "$WORK" || exit 1
-    echo "== pipeline start $(date -u +%FT%TZ) cores $(nproc)"
+    echo "== pipeline start $(date -u +%FT%TZ) cores $(nproc), $(awk '/MemTotal|MemAvailable/{printf "%s %.1f GiB ", $1, $2/1048576}' /proc/meminfo)"
+    python3 -c "from kimi_w31.adapter.prebuild import default_jobs as d; print('default jobs', d(), 'used', '${JOBS:-default}')"
     if has build16; then build w4a16 build16; fi
     if has probe; then
         probe bundle KIMI_W31_KERNELS="$BUNDLE" FLASHINFER_WORKSPACE_BASE="$WORK/fiws-serve"
-        probe bundle-again KIMI_W31_KERNELS="$BUNDLE" FLASHINFER_WORKSPACE_BASE="$WORK/fiws-serve"
         probe cache FLASHINFER_WORKSPACE_BASE="$WORK/fiws-build16"
     fi
     if has gate16 || has gate8; then
