@@ -234,6 +234,8 @@ def trim_instantiation(text: str, trim: Trim) -> str:
 
 # One explicit instantiation: `template void launcher<...>(...);` (no `;` inside).
 _INSTANCE = re.compile(r"^template\s[^;]*;[ \t]*\n?", re.M)
+_HEAD_LINE = re.compile(r"^\s*(#\s*include\b.*|namespace\s+[\w:]+\s*\{?|\{|//.*)?\s*$")
+_TAIL_LINE = re.compile(r"^\s*(\}\s*(//.*)?|//.*)?\s*$")
 _TILE = re.compile(r"cute::Shape<cute::Int<(\d+)>,\s*cute::Int<(\d+)>,\s*cute::Int<(\d+)>>")
 # Estimated compile cost of one instantiation: CTA tile area in units of 128x128 (the
 # kernel's unrolled MMA/epilogue code grows with it; an M256xN256 file was the 876 s unit).
@@ -267,7 +269,13 @@ def split_generated(text: str, max_weight: float = DEFAULT_MAX_PART_WEIGHT) -> l
         return [Part(text, 0, 0.0)]
     head, tail = text[: found[0].start()], text[found[-1].end() :]
     between = (text[a.end() : b.start()] for a, b in zip(found, found[1:], strict=False))
-    if any(gap.strip() for gap in between) or "template" in head or "template" in tail:
+    # Head and tail are repeated in every part: only includes, namespace braces and
+    # comments may be there (a definition would be linked once per part).
+    if (
+        any(gap.strip() for gap in between)
+        or not all(_HEAD_LINE.match(line) for line in head.splitlines())
+        or not all(_TAIL_LINE.match(line) for line in tail.splitlines())
+    ):
         return [Part(text, len(found), sum(instance_weight(m.group(0)) for m in found))]
     chunks: list[list[str]] = []
     weight = 0.0
