@@ -230,17 +230,6 @@ def check(
     return manifest, library
 
 
-def library_for(root: Path, variant: Any) -> Path:
-    """What the plugin loads for `variant` (a kernels.Variant) from the bundle at `root`:
-    the running stack and the recipe's source hash computed here, then `check`."""
-    from . import kernels
-
-    running = current_stack(variant.arch)
-    rec = kernels.recipe(variant)
-    digest = kernels.source_hash(rec, kernels.jit_spec(rec, write=False))
-    return check(root, variant.key, running, digest)[1]
-
-
 def write(root: Path, manifest: Manifest) -> Path:
     """Write the manifest last, atomically: a bundle without one is never loaded."""
     root.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,8 @@ relative includes resolve unchanged.
 
 The generated grouped-GEMM files are split: each holds eight explicit instantiations, and
 one (M256) unit alone took 876 s. `split_generated` cuts a file into parts of bounded
-estimated cost (one part per `.cu`, written next to FlashInfer's generated file under a
-name FlashInfer's own `*.generated.cu` glob does not pick up), and `Recipe.sources` lists
+estimated cost (several instantiations per `.cu`, written in a tree of our own beside
+FlashInfer's generated sources, see `part_path`), and `Recipe.sources` lists
 the costliest units first, because ninja starts edges in manifest order on a cold build.
 
 `install(variant, library)` makes `flashinfer.fused_moe` use one of these modules (an
@@ -237,70 +237,118 @@ _INSTANCE = re.compile(r"^template\s[^;]*;[ \t]*\n?", re.M)
 _HEAD_LINE = re.compile(r"^\s*(#\s*include\b.*|namespace\s+[\w:]+\s*\{?|\{|//.*)?\s*$")
 _TAIL_LINE = re.compile(r"^\s*(\}\s*(//.*)?|//.*)?\s*$")
 _TILE = re.compile(r"cute::Shape<cute::Int<(\d+)>,\s*cute::Int<(\d+)>,\s*cute::Int<(\d+)>>")
-# Estimated compile cost of one instantiation: CTA tile area in units of 128x128 (the
-# kernel's unrolled MMA/epilogue code grows with it; an M256xN256 file was the 876 s unit).
-_TILE_UNIT = 128 * 128
-DEFAULT_MAX_PART_WEIGHT = 4.0
+# The compile cost model, in units of ~11 s of one nvcc among 16 on a 16-core H200 machine,
+# fitted to ninja's per-unit times of a cold W4A16 build there (45 kernel units, rms error
+# ~35 s): a kernel unit costs ~110 s whatever it holds (CUTLASS headers, host pass), plus
+# ~11 s per instantiation, plus ~10.5 s per 128^3 of CTA tile volume (the K depth of the
+# tile counts: a file of eight M128xN16xK512 kernels took 287 s, one M256xN256xK128 ~200 s).
+UNIT_OVERHEAD = 10.0
+_TILE_VOLUME = 128**3
+# A part of at most this cost (~330 s) never dominates a build whose units sum to ~800 of
+# them on 16 cores; fewer parts than that bound cost an overhead each.
+DEFAULT_MAX_PART_WEIGHT = 30.0
 
 
 def instance_weight(instance: str) -> float:
-    """Estimated cost of one instantiation (1.0 = a 128x128 CTA tile); 1.0 if unknown."""
+    """Estimated compile cost of one instantiation (see UNIT_OVERHEAD); 2.0 if unknown."""
     tile = _TILE.search(instance)
-    return int(tile.group(1)) * int(tile.group(2)) / _TILE_UNIT if tile else 1.0
+    if tile is None:
+        return 2.0
+    m, n, k = (int(x) for x in tile.groups())
+    return 1.0 + m * n * k / _TILE_VOLUME
 
 
 @dataclass(frozen=True)
 class Part:
     text: str
     instances: int
-    weight: float
+    weight: float  # estimated cost of the unit, UNIT_OVERHEAD included
+
+
+def _balanced(weights: Sequence[float], cap: float) -> list[int]:
+    """Chunk sizes cutting `weights` (in order) into the fewest contiguous chunks of at most
+    `cap` each, as even as the order allows (a single heavier item is a chunk of its own)."""
+    total = sum(weights)
+    count = max(1, -(-total // cap)) if cap > 0 else len(weights)
+    target = total / count
+    sizes: list[int] = []
+    acc, size = 0.0, 0
+    for w in weights:
+        if size and acc + w > target + 1e-9 and len(sizes) < count - 1:
+            sizes.append(size)
+            acc, size = 0.0, 0
+        acc += w
+        size += 1
+    sizes.append(size)
+    # Balancing may leave the last chunk over the cap: then plain first-fit by the cap.
+    chunks, i = [], 0
+    for n in sizes:
+        chunks.append(weights[i : i + n])
+        i += n
+    if any(len(c) > 1 and sum(c) > cap + 1e-9 for c in chunks):
+        sizes, acc = [], 0.0
+        for w in weights:
+            if not sizes or acc + w > cap + 1e-9:
+                sizes.append(0)
+                acc = 0.0
+            sizes[-1] += 1
+            acc += w
+    return sizes
 
 
 def split_generated(text: str, max_weight: float = DEFAULT_MAX_PART_WEIGHT) -> list[Part]:
-    """Cut one generated kernel file into parts of at most `max_weight` each (a single
-    heavier instantiation is a part of its own), in file order; each part keeps the file's
-    head (includes, namespace openings) and tail (namespace closings).
+    """Cut one generated kernel file into the fewest parts of estimated cost at most
+    `max_weight` each (UNIT_OVERHEAD included; a single heavier instantiation is a part of
+    its own), in file order; each part keeps the file's head (includes, namespace openings)
+    and tail (namespace closings).
 
-    A file whose instantiations are separated by anything but blank lines is returned whole
-    (one part): a layout we do not know is compiled as FlashInfer wrote it.
+    A file whose instantiations are separated by anything but blank lines, or whose head or
+    tail holds anything but includes, namespace braces and comments, is returned whole (one
+    part): a layout we do not know is compiled as FlashInfer wrote it.
     """
     found = list(_INSTANCE.finditer(text))
+    weights = [instance_weight(m.group(0)) for m in found]
     if not found:
-        return [Part(text, 0, 0.0)]
+        return [Part(text, 0, UNIT_OVERHEAD)]
     head, tail = text[: found[0].start()], text[found[-1].end() :]
     between = (text[a.end() : b.start()] for a, b in zip(found, found[1:], strict=False))
-    # Head and tail are repeated in every part: only includes, namespace braces and
-    # comments may be there (a definition would be linked once per part).
+    # Head and tail are repeated in every part: a definition there would be linked once
+    # per part.
     if (
         any(gap.strip() for gap in between)
         or not all(_HEAD_LINE.match(line) for line in head.splitlines())
         or not all(_TAIL_LINE.match(line) for line in tail.splitlines())
     ):
-        return [Part(text, len(found), sum(instance_weight(m.group(0)) for m in found))]
-    chunks: list[list[str]] = []
-    weight = 0.0
-    for m in found:
-        w = instance_weight(m.group(0))
-        if not chunks or weight + w > max_weight:
-            chunks.append([])
-            weight = 0.0
-        chunks[-1].append(m.group(0).rstrip("\n") + "\n")
-        weight += w
-    return [
-        Part(
-            head + "\n".join(chunk) + tail,
-            len(chunk),
-            sum(instance_weight(x) for x in chunk),
+        return [Part(text, len(found), UNIT_OVERHEAD + sum(weights))]
+    parts, i = [], 0
+    for n in _balanced(weights, max_weight - UNIT_OVERHEAD):
+        chunk = [m.group(0).rstrip("\n") + "\n" for m in found[i : i + n]]
+        parts.append(
+            Part(head + "\n".join(chunk) + tail, n, UNIT_OVERHEAD + sum(weights[i : i + n]))
         )
-        for chunk in chunks
-    ]
+        i += n
+    return parts
+
+
+SPLIT_DIR = "kimi_w31_split"
 
 
 def part_path(path: Path, index: int, count: int) -> Path:
-    """Where part `index` (1-based) of a generated file goes: beside it, outside FlashInfer's
-    `*.generated.cu` glob (so FlashInfer's own module never compiles our parts)."""
+    """Where part `index` (1-based) of a generated kernel file goes.
+
+    Not beside it: FlashInfer's generator deletes every file of its output directory
+    (`cutlass_instantiations/<arch>`) it did not generate itself, each time any process
+    builds the spec, which would make ninja recompile our parts in every new process. So a
+    sibling tree of FlashInfer's generated-source directory,
+    `<gen>/kimi_w31_split/<arch>/gemm_grouped/90/<file>.kimi_w31_partIofN.cu` (the parts'
+    only include is include-path relative), under a name FlashInfer's `*.generated.cu` glob
+    never matches.
+    """
+    if len(path.parents) < 5:
+        raise ValueError(f"{path}: not a generated kernel file path (<gen>/x/<arch>/a/b/file)")
     stem = path.name.removesuffix(".generated.cu")
-    return path.with_name(f"{stem}.{SPLIT_TAG}{index}of{count}.cu")
+    where = path.parents[4] / SPLIT_DIR / path.parents[2].name / path.parents[1].name
+    return where / path.parent.name / f"{stem}.{SPLIT_TAG}{index}of{count}.cu"
 
 
 # --------------------------------------------------------------------------------------
@@ -327,8 +375,22 @@ class Recipe:
         return [u.path for u in self.units]
 
 
-# Units that cannot be split and compile for minutes: they start first.
-_HEAVY_FIXED = 1000.0
+# Estimated cost (same units) of FlashInfer's own sources, from the same build; the rest
+# take seconds.
+_FIXED_COST = {
+    INSTANTIATION: 10.0,  # the runner's explicit instantiation (113 s)
+    "fp8_blockscale_gemm.cu": 10.0,  # 113 s
+    BINDING: 7.0,  # 77 s
+    "moe_gemm_tma_warp_specialized_input.cu": 4.0,  # 40 s
+}
+_GEMM_SOURCE_COST = 5.0  # moe_gemm_kernels_<act>_<weight>.cu (59 s)
+
+
+def fixed_cost(path: Path, trim: Trim) -> float:
+    name = path.name.removeprefix(trim.derived_prefix)
+    if name == trim.gemm_source:
+        return _GEMM_SOURCE_COST
+    return _FIXED_COST.get(name, 1.0 if path.suffix == ".cu" else 0.5)
 
 
 def _m_tile(path: Path) -> int:
@@ -405,25 +467,23 @@ def build_units(
     units: list[Unit] = []
     for path in ordered:
         if path == binding:
-            units.append(Unit(path, _HEAVY_FIXED, trim_binding(read(backend / BINDING), trim)))
+            text = trim_binding(read(backend / BINDING), trim)
+            units.append(Unit(path, fixed_cost(path, trim), text))
         elif path == instantiation:
             text = trim_instantiation(read(backend / INSTANTIATION), trim)
-            units.append(Unit(path, _HEAVY_FIXED + 1, text))
-        elif path.name == trim.gemm_source:
-            units.append(Unit(path, _HEAVY_FIXED - 1))
+            units.append(Unit(path, fixed_cost(path, trim), text))
         elif path in generated:
             text = read(path)
-            parts = split_generated(text, max_weight) if split else []
-            if len(parts) <= 1:
-                weight = sum(instance_weight(m.group(0)) for m in _INSTANCE.finditer(text))
-                units.append(Unit(path, weight))
+            parts = split_generated(text, max_weight if split else float("inf"))
+            if len(parts) == 1:
+                units.append(Unit(path, parts[0].weight))
             else:
                 units += [
                     Unit(part_path(path, i, len(parts)), p.weight, p.text)
                     for i, p in enumerate(parts, 1)
                 ]
         else:
-            units.append(Unit(path, 0.0))
+            units.append(Unit(path, fixed_cost(path, trim)))
     return units
 
 
@@ -478,6 +538,7 @@ def jit_spec(rec: Recipe, *, write: bool = True) -> Any:
     if write:
         for unit in rec.units:
             if unit.text is not None:
+                unit.path.parent.mkdir(parents=True, exist_ok=True)
                 _write_if_changed(unit.path, unit.text)
     return gen_jit_spec(rec.name, rec.sources, **rec.kwargs)
 
@@ -575,8 +636,17 @@ def ensure(arch: Arch, humming: bool = False) -> Variant:
     library = None
     where = os.environ.get(ENV_BUNDLE, "").strip()
     if where:
-        from . import bundle
-
-        library = bundle.library_for(Path(where), variant)
+        library = bundle_library(Path(where), variant)
     install(variant, library)
     return variant
+
+
+def bundle_library(root: Path, variant: Variant) -> Path:
+    """What the plugin loads for `variant` from the bundle at `root`: the running stack and
+    the recipe's source hash computed here, then `bundle.check` (raises BundleError)."""
+    from . import bundle
+
+    running = bundle.current_stack(variant.arch)
+    rec = recipe(variant)
+    digest = source_hash(rec, jit_spec(rec, write=False))
+    return bundle.check(root, variant.key, running, digest)[1]

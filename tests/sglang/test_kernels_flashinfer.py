@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.sglang
+K_SPLIT = "kimi_w31_split"
 
 _FACTS = """
 import json, re, sys
@@ -37,6 +38,7 @@ for key in ("w4a16", "w4a8"):
     # write our split parts (they live in the tmp workspace) and ask FlashInfer again
     for u in kernel_units:
         if u.text is not None:
+            u.path.parent.mkdir(parents=True, exist_ok=True)
             u.path.write_text(u.text)
     _, stock_after, _ = K.stock_recipe(v.generator)
     out[key] = {
@@ -52,6 +54,9 @@ for key in ("w4a16", "w4a8"):
         "foreign": [str(u.path) for u in rec.units if any(m in text(u) for m in others)
                     and u.path.name.endswith(".cu") and "gemm_grouped" in str(u.path)],
         "stock_after_has_parts": any(K.SPLIT_TAG in p.name for p in stock_after),
+        # FlashInfer's generator deletes what it did not write in its own tree: ours survive
+        "parts_survive": all(u.path.exists() for u in kernel_units if u.text is not None),
+        "split_root": str(Path(K.part_path(gen[0], 1, 2)).parents[3]),
         "hash": K.source_hash(rec, spec),
         "spec_sources": len(spec.sources),
         "cuda_flags": list(spec.extra_cuda_cflags),
@@ -100,11 +105,16 @@ def test_units_are_flashinfers_files_or_derived_beside_them(facts, key) -> None:
     stock = {Path(p) for p in f["stock"]}
     stock_dirs = {p.parent for p in stock}
     derived = {Path(p) for p in f["derived"]}
+    split_root = Path(f["split_root"])
     for unit in map(Path, f["units"]):
-        assert unit in stock or (unit in derived and unit.parent in stock_dirs), unit
+        beside = unit.parent in stock_dirs or unit.is_relative_to(split_root)
+        assert unit in stock or (unit in derived and beside), unit
         if unit in derived:
             assert not unit.name.endswith(".generated.cu")
     assert not f["stock_after_has_parts"]  # FlashInfer's own module never picks ours up
+    # ... and regenerating FlashInfer's sources (every process does) keeps ours, so a warm
+    # cache is not recompiled in the next process
+    assert f["parts_survive"] and any(K_SPLIT in str(u) for u in derived)
 
 
 @pytest.mark.parametrize("key", ["w4a16", "w4a8"])
@@ -133,5 +143,5 @@ def test_prebuild_off_gpu_in_a_fresh_process(tmp_path) -> None:
         "", tmp_path, "-m", "kimi_w31", "prebuild", "--arch", "sm90", "--list", arch_list=None
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "fused_moe_90_kimi_w31_w4a16 (sm90 w4a16, 60 sources" in out.stderr
+    assert "fused_moe_90_kimi_w31_w4a16 (sm90 w4a16, " in out.stderr
     assert f"{tmp_path}/.cache/flashinfer/0.7.2.post1/90a/cached_ops/" in out.stderr
