@@ -5,6 +5,8 @@ PY           ?= python3
 VENV         := .venv
 BIN          := $(VENV)/bin
 STAMP        := $(VENV)/.installed
+# `make demo` needs the converter alone: no development tools, no Ray, no torch.
+DEMO_STAMP   := $(VENV)/.converter
 TORCH_STAMP  := $(VENV)/.torch
 DEMO         := demo
 # torch is needed only by the adapter's CPU tests, and as the CPU build: on Linux the plain
@@ -15,7 +17,7 @@ TORCH        ?= torch==2.13.0
 # `make bench` and `make faults` write their reports here; UPDATE_DOCS=1 writes docs/.
 REPORTS      := $(if $(UPDATE_DOCS),docs,.reports)
 
-.PHONY: demo test lint bench faults test-sglang clean
+.PHONY: demo test test-floors lint bench faults test-sglang clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,11 +25,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
+$(DEMO_STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $(DEMO_STAMP)
+
 $(TORCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q --retries 1 --index-url $(TORCH_INDEX) '$(TORCH)'
 	touch $(TORCH_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/kimi-convert synth $(DEMO)/src --layers 4 --experts 8
 	$(BIN)/kimi-convert $(DEMO)/src $(DEMO)/out --manifest kimi-k3-any --max-shard-size 1MB
@@ -37,6 +45,28 @@ test: $(TORCH_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
+
+# The tests that exercise each runtime dependency, in a second venv holding the lowest
+# versions pyproject.toml declares (constraints-floors.txt): the declared ranges hold.
+FLOORS       := .venv-floors
+FLOORS_TESTS := \
+	tests/test_hub_stream.py tests/test_progress.py \
+	tests/test_fault_headers.py tests/test_format_spec.py tests/test_convert_e2e.py \
+	tests/test_units.py tests/test_reference.py tests/test_verify.py \
+	tests/test_cli_help.py tests/test_exit_codes.py tests/test_root_cause.py \
+	tests/test_bad_input.py tests/test_dependency_floors.py
+# huggingface_hub: hub_stream, progress. safetensors: fault_headers (the library's own
+# reader), format_spec, convert_e2e, units. numpy: reference, verify (numerics). click and
+# click-default-group: cli_help, exit_codes, root_cause, bad_input. rich: progress.
+
+$(FLOORS)/.installed: pyproject.toml constraints-floors.txt
+	rm -rf $(FLOORS)
+	$(PY) -m venv $(FLOORS)
+	$(FLOORS)/bin/pip install -q --constraint constraints-floors.txt -e . pytest hypothesis
+	touch $@
+
+test-floors: $(FLOORS)/.installed
+	KIMI_W31_EXPECT_FLOORS=constraints-floors.txt $(FLOORS)/bin/python -m pytest -q $(FLOORS_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -54,4 +84,4 @@ test-sglang:
 	.venv-sglang/bin/python -m pytest -q -m sglang tests/sglang
 
 clean:
-	rm -rf $(VENV) .venv-sglang $(DEMO) .bench .reports
+	rm -rf $(VENV) .venv-sglang $(FLOORS) $(DEMO) .bench .reports

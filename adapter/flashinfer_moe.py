@@ -299,6 +299,63 @@ def prepare_sm90(
 # scales; FlashInfer takes it multiplied into the per-local-expert residual scales.
 HUMMING_RESIDUAL_FACTOR = 64.0
 
+# FlashInfer's Humming weight preprocessing holds about 38 bytes of temporaries per packed
+# weight byte it is given (the FP4 codes and the per-code scale deltas widened to int64, the
+# LUT gather, the interleave): 22 GiB for one layer's fc1 at 56 experts x N 3072, more than a
+# 16xH200 rank has left. Its E8M0 range clamp, residual and payload rewrite are per expert
+# (FlashInfer: "computes this range clamp independently per expert"), so it runs on chunks of
+# experts written into preallocated outputs, bit for bit what one call gives. BOUND: besides
+# the outputs (as many bytes as the packed weights and scales), the transient is at most
+# max(HUMMING_PREP_BUDGET, HUMMING_PREP_BYTES_PER_PACKED_BYTE x one expert's packed bytes):
+# 1 GiB for every Kimi-K3 shape (one whole expert's fc1 is 11 MB, x 40 = 440 MB).
+HUMMING_PREP_BYTES_PER_PACKED_BYTE = 40  # 38 measured, with some slack
+HUMMING_PREP_BUDGET = 1 << 30
+
+
+def experts_per_chunk(
+    per_expert_packed_bytes: int,
+    budget: int = HUMMING_PREP_BUDGET,
+    bytes_per_packed_byte: int = HUMMING_PREP_BYTES_PER_PACKED_BYTE,
+) -> int:
+    """How many experts one preprocessing call may take within `budget` bytes of temporaries
+    (at least one: a single expert is the smallest unit the preprocessing takes)."""
+    if per_expert_packed_bytes <= 0 or budget <= 0 or bytes_per_packed_byte <= 0:
+        raise ValueError(
+            f"sizes must be positive: {per_expert_packed_bytes=}, {budget=}, "
+            f"{bytes_per_packed_byte=}"
+        )
+    return max(1, budget // (bytes_per_packed_byte * per_expert_packed_bytes))
+
+
+def map_expert_chunks(
+    fn: Any, packed: torch.Tensor, scale: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, ...]:
+    """`fn(packed, scale)` over chunks of at most `chunk` experts (dim 0), with every output
+    concatenated along dim 0 into one tensor allocated once. Equals `fn` on the whole only
+    for an `fn` that treats each expert on its own, as Humming's preprocessing does."""
+    e = packed.shape[0]
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    if chunk >= e:
+        return tuple(fn(packed.contiguous(), scale.contiguous()))
+    outs: list[torch.Tensor] = []
+    for start in range(0, e, chunk):
+        stop = min(start + chunk, e)
+        parts = fn(packed[start:stop].contiguous(), scale[start:stop].contiguous())
+        if not outs:
+            outs = [torch.empty((e, *p.shape[1:]), dtype=p.dtype, device=p.device) for p in parts]
+        for out, part in zip(outs, parts, strict=True):
+            out[start:stop].copy_(part)
+        del parts  # free this chunk's temporaries before the next call allocates its own
+    return tuple(outs)
+
+
+def _humming_prep_bounded(
+    prep: Any, packed: torch.Tensor, scale: torch.Tensor, budget: int
+) -> tuple[torch.Tensor, ...]:
+    per_expert = packed[0].numel() * packed.element_size() if packed.shape[0] else 1
+    return map_expert_chunks(prep, packed, scale, experts_per_chunk(per_expert, budget))
+
 
 def prepare_sm90_humming(
     w31_packed: torch.Tensor,
@@ -307,6 +364,7 @@ def prepare_sm90_humming(
     w2_scale: torch.Tensor,
     *,
     residual_factor: float = HUMMING_RESIDUAL_FACTOR,
+    budget: int = HUMMING_PREP_BUDGET,
 ) -> PreparedMoeWeights:
     """SM90 W4A8 (FP8 activations x MXFP4 weights, Humming pre-MMA E8M0 scale folding).
 
@@ -315,14 +373,16 @@ def prepare_sm90_humming(
     local expert; FlashInfer's quant-scale slots are then
     `[fc1 folded scales, fc1 residual x 64, fc2 activation scale (1), fc2 folded scales,
     fc2 residual x 64]`, as SGLang builds them for its SwiGLU models. The fc1 order stays
-    `[up; gate]`. `residual_factor` exists for the negative control only.
+    `[up; gate]`. Prepared in chunks of experts so that the preprocessing's temporaries stay
+    within `budget` (see HUMMING_PREP_BUDGET). `residual_factor` exists for the negative
+    control only.
     """
     from flashinfer.fused_moe import preprocess_moe_weights_for_sm90_mixed_gemm_humming as prep
 
     dims = moe_dims(w31_packed, w31_scale, w2_packed, w2_scale)
     use_plugin_kernels("sm90", humming=True)
-    fc1, s1, r1 = prep(w31_packed.contiguous(), w31_scale.contiguous())
-    fc2, s2, r2 = prep(w2_packed.contiguous(), w2_scale.contiguous())
+    fc1, s1, r1 = _humming_prep_bounded(prep, w31_packed, w31_scale, budget)
+    fc2, s2, r2 = _humming_prep_bounded(prep, w2_packed, w2_scale, budget)
     act_scale = torch.ones((), dtype=torch.float32, device=w31_packed.device)
     scales = (
         s1.view(torch.int32),

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterable
 from typing import Any
 
 from ..converter.errors import Code
 from . import flashinfer_moe as fm
+from .completeness import PROJECTIONS, ExpertLedger, incomplete_report, kind_of, missing_parts
 from .engage import Decision, MoeFacts, decide, unconverted_warning
 from .layout import (
     LayoutError,
@@ -28,12 +28,24 @@ from .split import SplitStats, split_w31_items
 
 logger = logging.getLogger("kimi_w31.adapter")
 
-_LAYER = re.compile(r"^(.*?\blayers\.\d+\.)")
 _logged: set[str] = set()
 
 
 class W31LoadError(RuntimeError):
-    """A converted checkpoint whose expert tensors do not match its `kimi_w31` block."""
+    """A checkpoint whose expert tensors cannot be loaded as they are (reason codes in
+    `codes`): a converted one that disagrees with its `kimi_w31` block, or a MoE layer whose
+    local experts did not all receive every part."""
+
+    def __init__(
+        self,
+        message: str,
+        codes: tuple[str, ...] = (),
+        missing: dict[str, dict[str, list[int]]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.codes = codes
+        # {layer: {checkpoint part: expert ids}} for an incomplete load
+        self.missing = missing or {}
 
 
 def _log_once(level: int, msg: str) -> None:
@@ -75,60 +87,128 @@ def after_get_config(result: Any, *args: Any, **kwargs: Any) -> Any:
 # --- load_weights: split w31 -------------------------------------------------------------
 
 
-def _moe_layers(model: Any) -> dict[str, str]:
-    """{layer prefix ('model.layers.3.'): FusedMoE module name} of the model."""
-    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
-
-    found: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
-            m = _LAYER.match(name + ".")
-            if m:
-                found[m[1]] = name
-    return found
-
-
 def around_load_weights(original: Any, self: Any, weights: Iterable, *args: Any, **kw: Any):
-    """KimiK3LinearForCausalLM.load_weights: feed SGLang `w3`/`w1` views of each `w31`."""
+    """KimiK3LinearForCausalLM.load_weights: feed SGLang `w3`/`w1` views of each `w31`, and
+    refuse a first load that left any local expert of a MoE layer without one of its parts."""
     layout = find_block(self.config, _process_hf_config())
     stats = SplitStats()
-    seen_layers: set[str] = set()
-
-    def items():
-        for item in split_w31_items(weights, stats):
-            m = _LAYER.match(item[0]) if isinstance(item[0], str) else None
-            if m:
-                seen_layers.add(m[1])
-            yield item
-
-    result = original(self, items(), *args, **kw)
+    watched = _watch_expert_loads(self)
+    try:
+        result = original(self, split_w31_items(weights, stats), *args, **kw)
+    finally:
+        for _, restore in watched:
+            restore()
     if stats.w31_tensors:
         _log_once(logging.INFO, "kimi_w31: split fused w31 expert tensors into w3 (up) / w1 (gate)")
     if layout is not None:
-        _check_converted_load(self, stats, seen_layers)
+        _check_converted_load(stats)
+    _check_expert_ledgers([ledger for ledger, _ in watched], converted=layout is not None)
     return result
 
 
-def _check_converted_load(model: Any, stats: SplitStats, seen_layers: set[str]) -> None:
+# --- every part of every local expert ------------------------------------------------------
+
+_CHECKED = "_kimi_w31_experts_checked"
+# FusedMoE buffers -> (projection, kind) pairs they receive.
+_BUFFERS = {
+    "w13_weight": (("w1", "weight_packed"), ("w3", "weight_packed")),
+    "w13_weight_scale": (("w1", "weight_scale"), ("w3", "weight_scale")),
+    "w2_weight": (("w2", "weight_packed"),),
+    "w2_weight_scale": (("w2", "weight_scale"),),
+}
+_IMPL_ARGS = ("param", "loaded_weight", "weight_name", "shard_id", "expert_id")
+
+
+def _local_global_ids(module: Any) -> list[int]:
+    """The checkpoint (logical) expert id of each local routed slot of a FusedMoE."""
+    n = int(getattr(module, "_num_local_routed", module.num_local_experts))
+    first = int(getattr(module, "_expert_storage_rank", 0)) * n
+    physical = list(range(first, first + n))
+    if not getattr(module, "uses_expert_location", False):
+        return physical
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    meta = get_global_expert_location_metadata()
+    if meta is None:
+        return physical
+    row = meta.physical_to_logical_map_cpu[module.layer_id]
+    return [int(row[p]) for p in physical]
+
+
+def _watch_expert_loads(model: Any) -> list[tuple[ExpertLedger, Any]]:
+    """Record every expert write SGLang's FusedMoE makes during this load, per local slot.
+
+    The first load of each MXFP4 FusedMoE only (the one that builds the model; a later
+    in-place update may carry part of the weights). Watched at `_weight_loader_impl`, where
+    every path (TP slicing, EP global -> local, EPLB replicas) writes one local slot, for
+    every backend that uses SGLang's MXFP4 method (marlin, trtllm-gen, DeepGEMM, the SiTU
+    CUTLASS method, which subclasses it). Returns (ledger, restore) pairs.
+    """
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
+
+    watched = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE) or getattr(module, _CHECKED, False):
+            continue
+        if not isinstance(getattr(module, "quant_method", None), Mxfp4MoEMethod):
+            continue  # expert packs, KTransformers, paged experts: SGLang's own bookkeeping
+        params = dict(module.named_parameters(recurse=False))
+        required = frozenset(p for buf, pairs in _BUFFERS.items() if buf in params for p in pairs)
+        ledger = ExpertLedger(
+            where=name,
+            global_ids=_local_global_ids(module),
+            required=required,
+        )
+        had_own = "_weight_loader_impl" in module.__dict__
+        own = module.__dict__.get("_weight_loader_impl")
+        impl = module._weight_loader_impl
+
+        def recording(*a: Any, _impl: Any = impl, _ledger: ExpertLedger = ledger, **k: Any):
+            call = {**dict(zip(_IMPL_ARGS, a, strict=False)), **k}
+            shard = call.get("shard_id")
+            if shard in PROJECTIONS and isinstance(call.get("expert_id"), int):
+                _ledger.record(call["expert_id"], shard, kind_of(str(call.get("weight_name"))))
+            return _impl(*a, **k)
+
+        def restore(m: Any = module, had: bool = had_own, prev: Any = own) -> None:
+            if had:
+                m._weight_loader_impl = prev
+            else:
+                m.__dict__.pop("_weight_loader_impl", None)
+            setattr(m, _CHECKED, True)
+
+        module._weight_loader_impl = recording
+        watched.append((ledger, restore))
+    return watched
+
+
+def _check_expert_ledgers(ledgers: list[ExpertLedger], converted: bool) -> None:
+    report = incomplete_report(ledgers, converted)
+    if report is None:
+        return
+    hint = (
+        "Run `kimi-convert verify` on the checkpoint, or convert it again from the source."
+        if converted
+        else "Download or copy the checkpoint again: some of its expert tensors are missing."
+    )
+    raise W31LoadError(
+        f"{report}\nThese experts would run with zero weights or default scales, so the load "
+        f"stops. {hint}",
+        (Code.LAYER_INCOMPLETE.value,),
+        {lg.where: parts for lg in ledgers if (parts := missing_parts(lg, converted))},
+    )
+
+
+def _check_converted_load(stats: SplitStats) -> None:
     if stats.w13_layers:
         raise W31LoadError(
             "config.json announces the kimi_w31 layout, but the checkpoint also has unfused "
             f"w1/w3 expert tensors under {sorted(stats.w13_layers)[:3]}: it is a partial or "
-            "mixed conversion. Convert it again from the source and run `kimi-convert verify`."
+            "mixed conversion. Convert it again from the source and run `kimi-convert verify`.",
+            (Code.EXPERT_TENSOR_UNEXPECTED.value,),
         )
-    fed = {_LAYER.match(p)[1] for p in stats.w31_layers if _LAYER.match(p)}
-    missing = [
-        name
-        for layer, name in sorted(_moe_layers(model).items())
-        if layer in seen_layers and layer not in fed
-    ]
-    if missing:
-        raise W31LoadError(
-            "config.json announces the kimi_w31 layout, but these MoE layers got no "
-            f"experts.E.w31 tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}. "
-            "Their experts would be all zeros. The checkpoint is incomplete: run "
-            "`kimi-convert verify` on it."
-        )
+    # A layer that got no w31 at all is one whose experts lack every part: the ledger check.
 
 
 # --- get_quant_method: choose the SiTU method -------------------------------------------

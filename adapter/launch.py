@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import math
 import os
 import shlex
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ..converter import contract
-from ..converter.console import progress_option
+from ..converter.console import human, parse_size, progress_option
 from ..converter.errors import Code
 from .layout import OPT_IN_ENV, find_block, text_config
 
@@ -31,7 +35,18 @@ ALIGNMENT = 128
 
 
 class ServeError(click.ClickException):
-    """A reason not to start the server; the message says what to do instead."""
+    """A reason not to start the server; the message says what to do instead. `reason` is a
+    stable name for tests and tools (the message text is for people)."""
+
+    def __init__(self, message: str, reason: str = "check") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# The pip install line of the README: the package is installed from a clone, not an index.
+INSTALL_HINT = (
+    "pip install '.[sglang]' from a clone of kimi-w31, in the environment that runs SGLang"
+)
 
 
 @dataclass
@@ -70,14 +85,11 @@ def check_stack(
         try:
             found = version_of(dist)
         except md.PackageNotFoundError:
-            problems.append(
-                f"{dist} is not installed (need {want}): pip install 'kimi-w31[sglang]'"
-            )
+            problems.append(f"{dist} is not installed (need {want}): {INSTALL_HINT}")
             continue
         if not check(found):
             problems.append(
-                f"{dist} {found} is installed, the adapter needs {want}: "
-                "pip install 'kimi-w31[sglang]'"
+                f"{dist} {found} is installed, the adapter needs {want}: {INSTALL_HINT}"
             )
     names = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
     if PLUGIN_NAME not in names:
@@ -98,34 +110,99 @@ def check_stack(
     return problems
 
 
-def _flag_value(args: Sequence[str], *flags: str) -> str | None:
-    """The value of the last of `flags` in `args` (`--flag V` or `--flag=V`), else None."""
-    value = None
-    for i, arg in enumerate(args):
-        for flag in flags:
-            if arg == flag and i + 1 < len(args):
-                value = args[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-    if value is not None and flags[0] in ("--tp-size", "--ep-size") and not value.isdigit():
-        raise ServeError(f"{flags[0]} {value!r} after -- is not a positive integer")
-    return value
+# --- SGLang's flags after `--` ------------------------------------------------------------
+
+# What serve reads of SGLang 0.5.23's ServerArgs command line: dest -> its option strings and
+# type. argparse also takes `--name=value` and any unambiguous prefix of a long option
+# (allow_abbrev), the last occurrence winning. tests/sglang/test_serve_flags.py holds this
+# table and `sglang_flags` to SGLang's own parser on generated argument lists.
+SGLANG_FLAGS: dict[str, tuple[tuple[str, ...], type]] = {
+    "tp_size": (("--tp-size", "--tensor-parallel-size"), int),
+    "ep_size": (("--ep-size", "--expert-parallel-size", "--ep"), int),
+    "pp_size": (("--pp-size", "--pipeline-parallel-size"), int),
+    "nnodes": (("--nnodes",), int),
+    "mem_fraction_static": (("--mem-fraction-static",), float),
+    "moe_runner_backend": (("--moe-runner-backend",), str),
+}
 
 
-def _flag_given(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
+def _dest_of(name: str) -> str | None:
+    """The dest an option name means to argparse, among SGLANG_FLAGS: an exact option string,
+    or a prefix of option strings of one dest only (a prefix of two dests' is ambiguous to
+    argparse too). None for other options. A prefix that SGLang's other options share is
+    refused by argparse itself, so reading it as ours never misreads what SGLang runs."""
+    exact = [d for d, (names, _) in SGLANG_FLAGS.items() if name in names]
+    if exact:
+        return exact[0]
+    if len(name) < 3 or not name.startswith("--"):
+        return None
+    dests = {d for d, (names, _) in SGLANG_FLAGS.items() if any(n.startswith(name) for n in names)}
+    if len(dests) > 1:
+        options = sorted(n for d in dests for n in SGLANG_FLAGS[d][0] if n.startswith(name))
+        raise ServeError(
+            f"{name} after -- is ambiguous (it abbreviates {', '.join(options)}): write the "
+            "option in full",
+            "ambiguous-flag",
+        )
+    return dests.pop() if dests else None
 
 
-def check_checkpoint(
-    root: Path, *, unconverted: bool, tp: int, ep: int, backend: str = BACKEND
-) -> tuple[dict, bool]:
-    """(config, converted?) after the config-level checks; raises ServeError."""
+def sglang_flags(args: Sequence[str]) -> dict[str, Any]:
+    """{dest: value} for the SGLANG_FLAGS given in `args` (SGLang's own command line), read as
+    argparse reads them; raises ServeError for a missing or malformed value."""
+    found: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":
+            break  # argparse takes nothing after a bare `--` as an option
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg.partition("=")
+        dest = _dest_of(name)
+        if dest is None:
+            continue
+        if not eq:
+            if i >= len(args) or (args[i].startswith("-") and not _is_number(args[i])):
+                raise ServeError(f"{arg} after -- has no value", "bad-flag")
+            value = args[i]
+            i += 1
+        kind = SGLANG_FLAGS[dest][1]
+        try:
+            found[dest] = kind(value)
+        except ValueError:
+            raise ServeError(
+                f"{name} {value!r} after -- is not {'an integer' if kind is int else 'a number'}",
+                "bad-flag",
+            ) from None
+    return found
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def read_config(root: Path) -> tuple[dict, bool]:
+    """(config.json, converted?): what the command depends on, checked or not."""
     cfg_path = root / "config.json"
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as exc:
-        raise ServeError(f"{cfg_path}: cannot read the model config ({exc})") from exc
-    converted = find_block(cfg) is not None
+        raise ServeError(f"{cfg_path}: cannot read the model config ({exc})", "config") from exc
+    if not isinstance(cfg, dict):
+        raise ServeError(f"{cfg_path}: not a JSON object", "config")
+    return cfg, find_block(cfg) is not None
+
+
+def check_config(root: Path, cfg: dict, *, converted: bool) -> None:
+    """The config-level checks: a usable block and fail-closed wrapper, or a config that
+    carries neither; SiTU experts."""
+    cfg_path = root / "config.json"
     if converted:
         problems = contract.check_block(cfg) + contract.check_wrapped(cfg)
         if problems:
@@ -133,35 +210,200 @@ def check_checkpoint(
                 f"{cfg_path}: not a usable converted checkpoint (a server without the adapter "
                 "must refuse it, and the adapter must agree with its block):\n  - "
                 + "\n  - ".join(f"[{p.code.value}] {p.render()}" for p in problems)
-                + "\nConvert it again from the source."
+                + "\nConvert it again from the source.",
+                problems[0].code.value,
             )
     elif contract.marks(cfg):
         raise ServeError(
             f"{cfg_path}: [{Code.BLOCK_MISSING.value}] quantization_config is wrapped as "
             f"'{contract.WRAPPER_METHOD}' but there is no '{contract.BLOCK_KEY}' block: the "
-            "checkpoint is half converted or was edited. Convert it again from the source."
-        )
-    elif not unconverted:
-        raise ServeError(
-            f"{root} is not a converted checkpoint (no '{contract.BLOCK_KEY}' block in "
-            "config.json). Convert it with `kimi-convert SRC OUT`, or pass --unconverted to "
-            f"serve the original with the adapter's SiTU method ({OPT_IN_ENV}=1)."
+            "checkpoint is half converted or was edited. Convert it again from the source.",
+            Code.BLOCK_MISSING.value,
         )
     text = text_config(cfg)
     if text.get("hidden_act") != "situ":
-        raise ServeError(f"{cfg_path}: hidden_act is {text.get('hidden_act')!r}, not 'situ'")
-    if tp < 1 or ep < 1 or tp % ep:
-        raise ServeError(f"--tp {tp} / --ep {ep}: both >= 1 and --ep must divide --tp")
-    n = text.get("moe_intermediate_size")
+        raise ServeError(
+            f"{cfg_path}: hidden_act is {text.get('hidden_act')!r}, not 'situ'", "not-situ"
+        )
+
+
+def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str) -> None:
+    """A MoE tensor-parallel size the CUTLASS SiTU method can run (it does not pad)."""
+    n = text_config(cfg).get("moe_intermediate_size")
     moe_tp = tp // ep
     aligned = isinstance(n, int) and n % moe_tp == 0 and (n // moe_tp) % ALIGNMENT == 0
     if backend == BACKEND and not aligned:
         raise ServeError(
             f"moe_intermediate_size {n} over moe-TP {moe_tp} (= tp/ep) is not a multiple of "
             f"{ALIGNMENT}: the CUTLASS SiTU method does not pad. Pick another --tp/--ep "
-            "(Kimi-K3: tp/ep in 1, 2, 3, 4, 6, 8, 12, 24), or --backend marlin."
+            "(Kimi-K3: tp/ep in 1, 2, 3, 4, 6, 8, 12, 24), or --backend marlin.",
+            "moe-tp-alignment",
         )
+
+
+def check_checkpoint(
+    root: Path, *, unconverted: bool, tp: int, ep: int, backend: str = BACKEND
+) -> tuple[dict, bool]:
+    """(config, converted?) after the config-level and MoE-TP checks; raises ServeError."""
+    cfg, converted = read_config(root)
+    _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
+    check_config(root, cfg, converted=converted)
+    if tp < 1 or ep < 1 or tp % ep:
+        raise ServeError(f"--tp {tp} / --ep {ep}: both >= 1 and --ep must divide --tp", "bad-flag")
+    check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
     return cfg, converted
+
+
+def _require_converted_or_opt_in(root: Path, cfg: dict, *, converted: bool, unconverted: bool):
+    # Not a check that --skip-checks skips: it decides what is served (and the opt-in).
+    if not converted and not unconverted and not contract.marks(cfg):
+        raise ServeError(
+            f"{root} is not a converted checkpoint (no '{contract.BLOCK_KEY}' block in "
+            "config.json). Convert it with `kimi-convert SRC OUT`, or pass --unconverted to "
+            f"serve the original with the adapter's SiTU method ({OPT_IN_ENV}=1).",
+            "not-converted",
+        )
+
+
+# --- capacity: can the GPUs hold the checkpoint? --------------------------------------------
+
+
+def checkpoint_bytes(root: Path) -> tuple[int, str]:
+    """(bytes, where from): the index's metadata.total_size (the tensors' bytes), else the
+    sizes of the shards SGLang would load (those the index names, or every top-level
+    *.safetensors without an index)."""
+    index = root / "model.safetensors.index.json"
+    shards: set[str] = set()
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text())
+        except (OSError, ValueError):
+            data = {}
+        total = (data.get("metadata") or {}).get("total_size") if isinstance(data, dict) else None
+        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            return total, "the index's total_size"
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if isinstance(weight_map, dict):
+            shards = {str(v) for v in weight_map.values()}
+    else:
+        shards = {p.name for p in root.glob("*.safetensors")}
+    size = 0
+    for name in shards:
+        try:
+            size += (root / name).stat().st_size
+        except OSError:
+            continue  # a missing shard is verify's finding, not this check's
+    return size, f"the sizes of its {len(shards)} shard file(s)"
+
+
+def detect_gpu_memory(
+    run: Callable[..., Any] = subprocess.run, which: Callable[[str], Any] = shutil.which
+) -> tuple[int, str] | None:
+    """(bytes of the smallest visible GPU, how it was read), or None without a GPU.
+
+    nvidia-smi first (no CUDA context, no torch import); torch.cuda where it is missing."""
+    if which("nvidia-smi"):
+        try:
+            out = run(
+                ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            mib = [int(x) for x in out.stdout.split() if x.strip().isdigit()]
+            if out.returncode == 0 and mib:
+                return min(mib) * 2**20, f"nvidia-smi, {len(mib)} GPU(s)"
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count():
+            sizes = [
+                torch.cuda.get_device_properties(i).total_memory
+                for i in range(torch.cuda.device_count())
+            ]
+            return min(sizes), f"torch.cuda, {len(sizes)} GPU(s)"
+    except Exception:  # no torch, no driver: nothing to read
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The arithmetic of the capacity check, for the message and for tests."""
+
+    checkpoint: int
+    source: str
+    gpus: int
+    nnodes: int
+    per_gpu: int
+    memory_source: str
+    fraction: float | None
+
+    @property
+    def usable(self) -> float:
+        return self.per_gpu * (self.fraction if self.fraction is not None else 1.0)
+
+    @property
+    def needed_per_gpu(self) -> float:
+        return self.checkpoint / self.gpus
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_per_gpu <= self.usable
+
+    @property
+    def min_gpus(self) -> int:
+        return max(1, math.ceil(self.checkpoint / self.usable))
+
+
+def check_capacity(
+    root: Path,
+    *,
+    tp: int,
+    pp: int,
+    nnodes: int,
+    gpu_memory: int | None,
+    mem_fraction: float | None,
+    detect: Callable[[], tuple[int, str] | None] = detect_gpu_memory,
+) -> Capacity | None:
+    """Refuse a layout whose GPUs cannot hold the checkpoint even split evenly (the least
+    any rank holds: a lower bound, so this never refuses a layout that could run).
+
+    One model replica spans tp x pp GPUs (over `nnodes` nodes); data-parallel replicas each
+    hold a whole copy. Returns the arithmetic, or None when the per-GPU memory is unknown."""
+    size, source = checkpoint_bytes(root)
+    if size <= 0:
+        return None
+    if gpu_memory is not None:
+        per_gpu, how = gpu_memory, "--gpu-memory"
+    else:
+        found = detect()
+        if found is None:
+            click.echo(
+                "serve: no GPU visible here and no --gpu-memory given: not checking that the "
+                f"GPUs can hold the checkpoint ({human(size)})",
+                err=True,
+            )
+            return None
+        per_gpu, how = found
+    cap = Capacity(size, source, tp * pp, nnodes, per_gpu, how, mem_fraction)
+    if not cap.fits:
+        each = human(per_gpu)
+        if mem_fraction is not None:
+            each += f" x --mem-fraction-static {mem_fraction} = {human(cap.usable)}"
+        raise ServeError(
+            f"the GPUs cannot hold this checkpoint: {human(size)} ({source}) over "
+            f"tp {tp} x pp {pp} = {cap.gpus} GPU(s) (on {nnodes} node(s)) is "
+            f"{human(cap.needed_per_gpu)} per GPU at the least, more than the {each} each GPU "
+            f"has ({how}). It needs at least {cap.min_gpus} such GPUs for the weights alone, "
+            "before KV cache and activations (Kimi-K3 on H200s: 16, two nodes; see the "
+            "README). Use more GPUs (a larger --tp, or -- --pp-size; across nodes with -- "
+            "--nnodes), or give --gpu-memory when this machine is not the one that serves.",
+            "capacity",
+        )
+    return cap
 
 
 def plan_serve(
@@ -173,19 +415,46 @@ def plan_serve(
     backend: str = BACKEND,
     unconverted: bool = False,
     python: str = sys.executable,
+    checks: bool = True,
+    gpu_memory: int | None = None,
+    detect: Callable[[], tuple[int, str] | None] = detect_gpu_memory,
 ) -> ServePlan:
-    """The server command for `root`: config checks, no structure verify, no stack checks."""
-    # SGLang's own flags after `--` win over ours: check the layout SGLang will really use.
-    backend = _flag_value(extra, "--moe-runner-backend") or backend
-    tp = int(_flag_value(extra, "--tp-size", "--tp") or tp)
-    ep = int(_flag_value(extra, "--ep-size", "--ep") or ep)
-    _, converted = check_checkpoint(root, unconverted=unconverted, tp=tp, ep=ep, backend=backend)
+    """The server command for `root`, after the config, MoE-TP and capacity checks (all
+    skipped with checks=False, as --skip-checks does); no structure verify, no stack checks.
+
+    SGLang's own flags after `--` (any of their names and forms) win over ours: the checks
+    look at the layout SGLang will really use."""
+    given = sglang_flags(extra)
+    backend = given.get("moe_runner_backend", backend)
+    tp = given.get("tp_size", tp)
+    ep = given.get("ep_size", ep)
+    pp = given.get("pp_size", 1)
+    nnodes = given.get("nnodes", 1)
+    cfg, converted = read_config(root)
+    _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
+    for name, value in (("tp", tp), ("ep", ep), ("pp", pp), ("nnodes", nnodes)):
+        if value < 1:
+            raise ServeError(f"--{name} {value}: must be at least 1", "bad-flag")
+    if tp % ep:
+        raise ServeError(f"--tp {tp} / --ep {ep}: --ep must divide --tp", "bad-flag")
+    if checks:
+        check_config(root, cfg, converted=converted)
+        check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
+        check_capacity(
+            root,
+            tp=tp,
+            pp=pp,
+            nnodes=nnodes,
+            gpu_memory=gpu_memory,
+            mem_fraction=given.get("mem_fraction_static"),
+            detect=detect,
+        )
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(root)]
-    if not _flag_given(extra, "--moe-runner-backend"):
+    if "moe_runner_backend" not in given:
         argv += ["--moe-runner-backend", backend]
-    if not _flag_given(extra, "--tp-size") and not _flag_given(extra, "--tp"):
+    if "tp_size" not in given:
         argv += ["--tp-size", str(tp)]
-    if ep > 1 and not _flag_given(extra, "--ep-size") and not _flag_given(extra, "--ep"):
+    if ep > 1 and "ep_size" not in given:
         argv += ["--ep-size", str(ep)]
     argv += list(extra)
     env = {OPT_IN_ENV: "1"} if (unconverted and not converted) else {}
@@ -217,7 +486,7 @@ def verify_structure(root: Path) -> list[str]:
     default=1,
     show_default=True,
     metavar="N",
-    help="Tensor-parallel size (GPUs); --tp-size after -- is checked the same way.",
+    help="Tensor-parallel size (GPUs); a --tp-size/--tensor-parallel-size after -- wins.",
 )
 @click.option(
     "--ep",
@@ -254,7 +523,19 @@ def verify_structure(root: Path) -> list[str]:
     "stack is refused, never loaded.",
 )
 @click.option("--print", "print_only", is_flag=True, help="Print the command, do not run it.")
-@click.option("--skip-checks", is_flag=True, help="Skip the structure verify and stack checks.")
+@click.option(
+    "--gpu-memory",
+    "gpu_memory",
+    default=None,
+    metavar="SIZE",
+    help="Memory of each serving GPU (e.g. 141GB) [default: read from this machine's GPUs]; "
+    "for a launch from a machine that is not the one that serves.",
+)
+@click.option(
+    "--skip-checks",
+    is_flag=True,
+    help="Skip every check above (checkpoint, stack, MoE-TP alignment, capacity).",
+)
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
     checkpoint: Path,
@@ -265,6 +546,7 @@ def serve(
     prebuild_first: bool,
     kernels: Path | None,
     print_only: bool,
+    gpu_memory: str | None,
     skip_checks: bool,
     sglang_args: tuple[str, ...],
 ) -> None:
@@ -272,33 +554,47 @@ def serve(
 
     Before starting anything: verify's structure level on the checkpoint, the kimi_w31 block
     against the model config, the fail-closed wrapper, sglang 0.5.23 and flashinfer-python
-    >= 0.7.0 with the kimi_w31 plugin installed, and a MoE tensor-parallel size the CUTLASS
-    SiTU method can run. Arguments after `--` go to `python -m sglang.launch_server`
-    unchanged (a --tp-size or --moe-runner-backend there wins, and is checked).
+    >= 0.7.0 with the kimi_w31 plugin installed, a MoE tensor-parallel size the CUTLASS
+    SiTU method can run, and GPUs that can hold the checkpoint (its size over tp x pp GPUs
+    against each GPU's memory, read from this machine's GPUs or given with --gpu-memory).
+    Arguments after `--` go to `python -m sglang.launch_server` unchanged (its
+    --tp-size/--tensor-parallel-size, --ep-size/--expert-parallel-size/--ep,
+    --pp-size/--pipeline-parallel-size, --nnodes, --mem-fraction-static and
+    --moe-runner-backend win over ours, in any form argparse takes, and are checked).
+
+    Kimi-K3 needs 16 H200s on two nodes: run on each node, with its --node-rank.
 
     \b
     Examples:
-      kimi-convert serve out/ --tp 8                         check, then serve on 8 GPUs
-      kimi-convert serve out/ --tp 8 --print                 show the server command only
-      kimi-convert serve out/ --tp 16 --ep 2 -- --port 30000
-      kimi-convert serve out/ --backend marlin               SGLang's marlin MoE instead
-      kimi-convert serve SRC/ --unconverted                  the original checkpoint, SiTU
-      kimi-convert serve out/ --tp 8 --prebuild              pay FlashInfer's build first
-      kimi-convert serve out/ --tp 8 --kernels kernels/      load a prebuilt kernel bundle
+      kimi-convert serve out/ --tp 16 --ep 2 -- --nnodes 2 --node-rank 0 \\
+          --dist-init-addr HEAD:5000
+      kimi-convert serve out/ --tp 16 --ep 2 --gpu-memory 141GB --print   from a login node
+      kimi-convert serve out/ --tp 16 --ep 2 --backend marlin             SGLang's marlin MoE
+      kimi-convert serve SRC/ --unconverted --tp 16 --ep 2                the original, SiTU
+      kimi-convert serve out/ --tp 16 --ep 2 --prebuild                   FlashInfer's build first
+      kimi-convert serve out/ --tp 16 --ep 2 --kernels kernels/           a prebuilt kernel bundle
 
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
+    per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
     plan = plan_serve(
-        checkpoint, sglang_args, tp=tp, ep=ep, backend=backend, unconverted=unconverted
+        checkpoint,
+        sglang_args,
+        tp=tp,
+        ep=ep,
+        backend=backend,
+        unconverted=unconverted,
+        checks=not skip_checks,
+        gpu_memory=per_gpu,
     )
-    if kernels is not None:
-        plan.env.update(kernel_bundle_env(kernels))
     if not skip_checks:
         problems = check_stack()
         if not plan.env:  # a converted checkpoint: prove its structure first
             problems += [f"verify: {p}" for p in verify_structure(checkpoint)]
         if problems:
             raise ServeError("not starting the server:\n  - " + "\n  - ".join(problems))
+    if kernels is not None:  # after the checks: they read plan.env as "unconverted"
+        plan.env.update(kernel_bundle_env(kernels))
     if print_only:
         click.echo(plan.shell())
         return

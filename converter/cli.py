@@ -18,7 +18,7 @@ from rich.table import Table
 
 from . import console
 from .console import err, human, out, parse_size, run_guarded
-from .errors import EXIT_USAGE, Code, fail
+from .errors import EXIT_OK, Code, fail
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
@@ -29,10 +29,16 @@ RESUME_HINT = "rerun the same command to resume: finished shards are kept"
 
 
 class ProgressReporter(Reporter):
-    """Conversion progress: bytes written (shards kept from an earlier run count as done,
-    not as speed), shards done, and what was kept. With --download, a second quantity
-    beside it: source bytes arriving from the Hub (`download_*`, the Hub executor's
-    `DownloadProgress`), a second bar or its own `download: ...` lines."""
+    """Conversion progress: output bytes settled (written, or kept from an earlier run once
+    proven), shards done, and what was kept. With --download, a second quantity beside it:
+    source bytes arriving from the Hub (`download_*`, the executor's `DownloadProgress`), a
+    second bar or its own `download: ...` lines.
+
+    Each shard counts its size once, however often its bytes flow: proving a kept shard
+    with --rehash re-reads it, a shard that fails that proof is read and then written.
+    Bytes flowing count at once (so a large shard moves the bar) but only up to what is
+    left; a settled shard's size replaces what flowed for it. Never past 100 %, never
+    backwards, exactly 100 % when every shard is done."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -41,26 +47,42 @@ class ProgressReporter(Reporter):
         self.shards = 0
         self.done = self.kept = 0
         self.files = self.fetched = 0
+        self.total = 0
+        self.settled = 0  # bytes of the shards done
+        self.flowed = 0  # bytes read or written not yet matched to a done shard
+        self.shown = 0  # what the progress says is done
         self.lock = threading.Lock()
 
     def start(self, total_bytes: int, shards: int) -> None:
-        self.shards = shards
+        self.shards, self.total = shards, total_bytes
         self.progress = console.Progress(self.mode, "convert", total_bytes)
         self.progress.note(shards=f"0/{shards}")
 
+    def _recount(self) -> int:
+        """How much further the shown figure moves (under the lock)."""
+        shown = min(self.total, self.settled + min(self.flowed, self.total - self.settled))
+        step, self.shown = max(0, shown - self.shown), max(shown, self.shown)
+        return step
+
     def advance(self, nbytes: int) -> None:
+        with self.lock:
+            self.flowed += nbytes
+            step = self._recount()
         if self.progress is not None:
-            self.progress.advance(nbytes)
+            self.progress.add(step, nbytes)
 
     def shard_done(self, result: ShardOutcome) -> None:
+        size = result.record.size if result.record is not None else 0
         with self.lock:
             self.done += 1
             if result.outcome is Outcome.KEPT:
                 self.kept += 1
+            self.settled += size
+            self.flowed -= min(self.flowed, size)
+            step = self._recount()
             note = f"{self.done}/{self.shards}" + (f" ({self.kept} kept)" if self.kept else "")
         if self.progress is not None:
-            if result.outcome is Outcome.KEPT and result.record is not None:
-                self.progress.advance(result.record.size, moved=False)
+            self.progress.add(step, 0)
             self.progress.note(shards=note)
 
     def warn(self, message: str) -> None:
@@ -179,13 +201,9 @@ def _origin_and_executor(
             if v
         ]
         if given:
-            raise fail(
-                Code.USAGE, f"{', '.join(given)} only apply with --download", exit_code=EXIT_USAGE
-            )
+            raise fail(Code.USAGE, f"{', '.join(given)} only apply with --download")
     if ray_address and executor != "ray":
-        raise fail(
-            Code.USAGE, "--ray-address only applies with --executor ray", exit_code=EXIT_USAGE
-        )
+        raise fail(Code.USAGE, "--ray-address only applies with --executor ray")
     if executor == "ray":
         if download:
             raise fail(
@@ -193,7 +211,6 @@ def _origin_and_executor(
                 "--download and --executor ray do not combine: download "
                 "first (hf download ... --local-dir on shared storage), then convert on "
                 "Ray",
-                exit_code=EXIT_USAGE,
             )
         from .execute.ray import RayExecutor, import_ray
 
@@ -301,7 +318,8 @@ def convert_cmd(
     byte concatenation; everything else is copied unchanged; the index is written last.
 
     Rerun the same command after any interruption: finished shards are kept once proven.
-    On a finished output it proves every shard again and repairs what fails.
+    On a finished output it proves every shard again and rewrites what fails the proof
+    (size, header, source identity; with --rehash also every tensor's data).
 
     \b
     Examples:
@@ -327,29 +345,25 @@ def convert_cmd(
         _origin_and_executor(opts, workers, **where)
         mode = console.resolve_mode(progress_mode, quiet or as_json)
         reporter = ProgressReporter(mode)
-        if hasattr(opts.executor, "download_progress"):  # --download: bytes from the Hub
-            opts.executor.download_progress = reporter
+        opts.executor.download_progress = reporter  # --download: bytes from the Hub
         # The GC stays off until the plan is gone too: re-enabled over ~2M live objects,
         # its first collection alone would rescan them all (see `gc_paused`).
         with gc_paused():
             report(convert(opts, reporter))
 
     def report(result: ConvertResult) -> None:
-        summary = result.summary()
-        extra = getattr(opts.executor, "summary", None)
-        if extra is not None:
-            summary.update(extra(result.plan))
+        summary = {**result.summary(), **opts.executor.summary(result.plan)}
         if as_json:
-            out.print_json(json.dumps({"ok": True, **summary}))
+            out.print_json(json.dumps({"ok": True, "exit_code": EXIT_OK, **summary}))
         elif quiet:
             return
         elif dry_run:
-            _print_plan(result, getattr(opts.executor, "plan_rows", lambda plan: [])(result.plan))
+            _print_plan(result, opts.executor.plan_rows(result.plan))
         elif result.already_complete:
             err.print(
                 f"[green]already complete:[/] {escape(str(result.out))} holds this "
-                f"conversion; all {len(result.plan.shards)} shards proven (size, header, "
-                f"source identity{', data' if rehash else ''}); nothing to do."
+                f"conversion; all {len(result.plan.shards)} shards proven by "
+                f"{summary['kept_proven_by']}; nothing to do."
             )
         else:
             _print_summary(result, summary)
@@ -390,8 +404,11 @@ def _print_plan(result: ConvertResult, extra_rows: list[tuple[str, str]]) -> Non
 
 
 def _print_summary(result: ConvertResult, summary: dict) -> None:
-    repaired = result.mode is Mode.RECHECK
-    table = Table(title="Output repaired" if repaired else "Conversion complete", show_header=False)
+    # "Repaired" only when every kept shard's data was re-read (`kept_data_reread`).
+    title = "Conversion complete"
+    if result.mode is Mode.RECHECK:
+        title = "Output repaired" if summary["kept_data_reread"] else "Output updated"
+    table = Table(title=title, show_header=False)
     table.add_row("output", summary["output"])
     table.add_row(
         "shards written / kept", f"{summary['shards_written']} / {summary['shards_kept']}"
@@ -399,6 +416,8 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     table.add_row("bytes written this run", human(summary["bytes_written"]))
     if summary["bytes_kept"]:
         table.add_row("bytes kept from earlier runs", human(summary["bytes_kept"]))
+    if summary["shards_kept"]:
+        table.add_row("kept shards proven by", summary["kept_proven_by"])
     for shard, reason in list(summary["redone"].items())[:5]:
         table.add_row(f"redone {shard}", reason)
     table.add_row("tensors / experts fused", f"{summary['tensors']} / {summary['experts_fused']}")
@@ -418,7 +437,8 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     show_default=True,
     type=click.IntRange(1),
     metavar="N",
-    help="Layers in all (num_hidden_layers).",
+    help="Layers in all (num_hidden_layers); every fourth and the last have MLA attention, "
+    "the others KDA.",
 )
 @click.option(
     "--dense-layers",
@@ -460,14 +480,21 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     metavar="N",
     help="Source shards to spread the tensors over.",
 )
-@click.option("--real-dims", is_flag=True, help="True per-expert shapes (K 3584, N 3072).")
+@click.option(
+    "--real-dims",
+    is_flag=True,
+    help="The official model's shapes: experts K 3584 x N 3072, hidden 7168, 96 KDA heads, "
+    "two shared experts; MLA and dense-MLP widths assumed (docs/inventory.md); the "
+    "vocabulary and the vision tower's depth stay small.",
+)
 @click.option(
     "--k",
     "k",
     type=click.IntRange(32),
     default=None,
     metavar="N",
-    help="routed_expert_hidden_size, a multiple of 32 [default: 128, 3584 with --real-dims].",
+    help="routed_expert_hidden_size, a multiple of 32 [default: 256, 3584 with --real-dims]; "
+    "the hidden size is twice it, as in the real model.",
 )
 @click.option(
     "--n",
@@ -475,7 +502,7 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     type=click.IntRange(32),
     default=None,
     metavar="N",
-    help="moe_intermediate_size, a multiple of 32 [default: 64, 3072 with --real-dims].",
+    help="moe_intermediate_size, a multiple of 32 [default: 128, 3072 with --real-dims].",
 )
 @click.option(
     "--seed",
@@ -488,7 +515,11 @@ def synth(
     output, layers, dense_layers, moe_every, experts, top_k, shards, real_dims, k, n, seed
 ) -> None:
     """Write a synthetic Kimi-K3-format source checkpoint to OUT_DIR (which must be empty
-    or absent): the real tensor names, dtypes, config and layout, random weights.
+    or absent), random weights: every tensor SGLang's Kimi-K3 model class loads (KDA and
+    MLA attention, dense MLPs, router, shared experts, latent projections, routed experts,
+    norms, embeddings, lm_head, vision tower), under the names it loads them by, with only
+    the routed experts quantized (MXFP4), as docs/inventory.md lists. The default dims suit
+    the SM90/SM120 MXFP4 MoE kernels on one GPU (K a multiple of 256, N of 128).
 
     Its dimensions are not the official model's, so convert it with
     --manifest kimi-k3-any (the default manifest pins the real dims).
@@ -499,7 +530,7 @@ def synth(
       kimi-convert synth src/ --layers 4 --dense-layers 1 --experts 16 --k 256 --n 128
       kimi-convert synth big/ --real-dims --layers 2 --experts 28
     """
-    from .synth import REAL_K, REAL_N, SynthSpec, synth_checkpoint
+    from .synth import cli_spec, synth_checkpoint
 
     def body() -> None:
         if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -507,35 +538,30 @@ def synth(
                 Code.OUTPUT_NOT_EMPTY,
                 "synth writes into an empty or new directory",
                 file=str(output.resolve()),
-                exit_code=EXIT_USAGE,
                 hint="choose another directory or remove this one first",
             )
-        kk = k or (REAL_K if real_dims else 128)
-        nn = n or (REAL_N if real_dims else 64)
+        spec = cli_spec(
+            layers=layers,
+            dense_layers=dense_layers,
+            moe_every=moe_every,
+            experts=experts,
+            top_k=top_k,
+            shards=shards,
+            real_dims=real_dims,
+            k=k,
+            n=n,
+            seed=seed,
+        )
+        kk, nn = spec.k, spec.n
         if kk % 32 or nn % 32:
             raise fail(
                 Code.USAGE,
                 "--k and --n must be multiples of 32 (the MXFP4 group size)",
-                exit_code=EXIT_USAGE,
             )
-        dense = min(1, layers - 1) if dense_layers is None else dense_layers
-        spec = SynthSpec(
-            layers=layers,
-            dense_layers=dense,
-            moe_every=moe_every,
-            experts=experts,
-            k=kk,
-            n=nn,
-            top_k=min(top_k, experts),
-            shards=shards,
-            seed=seed,
-            hidden=1024 if real_dims else 256,
-        )
         if not spec.moe_layers():
             raise fail(
                 Code.USAGE,
                 "no MoE layer: raise --layers or lower --dense-layers / --moe-every",
-                exit_code=EXIT_USAGE,
             )
         started = time.perf_counter()
         info = synth_checkpoint(output, spec)

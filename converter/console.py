@@ -1,9 +1,10 @@
 """How the commands talk to people: errors, sizes, progress, exit codes.
 
-Exit codes scripts can rely on: 0 success, 1 invalid input or a failed check, 2 usage
-error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Progress goes to stderr as a
-live bar on a terminal and as a plain line at a steady interval anywhere else (`nohup`, CI,
-`| tee`, a scheduler's log), so a log shows where a multi-hour job is.
+Exit codes come from one table, `errors.EXIT_CODES`: a reason code exits the same in every
+command and in `--json` (0 success, 1 invalid input or a failed check, 2 usage error, 130
+interrupted (Ctrl-C), 143 terminated (SIGTERM)). Progress goes to stderr as a live bar on a
+terminal and as a plain line at a steady interval anywhere else (`nohup`, CI, `| tee`, a
+scheduler's log), so a log shows where a multi-hour job is.
 """
 
 from __future__ import annotations
@@ -22,13 +23,21 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from .errors import EXIT_USAGE, Fatal
+from .errors import (
+    EXIT_BUG,
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    Code,
+    Fatal,
+    Problem,
+    count_codes,
+    root_problems,
+)
 
 err = Console(stderr=True, soft_wrap=True, highlight=False)  # no hard wraps: greppable
 out = Console(soft_wrap=True, highlight=False)
 
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 LINE_INTERVAL_ENV = "KIMI_W31_PROGRESS_INTERVAL"  # seconds between plain progress lines
 
@@ -102,21 +111,42 @@ def duration(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
+def problems_json(problems: list[Problem], **extra: object) -> dict:
+    """The `--json` form of a failure: the causes, how many problems follow from them (not
+    listed), and the exit code, as the table gives it."""
+    roots, suppressed = root_problems(problems)
+    return {
+        "ok": False,
+        "exit_code": Fatal(problems).exit_code,
+        "problems": [p.as_dict() for p in roots],
+        "suppressed": len(suppressed),
+        "suppressed_codes": count_codes(suppressed),
+        **extra,
+    }
+
+
+def suppressed_line(suppressed: list[Problem]) -> str:
+    """'3 more problem(s) follow from the above, not listed: layer-unexpected x2, ...'."""
+    counts = ", ".join(
+        code + (f" x{n}" if n > 1 else "") for code, n in count_codes(suppressed).items()
+    )
+    return f"{len(suppressed)} more problem(s) follow from the above, not listed: {counts}"
+
+
 def render_error(exc: Fatal, as_json: bool) -> None:
     if as_json:
-        out.print_json(
-            json.dumps(
-                {"ok": False, "problems": [p.as_dict() for p in exc.problems], "hint": exc.hint}
-            )
-        )
+        out.print_json(json.dumps(problems_json(exc.problems, hint=exc.hint)))
         return
+    roots, suppressed = root_problems(exc.problems)
     err.print(f"[bold red]error:[/] {escape(exc.summary())}")
-    shown = exc.problems[:50]
-    if len(exc.problems) > 1:  # one problem is the summary line itself
+    shown = roots[:50]
+    if len(roots) > 1:  # one problem is the summary line itself
         for p in shown:
             err.print(f"  [red]-[/] {escape(p.render())}")
-        if len(exc.problems) > len(shown):
-            err.print(f"  ... and {len(exc.problems) - len(shown)} more")
+        if len(roots) > len(shown):
+            err.print(f"  ... and {len(roots) - len(shown)} more")
+    if suppressed:
+        err.print(f"  ({escape(suppressed_line(suppressed))})")
     if exc.hint:
         err.print(f"[yellow]hint:[/] {escape(exc.hint)}")
 
@@ -145,7 +175,7 @@ def run_guarded(
         sys.exit(exc.exit_code)
     except click.UsageError as exc:
         exc.show()
-        sys.exit(EXIT_USAGE)
+        sys.exit(EXIT_CODES[Code.USAGE])
     except KeyboardInterrupt as exc:
         code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
         what = "terminated (SIGTERM)" if code == EXIT_TERMINATED else "interrupted"
@@ -158,7 +188,7 @@ def run_guarded(
             raise
         err.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}")
         err.print("set KIMI_W31_DEBUG=1 for the full traceback")
-        sys.exit(1)
+        sys.exit(EXIT_BUG)
 
 
 def resolve_mode(mode: str, quiet: bool = False) -> str:
@@ -198,6 +228,7 @@ class Progress:
         self._lock = threading.Lock()
         self._next_tenth = 1
         self._last_line = self.started
+        self._lines = 0  # plain lines printed so far
         self._bar = None
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -219,10 +250,14 @@ class Progress:
             self._ticker.start()
 
     def advance(self, n: int, moved: bool = True) -> None:
+        self.add(n, n if moved else 0)
+
+    def add(self, done: int, moved: int) -> None:
+        """`done`: how much further the work got; `moved`: bytes this run read or wrote for
+        it (the rate). They differ when proving a kept shard re-reads it."""
         with self._lock:
-            self.done += n
-            if moved:
-                self.moved += n
+            self.done += done
+            self.moved += moved
         self._refresh()
 
     def note(self, **notes: str) -> None:
@@ -267,14 +302,23 @@ class Progress:
 
     def _line(self) -> None:
         self._last_line = time.monotonic()
+        self._lines += 1
         err.print(f"{self.label}: {self.status()}", markup=False)
 
     def stop(self) -> None:
+        """The final state; nothing at all when the work never started (a run refused
+        before its first byte shows the refusal, not a 0 % line above it)."""
         self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        silent = self.done == 0 and self.moved == 0
         if self._bar is not None:
-            self._bar.update(self._task, completed=self.done, status=self.status())
+            if silent:
+                self._bar.remove_task(self._task)
+            else:
+                self._bar.update(self._task, completed=self.done, status=self.status())
             self._bar.stop()
-        elif self.mode == "lines":
+        elif self.mode == "lines" and not (silent and self._lines == 0):
             self._line()
 
     def __enter__(self) -> Progress:

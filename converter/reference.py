@@ -82,7 +82,10 @@ def dequant_mxfp4(
             f"scale shape {tuple(scale.shape)} does not match packed {tuple(np.shape(packed))} "
             f"(expected {(rows, k // group_size)})"
         )
-    return values * np.repeat(e8m0_to_float(scale), group_size, axis=1)
+    # fp32, as the spec requires: a value of magnitude >= 2^128 (scale byte 0xFE with a code
+    # of magnitude >= 2) is +-inf, the IEEE result, not an error.
+    with np.errstate(over="ignore"):
+        return values * np.repeat(e8m0_to_float(scale), group_size, axis=1)
 
 
 def _f32(a: object) -> np.ndarray:

@@ -3,7 +3,8 @@
 The router reference, the per-rank slices of the reference experts, and the activation
 that SGLang's stock SM90 CUTLASS path applies (the harness control) are written here from
 their definitions, independently of SGLang, and unit-tested on CPU
-(tests/test_gpu_sglang.py).
+(tests/test_gpu_harness.py), and the summary of the suites' outcomes that
+`gpu/sglang_h200.sh wait` prints and exits with.
 """
 
 from __future__ import annotations
@@ -114,3 +115,122 @@ def moe_swiglu_bias(
         h = swiglu_bias(xf[rows] @ w.gate.T, xf[rows] @ w.up.T, alpha, beta, limit)
         np.add.at(out, rows, (h @ w.down.T) * weights[rows, slots][:, None])
     return out
+
+
+# --- what `gpu/sglang_h200.sh wait` reports ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class SuiteOutcome:
+    name: str
+    state: str  # "passed", "failed", "not-run", "unfinished"
+    detail: str = ""
+
+
+def suite_outcomes(status: str | None, finished: bool) -> list[SuiteOutcome]:
+    """Read the pipeline's status lines ("plan A B ...", then "NAME RC" or
+    "NAME not-run WHY") into one outcome per suite: each planned suite, in plan order, then
+    any other step that reported (synth, convert). A planned suite with no line did not
+    finish (pipeline still running or killed) or did not run (the pipeline stopped first)."""
+    plan: list[str] = []
+    seen: dict[str, SuiteOutcome] = {}
+    for raw in (status or "").splitlines():
+        words = raw.split()
+        if not words:
+            continue
+        if words[0] == "plan":
+            plan = words[1:]
+            continue
+        name, rest = words[0], words[1:]
+        if rest[:1] == ["not-run"]:
+            seen[name] = SuiteOutcome(name, "not-run", " ".join(rest[1:]))
+        elif len(rest) == 1 and rest[0].lstrip("-").isdigit():
+            rc = int(rest[0])
+            seen[name] = SuiteOutcome(name, "passed" if rc == 0 else "failed", f"exit {rc}")
+        else:
+            seen[name] = SuiteOutcome(name, "failed", f"unreadable status line {raw!r}")
+    out = []
+    for name in plan:
+        missing = "did not finish" if not finished else "did not run (the pipeline stopped)"
+        out.append(seen.pop(name, SuiteOutcome(name, "unfinished", missing)))
+    return out + list(seen.values())
+
+
+def suite_summary(status: str | None, finished: bool) -> tuple[int, list[str]]:
+    """(exit code, lines): 0 only when a plan was recorded and every suite in it passed."""
+    outcomes = suite_outcomes(status, finished)
+    lines = [f"{o.name}: {o.state}{f' ({o.detail})' if o.detail else ''}" for o in outcomes]
+    bad = [o.name for o in outcomes if o.state != "passed"]
+    if not outcomes:
+        why = "the pipeline did not start" if status is None else "no suite was planned"
+        return 1, [f"suites: none ran ({why})"]
+    if bad:
+        lines.append(f"suites: {len(bad)} of {len(outcomes)} did not pass: {', '.join(bad)}")
+        return 1, lines
+    lines.append(f"suites: all {len(outcomes)} passed")
+    return 0, lines
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description="summarize gpu/sglang_h200.sh's suite status")
+    p.add_argument("command", choices=("status",))
+    p.add_argument("file", type=Path)
+    p.add_argument("--finished", choices=("yes", "no"), required=True)
+    args = p.parse_args(argv)
+    text = args.file.read_text() if args.file.is_file() else None
+    code, lines = suite_summary(text, args.finished == "yes")
+    print("\n".join(lines))
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
+
+
+# --- W4A8 rows and the two-GPU verdict ---------------------------------------------------
+
+
+def gated_row(
+    name: str,
+    m: int,
+    got: np.ndarray,
+    modelled: np.ndarray,
+    unquantized: np.ndarray,
+    *,
+    cosine_min: float,
+    nrmse_max: float,
+    expect: str = "pass",
+    note: str = "",
+) -> dict:
+    """One W4A8 case: the output against the FP8-modelled reference (the gate) and against
+    the unquantized one (for the record); `ok` when the gate's outcome is the expected one."""
+    vs_modelled = ref.compare(got, modelled)
+    vs_plain = ref.compare(got, unquantized)
+    passes = bool(vs_modelled["cosine"] >= cosine_min and vs_modelled["nrmse"] <= nrmse_max)
+    return {
+        "name": name,
+        "m": m,
+        "expect": expect,
+        "note": note,
+        "vs_fp8_modelled": vs_modelled,
+        "vs_unquantized": vs_plain,
+        "passes_gate": passes,
+        "ok": passes == (expect == "pass"),
+    }
+
+
+def dist_w4a8_verdict(rows: list[dict], ranks_identical: bool) -> dict:
+    """Every case as expected, at least one positive case and one negative control among
+    them, and both ranks holding the same bytes after the all-reduce."""
+    v = {
+        "all_as_expected": bool(rows) and all(r["ok"] for r in rows),
+        "has_positive_cases": any(r["expect"] == "pass" for r in rows),
+        "negative_controls_fail": any(r["expect"] == "fail" for r in rows)
+        and all(not r["passes_gate"] for r in rows if r["expect"] == "fail"),
+        "ranks_identical_after_all_reduce": bool(ranks_identical),
+    }
+    v["overall"] = all(v.values())
+    return v

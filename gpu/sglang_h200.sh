@@ -2,8 +2,14 @@
 # SGLang in the loop on a bare, offline H200 machine (two GPUs for the dist suites).
 #
 #   gpu/sglang_h200.sh start          install, smoke-test, launch the pipeline detached
-#   gpu/sglang_h200.sh wait SECONDS   wait up to SECONDS, print the log tail, copy reports to $OUT
-#   gpu/sglang_h200.sh pipeline       (internal) synth + convert + single + dist TP2 + dist EP2
+#   gpu/sglang_h200.sh wait SECONDS   wait up to SECONDS, print the log tail, copy reports to $OUT;
+#                                     exits 0 only if every planned suite ran and passed
+#   gpu/sglang_h200.sh pipeline       (internal) synth + convert + the suites of KIMI_W31_SUITES:
+#       all (default)  single, dist-ep1 (TP2), dist-ep2 (EP2)   [the dist suites need 2 GPUs]
+#       single         single
+#       w4a8           single-w4a8, then the tuned W4A8/W4A16 timing
+#       w4a8-check     single-w4a8, gpu/w4a8.py's checks (no timing), the preparation memory
+#       dist-w4a8      dist-w4a8-ep1, dist-w4a8-ep2 (W4A8 over two GPUs)
 #
 # Inputs beside the repo (git-ignored, sent with `carry`; gpu/README.md says how to make them):
 #   .fi/flashinfer-0.7.2.post1-sm90moe.tar.xz, .fi/apache_tvm_ffi-*.whl   (gpu/pack_flashinfer.sh)
@@ -70,48 +76,106 @@ print("situ support:", check_situ_support(), f"imports {time.time() - t:.1f} s")
 EOF
 }
 
+# Each suite's outcome goes to $STATUS ("plan NAME..." first, then "NAME RC" or
+# "NAME not-run WHY"); `wait` summarizes it (gpu/sglang_cases.py) and exits non-zero when
+# any planned suite failed, could not run or did not finish.
+STATUS=$WORK/suites.status
+record() { echo "$*" >> "$STATUS"; }
+
+# run_suite NAME GPUS COMMAND...: run it when the machine has GPUS GPUs, record the outcome.
+run_suite() {
+    local name=$1 need=$2 have rc
+    shift 2
+    have=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [ "$have" -lt "$need" ]; then
+        echo "== $name NOT RUN: needs $need GPUs, this machine has $have"
+        record "$name not-run needs $need GPUs, found $have"
+        return 1
+    fi
+    echo "== $name $(date -u +%FT%TZ)"
+    "$@"
+    rc=$?
+    echo "== $name exit $rc $(date -u +%FT%TZ)"
+    record "$name $rc"
+    return "$rc"
+}
+
+suites_of() {
+    case "$1" in
+        all) echo "single dist-ep1 dist-ep2" ;;
+        single) echo "single" ;;
+        w4a8) echo "single-w4a8 w4a8-tuned-timing" ;;
+        w4a8-check) echo "single-w4a8 w4a8-checks w4a8-prep-memory" ;;
+        dist-w4a8) echo "dist-w4a8-ep1 dist-w4a8-ep2" ;;
+        *) return 1 ;;
+    esac
+}
+
 pipeline() {
     cd "$WORK" || exit 1
-    local so=$WORK/prebuilt_moe.so
-    echo "== pipeline start $(date -u +%FT%TZ)"
-    rm -rf "$WORK/src" "$WORK/conv"
-    time kimi_convert synth "$WORK/src" --layers 1 --experts 28 --top-k 16 --real-dims \
-        || { echo "SYNTH FAILED"; touch "$WORK/done"; exit 1; }
-    time kimi_convert "$WORK/src" "$WORK/conv" --manifest kimi-k3-any -q \
-        || { echo "CONVERT FAILED"; touch "$WORK/done"; exit 1; }
-    local args=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD" --prebuilt "$so")
-    if [ "${KIMI_W31_SUITES:-all}" = w4a8 ]; then  # the W4A8 module built earlier
-        echo "== single-w4a8 $(date -u +%FT%TZ)"
-        CUDA_VISIBLE_DEVICES=0 python3 -m gpu.sglang_run single-w4a8 --source "$WORK/src" \
-            --converted "$WORK/conv" --out "$OUTD" --prebuilt "$WORK/prebuilt_w4a8.so"
-        echo "== single-w4a8 exit $? $(date -u +%FT%TZ)"
-        local margs=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD" --autotune
-                     --no-checks --ms 1,8,32,128,512,2048)
-        # One GPU each when there are two (same data, same M, one tuned module per process).
-        local second=0
-        [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && second=1
-        CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 --module w4a8 \
-            --prebuilt "$WORK/prebuilt_w4a8.so" "${margs[@]}" &
-        local first_pid=$!
-        [ "$second" = 0 ] && wait "$first_pid"
-        CUDA_VISIBLE_DEVICES=$second FLASHINFER_WORKSPACE_BASE=$WORK/fiws-w4a16 python3 -m gpu.w4a8 \
-            --module w4a16 --prebuilt "$WORK/prebuilt_moe.so" "${margs[@]}"
-        wait "$first_pid"
-        echo "== tuned timing done $(date -u +%FT%TZ)"
+    local so=$WORK/prebuilt_moe.so w8=$WORK/prebuilt_w4a8.so which=${KIMI_W31_SUITES:-all}
+    local plan
+    : > "$STATUS"
+    if ! plan=$(suites_of "$which"); then
+        record "plan $which"
+        record "$which not-run unknown KIMI_W31_SUITES value (all, single, w4a8, w4a8-check, dist-w4a8)"
         touch "$WORK/done"
-        exit 0
+        exit 2
     fi
-    echo "== single $(date -u +%FT%TZ)"
-    CUDA_VISIBLE_DEVICES=0 python3 -m gpu.sglang_run single "${args[@]}"
-    echo "== single exit $? $(date -u +%FT%TZ)"
-    # The two-GPU suites need two GPUs (KIMI_W31_SUITES=single skips them).
-    [ "${KIMI_W31_SUITES:-all}" = single ] && { touch "$WORK/done"; exit 0; }
-    for ep in 1 2; do
-        echo "== dist ep$ep $(date -u +%FT%TZ)"
-        python3 -m gpu.sglang_run dist --ep "$ep" "${args[@]}"
-        echo "== dist ep$ep exit $? $(date -u +%FT%TZ)"
+    record "plan $plan"
+    echo "== pipeline start $(date -u +%FT%TZ): $plan"
+    rm -rf "$WORK/src" "$WORK/conv"
+    local rc
+    time kimi_convert synth "$WORK/src" --layers 1 --experts 28 --top-k 16 --real-dims
+    rc=$?
+    [ "$rc" = 0 ] || { echo "SYNTH FAILED"; record "synth $rc"; touch "$WORK/done"; exit 1; }
+    time kimi_convert "$WORK/src" "$WORK/conv" --manifest kimi-k3-any -q
+    rc=$?
+    [ "$rc" = 0 ] || { echo "CONVERT FAILED"; record "convert $rc"; touch "$WORK/done"; exit 1; }
+    local data=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD")
+    local suite
+    for suite in $plan; do
+        case "$suite" in
+            single)
+                run_suite single 1 env CUDA_VISIBLE_DEVICES=0 \
+                    python3 -m gpu.sglang_run single "${data[@]}" --prebuilt "$so" ;;
+            dist-ep1 | dist-ep2)
+                run_suite "$suite" 2 python3 -m gpu.sglang_run dist --ep "${suite#dist-ep}" \
+                    "${data[@]}" --prebuilt "$so" ;;
+            dist-w4a8-ep1 | dist-w4a8-ep2)
+                run_suite "$suite" 2 python3 -m gpu.sglang_run dist --ep "${suite#dist-w4a8-ep}" \
+                    --precision fp8 "${data[@]}" --prebuilt "$w8" ;;
+            single-w4a8)
+                run_suite single-w4a8 1 env CUDA_VISIBLE_DEVICES=0 \
+                    python3 -m gpu.sglang_run single-w4a8 "${data[@]}" --prebuilt "$w8" ;;
+            w4a8-checks)  # gpu/w4a8.py's gate and negative controls, no timing
+                run_suite w4a8-checks 1 env CUDA_VISIBLE_DEVICES=0 \
+                    python3 -m gpu.w4a8 --module w4a8 --no-timing "${data[@]}" --prebuilt "$w8" ;;
+            w4a8-prep-memory)
+                run_suite w4a8-prep-memory 1 env CUDA_VISIBLE_DEVICES=0 \
+                    python3 -m gpu.w4a8 --module w4a8 --memory --out "$OUTD" --prebuilt "$w8" ;;
+            w4a8-tuned-timing)
+                run_suite w4a8-tuned-timing 1 tuned_timing ;;
+        esac
     done
     touch "$WORK/done"
+}
+
+# The W4A8 and W4A16 tuned timing (one GPU each when there are two: same data, same M,
+# one tuned module per process).
+tuned_timing() {
+    local margs=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD" --autotune
+                 --no-checks --ms 1,8,32,128,512,2048)
+    local second=0 rc=0
+    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && second=1
+    CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 --module w4a8 \
+        --prebuilt "$WORK/prebuilt_w4a8.so" "${margs[@]}" &
+    local first_pid=$!
+    if [ "$second" = 0 ]; then wait "$first_pid" || rc=1; fi
+    CUDA_VISIBLE_DEVICES=$second FLASHINFER_WORKSPACE_BASE=$WORK/fiws-w4a16 python3 -m gpu.w4a8 \
+        --module w4a16 --prebuilt "$WORK/prebuilt_moe.so" "${margs[@]}" || rc=1
+    if [ "$second" = 1 ]; then wait "$first_pid" || rc=1; fi
+    return "$rc"
 }
 
 # Issue-16 pipeline: build the W4A8 (Humming) module in the background while the W4A16
@@ -119,27 +183,33 @@ pipeline() {
 # 15 MiB parts (.fi/prebuilt/ for reuse).
 w4a8_pipeline() {
     cd "$WORK" || exit 1
+    STATUS=$WORK/w4a8.status
+    : > "$STATUS"
+    record "plan w4a8-build w4a16-timing w4a8-checks-and-timing"
     echo "== w4a8 pipeline start $(date -u +%FT%TZ)"
     (time nice -n 5 python3 -m gpu.trimmed_build --build --variant w4a8) > "$OUTD/build-w4a8.log" 2>&1 &
     local build_pid=$!
     if [ ! -d "$WORK/conv" ]; then
-        kimi_convert synth "$WORK/src" --layers 1 --experts 28 --top-k 16 --real-dims >/dev/null
-        kimi_convert "$WORK/src" "$WORK/conv" --manifest kimi-k3-any -q
+        kimi_convert synth "$WORK/src" --layers 1 --experts 28 --top-k 16 --real-dims >/dev/null \
+            && kimi_convert "$WORK/src" "$WORK/conv" --manifest kimi-k3-any -q \
+            || { record "synth-convert 1"; wait "$build_pid"; touch "$WORK/done-w4a8"; exit 1; }
     fi
     local args=(--source "$WORK/src" --converted "$WORK/conv" --out "$OUTD")
     # Its own FlashInfer workspace: FlashInfer regenerates kernel sources on spec creation,
     # which must not touch the files the W4A8 build is compiling.
-    FLASHINFER_WORKSPACE_BASE=$WORK/fiws-w4a16 CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 \
-        --module w4a16 --prebuilt "$WORK/prebuilt_moe.so" "${args[@]}"
-    echo "== w4a16 timing exit $? $(date -u +%FT%TZ)"
+    run_suite w4a16-timing 1 env FLASHINFER_WORKSPACE_BASE="$WORK/fiws-w4a16" \
+        CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 --module w4a16 \
+        --prebuilt "$WORK/prebuilt_moe.so" "${args[@]}"
     if ! wait "$build_pid"; then
-        echo "W4A8 BUILD FAILED"; tail -40 "$OUTD/build-w4a8.log"; touch "$WORK/done-w4a8"; exit 1
+        echo "W4A8 BUILD FAILED"; tail -40 "$OUTD/build-w4a8.log"
+        record "w4a8-build 1"; touch "$WORK/done-w4a8"; exit 1
     fi
+    record "w4a8-build 0"
     tail -2 "$OUTD/build-w4a8.log"
     so=$(find "$FLASHINFER_WORKSPACE_BASE" -name 'fused_moe_90_kimi_w31_w4a8_humming*.so' | head -1)
     mkdir -p "$OUTD/so" && xz -T0 -6 -c "$so" | split -b 15M -d - "$OUTD/so/w4a8.so.xz.part-"
-    CUDA_VISIBLE_DEVICES=0 python3 -m gpu.w4a8 --module w4a8 "${args[@]}"
-    echo "== w4a8 exit $? $(date -u +%FT%TZ)"
+    run_suite w4a8-checks-and-timing 1 env CUDA_VISIBLE_DEVICES=0 \
+        python3 -m gpu.w4a8 --module w4a8 "${args[@]}"
     touch "$WORK/done-w4a8"
 }
 
@@ -156,7 +226,9 @@ case "${1:-}" in
     w4a8-wait)
         deadline=$((SECONDS + ${2:-540}))
         while [ ! -f "$WORK/done-w4a8" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
-        echo "== done: $([ -f "$WORK/done-w4a8" ] && echo yes || echo no)"
+        finished=no
+        [ -f "$WORK/done-w4a8" ] && finished=yes
+        echo "== w4a8 pipeline finished: $finished"
         grep -v "Warning\|warn(" "$OUTD/w4a8-pipeline.log" | tail -30
         tail -3 "$OUTD/build-w4a8.log"
         ls "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops/*w4a8*/ 2>/dev/null \
@@ -166,6 +238,7 @@ case "${1:-}" in
             cat "$OUTD"/w4a8-*.log "$OUTD/build-w4a8.log" > "$OUT/w4a8-logs.txt" 2>/dev/null
             if [ -d "$OUTD/so" ]; then mkdir -p "$OUT/so" && cp "$OUTD"/so/* "$OUT/so/"; fi
         fi
+        (cd "$REPO" && python3 -m gpu.sglang_cases status "$WORK/w4a8.status" --finished "$finished")
         ;;
     start)
         rm -f "$WORK/done"
@@ -181,12 +254,17 @@ case "${1:-}" in
     wait)
         deadline=$((SECONDS + ${2:-540}))
         while [ ! -f "$WORK/done" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
-        echo "== done: $([ -f "$WORK/done" ] && echo yes || echo no)"
+        finished=no
+        [ -f "$WORK/done" ] && finished=yes
+        echo "== pipeline finished: $finished"
         grep -v "Warning\|warn(" "$LOG" | tail -40
         if [ -n "${OUT:-}" ]; then
             cp "$OUTD"/report-*.json "$OUTD"/report-*.md "$OUT"/ 2>/dev/null
             cat "$OUTD"/*.log > "$OUT/logs.txt" 2>/dev/null
+            cp "$STATUS" "$OUT/suites.status" 2>/dev/null
         fi
+        # Exit 0 only when every planned suite ran and passed; says which did not.
+        (cd "$REPO" && python3 -m gpu.sglang_cases status "$STATUS" --finished "$finished")
         ;;
     *)
         echo "usage: $0 start | wait SECONDS" >&2

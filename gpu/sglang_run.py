@@ -2,6 +2,7 @@
 
     python -m gpu.sglang_run single --source SRC --converted CONV --out OUT [--prebuilt SO]
     python -m gpu.sglang_run dist --ep 1|2 --source SRC --converted CONV --out OUT [--prebuilt SO]
+    python -m gpu.sglang_run dist --ep 1|2 --precision fp8 ... --prebuilt W4A8_SO
 
 `single` (one GPU): the adapter's path on the converted checkpoint (M = 1..128), the
 per-rank shapes of TP8 (N/tp 384) and TP2 (1536), eager vs CUDA graph, the negative
@@ -9,7 +10,9 @@ controls (unconverted checkpoint through SGLang's stock path; w31 halves swapped
 stock path against the activation it really applies (the harness control), and the two
 measurements of the review (the output copy; the fused route+quant TopK).
 `dist` (two GPUs, NCCL): two processes, TP2 (`--ep 1`) or EP2 (`--ep 2`), each rank
-loading what SGLang gives it, forward, SGLang's all-reduce, compared on rank 0.
+loading what SGLang gives it, forward, SGLang's all-reduce, compared on rank 0; with
+`--precision fp8` the W4A8 (Humming) path against the FP8-modelled reference and the W4A8
+gate of `single-w4a8`, with the halves-swapped control.
 Writes report-<suite>.json/.md under OUT; exit 0 only if the suite's verdict passes.
 """
 
@@ -543,29 +546,23 @@ def single_w4a8(args: argparse.Namespace, log: Callable[[str], None]) -> dict[st
                 m, k, layer.num_experts, layer.top_k, layer.rsf, bool(cfg.moe_renormalize), 800 + m
             )
             out, _ = L.forward(layer, inp.x, *L.to_cuda(inp.router))
-            got = out.float().cpu().numpy()
-            modelled = ref.compare(
-                got, W.w4a8_reference(inp.x_host, inp.ids, inp.weights, experts, beta, lb)
+            row = S.gated_row(
+                name,
+                m,
+                out.float().cpu().numpy(),
+                W.w4a8_reference(inp.x_host, inp.ids, inp.weights, experts, beta, lb),
+                ref.moe_forward(inp.x_host, inp.ids, inp.weights, experts, beta, lb),
+                cosine_min=W.W4A8_COSINE_MIN,
+                nrmse_max=W.W4A8_NRMSE_MAX,
+                expect=expect,
             )
-            plain = ref.compare(
-                got, ref.moe_forward(inp.x_host, inp.ids, inp.weights, experts, beta, lb)
-            )
-            ok = W.w4a8_gate(modelled["cosine"], modelled["nrmse"])
-            rows.append(
-                {
-                    "name": name,
-                    "m": m,
-                    "expect": expect,
-                    "vs_fp8_modelled": modelled,
-                    "vs_unquantized": plain,
-                    "passes_gate": ok,
-                    "ok": ok == (expect == "pass"),
-                }
-            )
+            rows.append(row)
+            modelled, plain = row["vs_fp8_modelled"], row["vs_unquantized"]
             log(
                 f"{name}: modelled cos {modelled['cosine']:.6f} nrmse "
                 f"{100 * modelled['nrmse']:.3f}% | unquantized cos {plain['cosine']:.6f} nrmse "
-                f"{100 * plain['nrmse']:.3f}% -> {'pass' if ok else 'FAIL'} (expected {expect})"
+                f"{100 * plain['nrmse']:.3f}% -> {'pass' if row['passes_gate'] else 'FAIL'} "
+                f"(expected {expect})"
             )
 
         layer = L.build_layer(cfg, idx)
@@ -605,7 +602,14 @@ def single_w4a8(args: argparse.Namespace, log: Callable[[str], None]) -> dict[st
 # --------------------------------------------------------------------------------------
 
 
+def _dist_tag(args: argparse.Namespace) -> str:
+    return f"dist{'-w4a8' if args.precision == 'fp8' else ''}-ep{args.ep}"
+
+
 def _dist_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One of the two ranks. With `--precision fp8` (SM90 W4A8 Humming) each rank prepares
+    its own Humming weights and residuals, and rank 0 holds the all-reduced output to the
+    FP8-modelled reference and the single-GPU W4A8 gate, with the halves-swapped control."""
     import torch
 
     os.environ.update(
@@ -616,19 +620,22 @@ def _dist_worker(rank: int, args: argparse.Namespace, port: int) -> None:
         NVSHMEM_DISABLE_NVLS="1",
     )
     torch.cuda.set_device(rank)
-    prepare_process(args.prebuilt)
-    log = _log_to(args.out, f"dist-ep{args.ep}-rank{rank}")
+    w4a8 = args.precision == "fp8"
+    prepare_process(args.prebuilt, "w4a8" if w4a8 else "w4a16")
+    tag = _dist_tag(args)
+    log = _log_to(args.out, f"{tag}-rank{rank}")
     from sglang.srt.distributed import tensor_model_parallel_all_reduce
     from sglang.srt.runtime_context import get_parallel
 
-    report: dict[str, Any] = {"rank": rank, "tp": 2, "ep": args.ep}
+    report: dict[str, Any] = {"rank": rank, "tp": 2, "ep": args.ep, "precision": args.precision}
     layer_idx = L.first_moe_layer(args.converted)
-    with L.sglang_rank(args.converted, tp=2, ep=args.ep, rank=rank):
+    with L.sglang_rank(args.converted, tp=2, ep=args.ep, rank=rank, precision=args.precision):
         par = get_parallel()
         cfg = L.text_config()
         k = int(cfg.routed_expert_hidden_size)
+        conv = L.read_layer_tensors(args.converted, layer_idx)
         layer = L.build_layer(cfg, layer_idx)
-        L.load_weights(layer, cfg, L.read_layer_tensors(args.converted, layer_idx))
+        L.load_weights(layer, cfg, conv)
         moe = layer.moe
         report["rank_layer"] = {
             **layer.info,
@@ -636,29 +643,34 @@ def _dist_worker(rank: int, args: argparse.Namespace, port: int) -> None:
             "moe_tp": [moe.moe_tp_size, moe.moe_tp_rank],
             "moe_ep": [moe.moe_ep_size, moe.moe_ep_rank],
             "tp_group": [par.tp_size, par.tp_rank],
+            "humming": bool(getattr(moe.quant_method, "humming", False)),
         }
         log(f"rank {rank}: {report['rank_layer']}")
-        outs = []
-        for m in DIST_MS:
+
+        def reduced_output(lay: L.Layer, m: int, seed: int) -> dict[str, Any]:
             inp = L.make_inputs(
-                m, k, layer.num_experts, layer.top_k, layer.rsf, bool(cfg.moe_renormalize), 700 + m
+                m, k, lay.num_experts, lay.top_k, lay.rsf, bool(cfg.moe_renormalize), seed
             )
-            out, _ = L.forward(layer, inp.x, *L.to_cuda(inp.router))
-            reduced = tensor_model_parallel_all_reduce(out.clone())
+            out, _ = L.forward(lay, inp.x, *L.to_cuda(inp.router))
+            host = tensor_model_parallel_all_reduce(out.clone())
             torch.cuda.synchronize()
-            host = reduced.float().cpu().numpy()
-            outs.append(
-                {
-                    "m": m,
-                    "sha256": hashlib.sha256(host.tobytes()).hexdigest()[:16],
-                    "x": inp.x_host,
-                    "ids": inp.ids,
-                    "w": inp.weights,
-                    "out": host,
-                }
-            )
+            host = host.float().cpu().numpy()
+            digest = hashlib.sha256(host.tobytes()).hexdigest()[:16]
+            return {"m": m, "sha256": digest, "x": inp.x_host, "ids": inp.ids,
+                    "w": inp.weights, "out": host}  # fmt: skip
+
+        outs = [reduced_output(layer, m, 700 + m) for m in DIST_MS]
+        control = None
+        if w4a8:  # the halves-swapped conversion, loaded and run the same way on both ranks
+            del layer
+            torch.cuda.empty_cache()
+            bad = L.build_layer(cfg, layer_idx)
+            L.load_weights(bad, cfg, L.swap_w31_halves(conv))
+            control = reduced_output(bad, 32, 732)
+            del bad
+        digests = [(o["m"], o["sha256"]) for o in outs + ([control] if control else [])]
         gathered: list[Any] = [None, None]
-        torch.distributed.all_gather_object(gathered, [(o["m"], o["sha256"]) for o in outs])
+        torch.distributed.all_gather_object(gathered, digests)
         report["ranks_identical"] = gathered[0] == gathered[1]
         layers_info: list[Any] = [None, None]
         torch.distributed.all_gather_object(layers_info, report["rank_layer"])
@@ -668,11 +680,45 @@ def _dist_worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
     experts = L.reference_experts(args.source, layer_idx, cfg.num_experts)
     beta, lb = float(cfg.activation_situ_beta), float(cfg.activation_situ_linear_beta)
+    report["rank_layers"] = layers_info
+    report["environment"] = environment()
+    kind = "ep2" if args.ep == 2 else "tp2"
+    if w4a8:
+        from . import w4a8 as W
+
+        def row(o: dict[str, Any], name: str, expect: str = "pass", note: str = "") -> dict:
+            r = S.gated_row(
+                name,
+                o["m"],
+                o["out"],
+                W.w4a8_reference(o["x"], o["ids"], o["w"], experts, beta, lb),
+                ref.moe_forward(o["x"], o["ids"], o["w"], experts, beta, lb),
+                cosine_min=W.W4A8_COSINE_MIN,
+                nrmse_max=W.W4A8_NRMSE_MAX,
+                expect=expect,
+                note=note,
+            )
+            log(
+                f"{name}: modelled cos {r['vs_fp8_modelled']['cosine']:.6f} nrmse "
+                f"{100 * r['vs_fp8_modelled']['nrmse']:.3f}% -> "
+                f"{'pass' if r['passes_gate'] else 'FAIL'} (expected {expect})"
+            )
+            return r
+
+        rows = [row(o, f"{kind}-w4a8-2gpu-M{o['m']}", note="all-reduced over NCCL") for o in outs]
+        assert control is not None
+        rows.append(row(control, f"neg-{kind}-w4a8-halves-swapped", "fail", "w31 as [gate; up]"))
+        report["cases"] = rows
+        report["gate"] = {"cosine_min": W.W4A8_COSINE_MIN, "nrmse_max": W.W4A8_NRMSE_MAX}
+        report["verdict"] = v = S.dist_w4a8_verdict(rows, report["ranks_identical"])
+        C.write_report(args.out / f"report-{tag}.json", report)
+        log(f"verdict: {json.dumps(v)}")
+        return
     cases = []
     for o in outs:
         want = ref.moe_forward(o["x"], o["ids"], o["w"], experts, beta, lb)
         stats = ref.compare(o["out"], want)
-        name = f"{'ep2' if args.ep == 2 else 'tp2'}-2gpu-M{o['m']}"
+        name = f"{kind}-2gpu-M{o['m']}"
         cases.append(
             C.CaseResult(
                 name=name,
@@ -684,7 +730,6 @@ def _dist_worker(rank: int, args: argparse.Namespace, port: int) -> None:
             )
         )
         log(f"{name}: cos {stats['cosine']:.7f} nrmse {100 * stats['nrmse']:.3f}%")
-    report["rank_layers"] = layers_info
     report["cases"] = cases
     checks = {"ranks_identical_after_all_reduce": bool(report["ranks_identical"])}
     report["checks"] = checks
@@ -692,9 +737,8 @@ def _dist_worker(rank: int, args: argparse.Namespace, port: int) -> None:
     v.pop("negative_controls_fail")  # the single-GPU suite carries the negative controls
     v["overall"] = all(val for key, val in v.items() if key != "overall")
     report["verdict"] = v
-    report["environment"] = environment()
-    C.write_report(args.out / f"report-dist-ep{args.ep}.json", report)
-    (args.out / f"report-dist-ep{args.ep}.md").write_text(C.markdown_table(cases) + "\n")
+    C.write_report(args.out / f"report-{tag}.json", report)
+    (args.out / f"report-{tag}.md").write_text(C.markdown_table(cases) + "\n")
     log(f"verdict: {json.dumps(v)}")
 
 
@@ -711,6 +755,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the trimmed FlashInfer module built earlier (skips the JIT build)",
     )
     p.add_argument("--ep", type=int, choices=(1, 2), default=1, help="dist: 1 = TP2, 2 = EP2")
+    p.add_argument(
+        "--precision",
+        choices=("default", "fp8"),
+        default="default",
+        help="dist: --flashinfer-mxfp4-moe-precision (fp8: SM90 W4A8 Humming; --prebuilt is "
+        "then the W4A8 module)",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.suite == "dist":
@@ -722,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(_dist_worker, args=(args, port), nprocs=2, join=True)
-        report = json.loads((args.out / f"report-dist-ep{args.ep}.json").read_text())
+        report = json.loads((args.out / f"report-{_dist_tag(args)}.json").read_text())
         return 0 if report["verdict"]["overall"] else 1
     if args.suite == "single-w4a8":
         log = _log_to(args.out, "single-w4a8")

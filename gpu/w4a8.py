@@ -2,13 +2,17 @@
 
     python -m gpu.w4a8 --module w4a8 --source SRC --converted CONV --out OUT
     python -m gpu.w4a8 --module w4a16 --source SRC --converted CONV --out OUT --prebuilt SO
+    python -m gpu.w4a8 --module w4a8 --memory --out OUT --prebuilt SO
 
 `--module w4a8` loads the trimmed Humming module (gpu/trimmed_build.py --variant w4a8),
 prepares the converted layer through `adapter/flashinfer_moe.prepare_sm90_humming`, checks
 SiTU against the reference (the activation FP8 quantization modelled, see
 `fp8_rows`), runs the negative controls and times SiTU W4A8. `--module w4a16` times SiTU and
 SwiGLU W4A16 on the same weights and inputs. FlashInfer caches one SM90 module per process,
-so the two run as two processes; `merge` puts their timings into one table.
+so the two run as two processes; `merge` puts their timings into one table. `--no-timing`
+runs the checks alone. `--memory` measures the Humming preparation's GPU memory (whole, as
+one FlashInfer call, against chunked, as the adapter prepares it) at per-rank shapes, and
+checks that both give the same bytes.
 
 What the reference models: the kernel quantizes its activations to FP8 E4M3 per row (the
 layer input per token; the SiTU output per routed (token, expert) row) with a dynamic scale;
@@ -200,6 +204,109 @@ class W4A8:
         return rows
 
 
+# Per-rank expert shapes for the preparation-memory measurement: (name, local experts, K,
+# N per rank). The gate's shapes (28 experts, TP8 / TP2 slices of N) and the deployments'
+# (every expert at moe-TP 8 and 2; 56 experts whole at EP16, the 16xH200 layout).
+MEMORY_SHAPES = (
+    ("gate-tp8", 28, 3584, 384),
+    ("gate-tp2", 28, 3584, 1536),
+    ("tp8-rank", 896, 3584, 384),
+    ("tp2-rank", 896, 3584, 1536),
+    ("ep16-rank", 56, 3584, 3072),
+)
+UNCHUNKED = 1 << 62  # a budget no layer reaches: one preprocessing call per tensor (before)
+
+
+def random_layer(e: int, k: int, n: int, seed: int, dev: Any) -> tuple[torch.Tensor, ...]:
+    """Random packed FP4 and E8M0 scales spread over 20 binades, so that Humming's
+    per-expert range clamp (11) is active and differs between experts."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def u8(shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g, device=dev, dtype=torch.uint8)
+
+    return (
+        u8((e, 2 * n, k // 2), 0, 256),
+        u8((e, 2 * n, k // 32), 110 + seed % 3, 131),
+        u8((e, k, n // 2), 0, 256),
+        u8((e, k, n // 32), 112, 131),
+    )
+
+
+def _prepared_equal(a: Any, b: Any) -> bool:
+    pairs = [(a.fc1, b.fc1), (a.fc2, b.fc2), *zip(a.quant_scales, b.quant_scales, strict=True)]
+    return all(x.shape == y.shape and torch.equal(x, y) for x, y in pairs)
+
+
+def prep_memory(log: Callable[[str], None], shapes: tuple = MEMORY_SHAPES) -> dict[str, Any]:
+    """torch.cuda.max_memory_allocated around `prepare_sm90_humming`, above the inputs, for
+    one call per tensor (before) and the chunked preparation (after); bytes compared."""
+    from kimi_w31.adapter import flashinfer_moe as fm
+
+    dev = torch.device("cuda", 0)
+    gib = float(1 << 30)
+    rows = []
+    for i, (name, e, k, n) in enumerate(shapes):
+        torch.cuda.empty_cache()
+        inputs = random_layer(e, k, n, 40 + i, dev)
+        fc1_bytes = inputs[0].numel()
+        row: dict[str, Any] = {
+            "shape": name,
+            "experts": e,
+            "K": k,
+            "N_rank": n,
+            "fc1_packed_gib": fc1_bytes / gib,
+            "fc2_packed_gib": inputs[2].numel() / gib,
+            "experts_per_chunk_fc1": fm.experts_per_chunk(2 * n * k // 2),
+            "experts_per_chunk_fc2": fm.experts_per_chunk(k * n // 2),
+        }
+        results = {}
+        for mode, budget in (("unchunked", UNCHUNKED), ("chunked", fm.HUMMING_PREP_BUDGET)):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            t = time.time()
+            try:
+                results[mode] = fm.prepare_sm90_humming(*inputs, budget=budget)
+            except torch.cuda.OutOfMemoryError as exc:
+                row[mode] = {"oom": str(exc).split("\n")[0][:200]}
+                log(f"{name} {mode}: out of memory")
+                torch.cuda.empty_cache()
+                continue
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            kept = torch.cuda.memory_allocated() - base
+            row[mode] = {
+                "peak_above_inputs_gib": peak / gib,
+                "outputs_gib": kept / gib,
+                "transient_gib": (peak - kept) / gib,
+                "peak_over_fc1_packed": peak / fc1_bytes,
+                "seconds": round(time.time() - t, 3),
+            }
+            log(f"{name} {mode}: {row[mode]}")
+        if len(results) == 2:
+            same = _prepared_equal(results["unchunked"], results["chunked"])
+            row["chunked_equals_unchunked"] = same
+            log(f"{name}: chunked == unchunked bit for bit: {same}")
+        del results, inputs
+        rows.append(row)
+    bound = fm.HUMMING_PREP_BUDGET / gib
+    return {
+        "budget_gib": bound,
+        "bytes_per_packed_byte": fm.HUMMING_PREP_BYTES_PER_PACKED_BYTE,
+        "rows": rows,
+        "verdict": {
+            "chunked_equals_unchunked": all(r.get("chunked_equals_unchunked", True) for r in rows),
+            # the stated bound: the outputs plus at most the budget above the inputs
+            "chunked_peak_within_outputs_plus_budget": all(
+                "peak_above_inputs_gib" in r.get("chunked", {})
+                and r["chunked"]["peak_above_inputs_gib"] <= r["chunked"]["outputs_gib"] + bound
+                for r in rows
+            ),
+        },
+    }
+
+
 def _slice(w: ref.ExpertWeights, tp: int, rank: int) -> ref.ExpertWeights:
     n = w.gate.shape[0]
     sl = slice(rank * n // tp, (rank + 1) * n // tp)
@@ -233,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prebuilt", type=Path, default=None)
     p.add_argument("--experts", type=int, default=28)
     p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--no-timing", action="store_true", help="the checks alone, no timing")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure the Humming preparation's memory (whole vs chunked) and nothing else",
+    )
     p.add_argument(
         "--autotune",
         action="store_true",
@@ -255,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     T.install(args.prebuilt, T.VARIANTS[args.module])
     from kimi_w31.adapter import flashinfer_moe as fm
 
+    if args.memory:
+        mem = {"environment": H.environment(), **prep_memory(log)}
+        (args.out / "report-w4a8-memory.json").write_text(json.dumps(mem, indent=1))
+        log(f"memory verdict: {mem['verdict']}")
+        return 0 if all(mem["verdict"].values()) else 1
     t = time.time()
     layer = H.load_layer(args.source, args.converted, args.experts)
     log(f"loaded {layer.num_experts} experts in {time.time() - t:.1f} s")
@@ -287,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         b = betas if act == "situ" else (None, None)
         return lambda: fm.run_situ_moe(x, ids, wts, prepared, *b, output=out, activation=act)
 
+    if args.no_timing:
+        (args.out / f"report-w4a8-{args.module}-checks.json").write_text(
+            json.dumps(report, indent=1)
+        )
+        log(f"verdict: {report.get('verdict')}")
+        return 0 if report.get("verdict", {}).get("all_as_expected", False) else 1
     if args.autotune:
         from flashinfer.autotuner import autotune
 

@@ -8,9 +8,13 @@ the subcommand runs: converting never pays for verify's or serve's imports.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import re
+from pathlib import Path
 
 import click
+from click_default_group import DefaultGroup
 
 from . import __version__
 
@@ -24,26 +28,38 @@ COMMANDS = {
 }
 
 
-class KimiConvert(click.Group):
+def _looks_like_a_command(word: str) -> str | None:
+    """The command `word` is a typo of, when it is one: a bare lowercase word close to a
+    command name that names no existing path (a source directory may be called anything;
+    a Hub repo id has a slash). Else None: the word is convert's SRC."""
+    if not re.fullmatch(r"[a-z][a-z-]*", word) or Path(word).expanduser().exists():
+        return None
+    close = difflib.get_close_matches(word, COMMANDS, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+class KimiConvert(DefaultGroup):
     """Subcommands imported on use; `kimi-convert SRC OUT` means `kimi-convert convert SRC
-    OUT`."""
+    OUT` (click-default-group: a first word that is no command goes to the default)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in self.commands and name in COMMANDS:
-            module, attribute = COMMANDS[name].split(":")
-            self.add_command(getattr(importlib.import_module(module), attribute), name)
+        if name not in COMMANDS:
+            meant = _looks_like_a_command(name)
+            if meant is not None:  # `verfy out/` is a typo, not a conversion of ./verfy
+                raise click.UsageError(f"no such command {name!r}; did you mean {meant!r}?", ctx)
+        wanted = name if name in COMMANDS else self.default_cmd_name
+        if wanted in COMMANDS and wanted not in self.commands:
+            module, attribute = COMMANDS[wanted].split(":")
+            self.add_command(getattr(importlib.import_module(module), attribute), wanted)
         return super().get_command(ctx, name)
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in COMMANDS and args[0] not in ("--help", "-h", "--version"):
-            args = ["convert", *args]
-        return super().parse_args(ctx, args)
 
-
-@click.group(cls=KimiConvert, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=KimiConvert, default="convert", context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(__version__, prog_name="kimi-convert")
 def main() -> None:
     """Convert Kimi-K3 MXFP4 checkpoints to the fused [up; gate] (w31) expert layout,

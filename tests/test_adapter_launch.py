@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kimi_w31.adapter import launch
 from kimi_w31.adapter.launch import ServeError, check_stack, plan_serve, serve
 from kimi_w31.converter import contract
@@ -218,3 +220,228 @@ def test_importing_the_converter_and_launch_never_imports_sglang():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------------------
+# SGLang's flags after `--`: every name and form argparse takes
+# --------------------------------------------------------------------------------------
+
+VALUES = {
+    "tp_size": st.integers(1, 64),
+    "ep_size": st.integers(1, 64),
+    "pp_size": st.integers(1, 8),
+    "nnodes": st.integers(1, 8),
+    "mem_fraction_static": st.sampled_from([0.5, 0.8, 0.88, 0.9]),
+    "moe_runner_backend": st.sampled_from(["marlin", "flashinfer_mxfp4", "auto"]),
+}
+OTHER = [
+    ["--port", "30000"],
+    ["--trust-remote-code"],
+    ["--host", "0.0.0.0"],
+    ["--dist-init-addr=a:1"],
+]
+
+
+@st.composite
+def _command_lines(draw):
+    """SGLang argument lists: our flags under every option string (and the short prefix
+    `--tp` that argparse expands), `--x y` or `--x=y`, among flags serve does not read."""
+    args: list[str] = []
+    want: dict = {}
+    for _ in range(draw(st.integers(0, 8))):
+        if draw(st.booleans()):
+            args += draw(st.sampled_from(OTHER))
+            continue
+        dest = draw(st.sampled_from(sorted(launch.SGLANG_FLAGS)))
+        names = list(launch.SGLANG_FLAGS[dest][0]) + (["--tp"] if dest == "tp_size" else [])
+        name = draw(st.sampled_from(names))
+        value = draw(VALUES[dest])
+        args += [f"{name}={value}"] if draw(st.booleans()) else [name, str(value)]
+        want[dest] = value
+    return args, want
+
+
+@given(_command_lines())
+def test_sglang_flags_reads_every_name_and_form_last_one_wins(case):
+    args, want = case
+    assert launch.sglang_flags(args) == want
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--tp-size"], "bad-flag"),
+        (["--tensor-parallel-size", "--port"], "bad-flag"),
+        (["--ep=two"], "bad-flag"),
+        (["--mem-fraction-static", "x"], "bad-flag"),
+        (["--x", "2"], None),  # not a prefix of any flag serve reads: SGLang's business
+    ],
+)
+def test_sglang_flags_refuses_what_argparse_refuses(args, reason):
+    if reason is None:
+        assert launch.sglang_flags(args) == {}
+        return
+    with pytest.raises(ServeError) as err:
+        launch.sglang_flags(args)
+    assert err.value.reason == reason
+
+
+def test_a_prefix_of_two_flags_is_ambiguous():
+    with pytest.raises(ServeError) as err:
+        launch.sglang_flags(["--mem", "0.5", "--m", "1"])
+    assert err.value.reason == "ambiguous-flag"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--tensor-parallel-size", "16", "--expert-parallel-size", "2"],
+        ["--tp-size=16", "--ep=2"],
+        ["--tp", "16", "--ep-size", "2"],
+    ],
+)
+def test_long_and_short_names_drive_the_command_and_the_checks(tmp_path, extra):
+    root = ckpt(tmp_path)
+    plan = plan_serve(root, extra, tp=1, python="py")
+    head = ["py", "-m", "sglang.launch_server", "--model-path", str(root)]
+    assert plan.argv == [*head, "--moe-runner-backend", "flashinfer_mxfp4", *extra]
+    bad = [x.replace("16", "32").replace("=2", "=1") for x in extra]  # moe-TP 32 or 16
+    bad = [x if x != "2" else "1" for x in bad]
+    with pytest.raises(ServeError) as err:
+        plan_serve(ckpt(tmp_path), bad, python="py")
+    assert err.value.reason == "moe-tp-alignment"
+
+
+# --------------------------------------------------------------------------------------
+# capacity: the GPUs must hold the checkpoint
+# --------------------------------------------------------------------------------------
+
+H200 = 143771 * 2**20  # what nvidia-smi reports for an H200 (MiB)
+
+
+def _with_index(root: Path, total_size: int | None, shards: dict[str, int] | None = None) -> Path:
+    shards = shards or {}
+    for name, size in shards.items():
+        (root / name).write_bytes(b"\0" * size)
+    index = {"weight_map": {f"t{i}": name for i, name in enumerate(shards)}}
+    if total_size is not None:
+        index["metadata"] = {"total_size": total_size}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    return root
+
+
+@pytest.mark.parametrize(("tp", "ep", "fits"), [(1, 1, False), (8, 1, False), (16, 2, True)])
+def test_a_real_size_replica_needs_two_h200_nodes(tmp_path, tp, ep, fits):
+    """1.4 TB: not on one GPU, not on one 8 x H200 node (the old first README example)."""
+    root = _with_index(ckpt(tmp_path), 1_400_000_000_000)
+    if fits:
+        plan_serve(root, tp=tp, ep=ep, gpu_memory=H200)
+        return
+    with pytest.raises(ServeError) as err:
+        plan_serve(root, tp=tp, ep=ep, gpu_memory=H200)
+    assert err.value.reason == "capacity"
+
+
+@given(
+    size=st.integers(1, 10**13),
+    tp=st.sampled_from([1, 2, 4, 8, 16, 24, 32]),
+    pp=st.integers(1, 4),
+    per_gpu=st.integers(10**9, 2 * 10**11),
+    fraction=st.one_of(st.none(), st.sampled_from([0.5, 0.85, 0.9])),
+)
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_capacity_refuses_exactly_when_an_even_split_does_not_fit(
+    tmp_path, size, tp, pp, per_gpu, fraction
+):
+    root = _with_index(ckpt(tmp_path), size)
+    extra = ["--pp-size", str(pp)] + ([f"--mem-fraction-static={fraction}"] if fraction else [])
+    usable = per_gpu * (fraction if fraction else 1.0)
+    fits = size / (tp * pp) <= usable
+    try:
+        plan_serve(root, extra, tp=tp, ep=tp, gpu_memory=per_gpu, python="py")
+        refused = False
+    except ServeError as exc:
+        assert exc.reason == "capacity"
+        refused = True
+    assert refused == (not fits)
+
+
+def test_capacity_reads_shard_sizes_without_total_size_and_the_gpus_where_present(tmp_path):
+    root = _with_index(ckpt(tmp_path), None, {"a.safetensors": 600, "b.safetensors": 500})
+    assert launch.checkpoint_bytes(root)[0] == 1100
+    seen = {}
+
+    def smi(cmd, **kw):
+        seen["cmd"] = cmd
+        return types.SimpleNamespace(returncode=0, stdout="143771\n81559\n")
+
+    detected = launch.detect_gpu_memory(run=smi, which=lambda name: "/usr/bin/nvidia-smi")
+    assert detected[0] == 81559 * 2**20 and "nvidia-smi" in seen["cmd"][0]
+    # the smallest GPU decides; 1100 bytes over 2 GPUs of 500 bytes: refused
+    with pytest.raises(ServeError) as err:
+        plan_serve(root, tp=2, ep=2, detect=lambda: (500, "test"))
+    assert err.value.reason == "capacity"
+    plan_serve(root, tp=4, ep=4, detect=lambda: (500, "test"))
+    plan_serve(root, tp=2, ep=2, detect=lambda: None)  # unknown memory: not checked
+
+
+def test_capacity_counts_pipeline_stages_and_shows_nodes(tmp_path):
+    root = _with_index(ckpt(tmp_path), 2000)
+    extra = ["--pipeline-parallel-size", "2", "--nnodes", "2"]
+    plan_serve(root, extra, tp=2, ep=2, gpu_memory=500, python="py")  # 4 GPUs x 500
+    with pytest.raises(ServeError) as err:
+        plan_serve(root, ["--nnodes", "2"], tp=2, ep=2, gpu_memory=500)
+    assert err.value.reason == "capacity"
+
+
+def test_gpu_memory_option_parses_sizes(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "check_stack", lambda: [])
+    monkeypatch.setattr(launch, "verify_structure", lambda root: [])
+    root = _with_index(ckpt(tmp_path), 1_400_000_000_000)
+    run = CliRunner().invoke
+    assert run(serve, [str(root), "--tp", "8", "--gpu-memory", "141GB", "--print"]).exit_code == 1
+    ok = run(serve, [str(root), "--tp", "16", "--ep", "2", "--gpu-memory", "141GB", "--print"])
+    assert ok.exit_code == 0, ok.output
+    assert run(serve, [str(root), "--gpu-memory", "lots", "--print"]).exit_code == 2
+
+
+# --------------------------------------------------------------------------------------
+# --skip-checks skips every check the README lists
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setup", "args"),
+    [
+        ("alignment", ["--tp", "16"]),
+        ("capacity", ["--tp", "8", "--gpu-memory", "141GB"]),
+        ("block", []),
+        ("stack", []),
+    ],
+)
+def test_skip_checks_skips_each_check(tmp_path, monkeypatch, setup, args):
+    root = _with_index(ckpt(tmp_path), 1_400_000_000_000)
+    monkeypatch.setattr(launch, "verify_structure", lambda root: [])
+    monkeypatch.setattr(launch, "check_stack", lambda: [])
+    if setup == "block":
+        root = _with_index(ckpt(tmp_path, activation_situ_beta=3.0), 10)
+    if setup == "stack":
+        monkeypatch.setattr(launch, "check_stack", lambda: ["sglang is not installed"])
+    base = [str(root), "--print", "--gpu-memory", "10TB", *args]
+    refused = CliRunner().invoke(serve, base)
+    assert refused.exit_code == 1, refused.output
+    skipped = CliRunner().invoke(serve, [*base, "--skip-checks"])
+    assert skipped.exit_code == 0, skipped.output
+    assert "sglang.launch_server" in skipped.output
+
+
+def test_the_install_hint_is_the_readmes(monkeypatch):
+    """No package index carries kimi-w31: the hint is the README's install line."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    problems = _stack({}, [_ep()])
+    assert len(problems) == 2
+    for p in problems:
+        assert launch.INSTALL_HINT in p and "kimi-w31[" not in p
+    assert launch.INSTALL_HINT.split(" from ")[0] in readme

@@ -3,11 +3,14 @@ it takes (no bare TEXT or INTEGER placeholders)."""
 
 from __future__ import annotations
 
+import json
+import random
 import re
 
 import click
 import pytest
 from click.testing import CliRunner
+from kimi_w31.converter.errors import EXIT_CODES, Code
 
 from kimi_w31.cli import main
 
@@ -56,3 +59,50 @@ def test_converting_never_imports_the_other_commands():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "loaded: []"
+
+
+# -- a typo is not a conversion -------------------------------------------------------------
+def _one_edit_typos(word: str) -> set[str]:
+    """Every word one deletion, one substitution or one swap of neighbours away."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    typos = {word[:i] + word[i + 1 :] for i in range(len(word))}
+    typos |= {word[:i] + c + word[i + 1 :] for i in range(len(word)) for c in letters}
+    typos |= {word[:i] + word[i + 1] + word[i] + word[i + 2 :] for i in range(len(word) - 1)}
+    return typos - set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_a_typo_of_a_command_is_refused_and_names_the_command(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    typos = sorted(t for t in _one_edit_typos(name) if len(t) >= 4)
+    for typo in random.Random(name).sample(typos, 12):
+        result = CliRunner().invoke(main, [typo, "out", "--checksums"])
+        assert result.exit_code == EXIT_CODES[Code.USAGE], (typo, result.output)
+        assert repr(name) in result.output, (typo, result.output)  # the command meant
+        assert not (tmp_path / "out").exists()  # nothing converted, nothing written
+
+
+def test_an_existing_directory_named_like_a_typo_is_a_source(tmp_path, monkeypatch):
+    """A source may be called anything: a path that exists goes to convert, typo or not."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "verfy").mkdir()
+    result = CliRunner().invoke(main, ["verfy", "out", "--json"])
+    doc = json.loads(result.output)  # convert read it: an empty directory has no config
+    assert [p["code"] for p in doc["problems"]] == [Code.FILE_MISSING.value]
+    assert result.exit_code == doc["exit_code"] == EXIT_CODES[Code.FILE_MISSING]
+
+
+def test_a_word_unlike_any_command_is_convert_s_source(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["zzzzzz", "out", "--json"])
+    doc = json.loads(result.output)
+    assert {p["code"] for p in doc["problems"]} == {Code.SOURCE_NOT_FOUND.value}
+    assert result.exit_code == EXIT_CODES[Code.SOURCE_NOT_FOUND]
+
+
+def test_src_out_without_a_command_still_converts(small_source, tmp_path):
+    result = CliRunner().invoke(
+        main, [str(small_source), str(tmp_path / "out"), "--manifest", "kimi-k3-any", "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()

@@ -15,6 +15,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kimi_w31.adapter import flashinfer_moe as fm
 
 E, K, N = 4, 256, 128
@@ -510,3 +512,94 @@ def test_humming_kwargs_bind_to_the_real_signature() -> None:
     )
     inspect.signature(flashinfer_moe.cutlass_fused_moe).bind(**kw)
     assert hasattr(flashinfer_moe, "preprocess_moe_weights_for_sm90_mixed_gemm_humming")
+
+
+# --------------------------------------------------------------------------------------
+# W4A8 preparation in chunks of experts (bounded temporaries)
+# --------------------------------------------------------------------------------------
+
+
+def _per_expert_prep(calls: list[int]):
+    """A stand-in with the real preprocessing's contract: every output is a function of one
+    expert's own payload and scales (its E8M0 range clamp), never of another expert's."""
+
+    def prep(w: torch.Tensor, s: torch.Tensor):
+        calls.append(w.shape[0])
+        e = w.shape[0]
+        hi = s.reshape(e, -1).max(dim=1).values
+        lo = torch.maximum(s.reshape(e, -1).min(dim=1).values, hi - 11)
+        folded = (torch.maximum(s, lo[:, None, None]) - lo[:, None, None]).to(torch.uint8)
+        payload = w ^ (hi - lo).to(torch.uint8)[:, None, None]
+        residual = torch.exp2(lo.float() - 127.0) * 0.5
+        return payload.reshape(e, -1, 16), folded.reshape(e, -1), residual
+
+    return prep
+
+
+@given(
+    e=st.integers(1, 13),
+    rows=st.sampled_from([2, 4, 8]),
+    kb=st.sampled_from([16, 32]),
+    chunk=st.integers(1, 16),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_chunked_preparation_equals_one_call(e, rows, kb, chunk, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 256, (e, rows, kb), generator=g, dtype=torch.uint8)
+    s = torch.randint(100, 140, (e, rows, kb * 2 // 32), generator=g, dtype=torch.uint8)
+    calls: list[int] = []
+    whole = fm.map_expert_chunks(_per_expert_prep(calls), w, s, e)
+    assert calls == [e]
+    calls.clear()
+    chunked = fm.map_expert_chunks(_per_expert_prep(calls), w, s, chunk)
+    assert sum(calls) == e and max(calls) <= chunk and len(calls) == -(-e // chunk)
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@given(
+    per_expert=st.integers(1, 1 << 26),
+    budget=st.integers(1, 1 << 34),
+    factor=st.integers(1, 64),
+)
+def test_experts_per_chunk_keeps_the_transient_within_the_budget(per_expert, budget, factor):
+    n = fm.experts_per_chunk(per_expert, budget, factor)
+    assert n >= 1
+    # within the budget, or a single expert (the smallest unit) ...
+    assert n * per_expert * factor <= budget or n == 1
+    # ... and as large as the budget allows
+    assert (n + 1) * per_expert * factor > budget
+
+
+@pytest.mark.parametrize("bad", [(0, 1, 1), (1, 0, 1), (1, 1, 0), (-5, 1 << 30, 40)])
+def test_experts_per_chunk_rejects_non_positive_sizes(bad) -> None:
+    with pytest.raises(ValueError):
+        fm.experts_per_chunk(*bad)
+
+
+def test_prepare_sm90_humming_chunks_within_the_budget(monkeypatch) -> None:
+    """Through the adapter's entry point: the budget decides the chunks of each tensor, and
+    the result is the one-call result byte for byte."""
+    calls: list[int] = []
+    env = _install_fake(monkeypatch, "0.7.2", _cutlass_with_situ)
+    env.fused.preprocess_moe_weights_for_sm90_mixed_gemm_humming = _per_expert_prep(calls)
+    e = 7
+    g = torch.Generator().manual_seed(3)
+    w31p, w31s, w2p, w2s = (
+        torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8) for t in _tensors(e=e)
+    )
+    whole = fm.prepare_sm90_humming(w31p, w31s, w2p, w2s, budget=1 << 62)
+    assert calls == [e, e]
+    calls.clear()
+    fc1_expert = 2 * N * K // 2  # packed bytes of one expert's fc1
+    budget = 3 * fc1_expert * fm.HUMMING_PREP_BYTES_PER_PACKED_BYTE
+    chunked = fm.prepare_sm90_humming(w31p, w31s, w2p, w2s, budget=budget)
+    # fc1: 3 experts a call; fc2 (half the bytes): 6
+    assert calls == [3, 3, 1, 6, 1]
+    for a, b in zip(
+        (whole.fc1, whole.fc2, *whole.quant_scales),
+        (chunked.fc1, chunked.fc2, *chunked.quant_scales),
+        strict=True,
+    ):
+        assert torch.equal(a, b)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -29,11 +30,12 @@ import numpy as np
 import pytest
 from kimi_w31.converter import contract, reference
 from kimi_w31.converter.cli import convert_cmd, synth
+from kimi_w31.converter.errors import Code
 from kimi_w31.converter.hashing import TENSOR_HASH
 from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.outdir import CHECKSUMS_FORMAT
 from kimi_w31.converter.pipeline import ConvertOptions, convert
-from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, synth_checkpoint
+from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, cli_spec, synth_checkpoint
 from safetensors import safe_open
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
@@ -49,6 +51,7 @@ HOLES_CHECKSUMS = {
     ("files", "*", "sources", "*", 3),  # inode
     ("files", "config.json", "size"),  # config.json holds the source path
     ("files", "config.json", "sha256"),
+    ("source", "sha256"),  # a hash of where the source was read from
 }
 ITEM_SIZE = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}  # the dtypes synth writes
 SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -192,18 +195,7 @@ def example_run_options(src: Path, out: Path) -> tuple[SynthSpec, ConvertOptions
     assert synth_line[:2] == ["kimi-convert", "synth"]
     p = synth.make_context("synth", synth_line[2:]).params
     assert not p["real_dims"], "the worked example is a small checkpoint"
-    layers = p["layers"]
-    spec = SynthSpec(
-        layers=layers,
-        dense_layers=min(1, layers - 1) if p["dense_layers"] is None else p["dense_layers"],
-        moe_every=p["moe_every"],
-        experts=p["experts"],
-        top_k=min(p["top_k"], p["experts"]),
-        shards=p["shards"],
-        k=p["k"] or 128,
-        n=p["n"] or 64,
-        seed=p["seed"],
-    )
+    spec = cli_spec(**{key: p[key] for key in inspect.signature(cli_spec).parameters})
     assert convert_line[0] == "kimi-convert" and convert_line[1] != "synth"
     c = convert_cmd.make_context("convert", convert_line[1:]).params
     assert Path(c["source"]) == Path(p["output"]), "convert reads what synth wrote"
@@ -252,7 +244,7 @@ def _file_of(cell: str, run: dict) -> Path:
 def test_config_block_example(run):
     holes = match(example_json("config-block"), {"kimi_w31": run["config"]["kimi_w31"]})
     assert all(allowed(p, HOLES_BLOCK) for p, _ in holes), holes
-    assert dict(holes) == {("kimi_w31", "source", "path"): str(run["src"].resolve())}
+    assert dict(holes) == {("kimi_w31", "source", "path"): run["src"].resolve().name}
 
 
 def test_quantization_config_example(run):
@@ -389,7 +381,7 @@ def test_block_field_table_is_the_block(run):
     header, rows = table("block-fields")
     assert header[:4] == ["field", "kind", "type", "allowed value"]
     fields = {unquote(r[0]): r for r in rows}
-    assert {f for f in fields if "." not in f} == set(block), "table lists exactly the block"
+    assert [f for f in fields if "." not in f] == list(block), "the block, in the order written"
     contract_rows = [f for f, r in fields.items() if r[1] == "contract"]
     assert set(contract_rows) == set(contract.REQUIRED_FIELDS)
     assert set(list(block)[:8]) == set(contract_rows), "the eight contract fields come first"
@@ -420,7 +412,7 @@ def test_block_meanings(run):
     assert re.fullmatch(r"kimi-w31 \S+", block["converter"])
     manifest = load_manifest(block["manifest"])
     assert manifest.name == block["manifest"] and manifest.sha256 == block["manifest_sha256"]
-    assert block["source"]["path"] == str(src.resolve())
+    assert block["source"]["path"] == src.resolve().name  # no path of the converting machine
     for file, entry in block["source"]["files"].items():
         length, _, data = read_shard(src / file)
         assert entry["size"] == len(data)
@@ -634,10 +626,10 @@ def test_moe_layer_examples_follow_the_rule():
         cfg = {}
         for key, cell in zip(keys, row[:4], strict=True):
             if cell != "absent":
-                cfg[key] = None if cell == "null" else int(cell)
+                cfg[key] = json.loads(cell)  # 4, 4.0, true, null: as JSON reads them
         layers, problems = contract.moe_layer_ids({"text_config": cfg})
         if row[4] == "invalid":
-            assert problems, row
+            assert problems and {p.code for p in problems} == {Code.CONFIG_FIELD}, row
         else:
             assert not problems and layers == [int(x) for x in row[4].split(", ")], row
 
@@ -697,6 +689,209 @@ def test_spec_has_every_marked_block_once():
                 "shard-layout",
                 "w31-bytes",
                 "checksums",
+                "decode-vectors",
+                "expert-vector",
             }
         )
     )
+
+
+# -- section 11: known-answer vectors ------------------------------------------------------------
+#
+# A decoder written here from the spec's words alone (sections 3 and 4.2), in fp64 Python,
+# never from converter/reference.py: the spec's vectors must be what it computes, and what
+# the code's known answers (converter/known_answers.py) hold.
+
+
+def _spec_value(v) -> float:
+    return {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[v] if isinstance(v, str) else v
+
+
+def _same_values(got: list[float], want: list[float]) -> bool:
+    """Equal as values: NaN where NaN, and the sign of zero kept."""
+    return len(got) == len(want) and all(
+        (math.isnan(g) and math.isnan(w)) or (g == w and math.copysign(1, g) == math.copysign(1, w))
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+def _e2m1_by_hand(code: int) -> float:
+    """Section 3's bits (s e1 e0 m): e = 0 is subnormal (m × 0.5), else 2^(e-1) × (1 + m/2)."""
+    sign, exp, man = code >> 3, (code >> 1) & 3, code & 1
+    magnitude = man * 0.5 if exp == 0 else 2.0 ** (exp - 1) * (1 + man / 2)
+    return -magnitude if sign else magnitude
+
+
+def _decode_by_hand(
+    packed_rows: list[str], scale_rows: list[str], swap: bool = False, bias: int = 127
+) -> list[list[float]]:
+    """MXFP4 rows to values as an fp32 decoder must give them (`swap`/`bias`: wrong ones)."""
+    out = []
+    for prow, srow in zip(packed_rows, scale_rows, strict=True):
+        codes = [
+            c for b in bytes.fromhex(prow) for c in ((b >> 4, b & 15) if swap else (b & 15, b >> 4))
+        ]
+        scales = bytes.fromhex(srow)
+        row = []
+        for i, code in enumerate(codes):
+            e = scales[i // 32]
+            v = _e2m1_by_hand(code) * (math.nan if e == 0xFF else math.ldexp(1.0, e - bias))
+            # Every value has at most 2 significant bits, so fp32 holds it exactly unless its
+            # magnitude is 2^128 or more: then the fp32 result is +-inf (section 3).
+            row.append(math.copysign(math.inf, v) if abs(v) >= 2.0**128 else v)
+        out.append(row)
+    return out
+
+
+def test_decode_vectors_are_the_spec_decoded_by_hand():
+    vectors = example_json("decode-vectors")
+    assert len(vectors) == 3
+    for vector in vectors:
+        want = [[_spec_value(v) for v in row] for row in vector["values"]]
+        assert all(
+            _same_values(g, w)
+            for g, w in zip(_decode_by_hand(vector["packed"], vector["scale"]), want, strict=True)
+        ), vector["what"]
+    # the answers a wrong decoder cannot give: every vector under a bias of 126 or 128, the
+    # first under swapped nibbles
+    for bias in (126, 128):
+        assert all(
+            not _same_values(
+                _decode_by_hand(v["packed"], v["scale"], bias=bias)[0],
+                [_spec_value(x) for x in v["values"][0]],
+            )
+            for v in vectors
+        )
+    first = vectors[0]
+    assert _decode_by_hand(first["packed"], first["scale"], swap=True)[0] != [
+        _spec_value(x) for x in first["values"][0]
+    ]
+    _, rows = table("e8m0")
+    assert {int(byte, 16) for byte, _ in rows} == {0x00, 0x01, 0x7E, 0x7F, 0x80, 0xFE, 0xFF}
+
+
+def test_decode_vectors_are_the_code_s_known_answers():
+    from kimi_w31.converter import known_answers
+
+    vectors = example_json("decode-vectors")
+    assert len(vectors) == len(known_answers.DECODE)
+    for doc, code in zip(vectors, known_answers.DECODE, strict=True):
+        assert doc["what"] == code["what"]
+        assert doc["packed"] == list(code["packed"]) and doc["scale"] == list(code["scale"])
+        assert len(doc["values"]) == len(code["values"])
+        for drow, crow in zip(doc["values"], code["values"], strict=True):
+            assert _same_values([_spec_value(v) for v in drow], list(crow)), doc["what"]
+    _, rows = table("e8m0")
+    assert {int(byte, 16) for byte, _ in rows} == set(known_answers.E8M0)
+
+
+def _expert_by_hand(e: dict, variant: str = "") -> tuple[list, list, list]:
+    """(x·gateᵀ, x·upᵀ, y) in fp64 from the spec's words; `variant` names a wrong reading."""
+    k, n = e["K"], e["N"]
+    swap, bias = variant == "swapped nibbles", {"bias 126": 126, "bias 128": 128}.get(variant, 127)
+    w31 = _decode_by_hand(e["w31.weight_packed"], e["w31.weight_scale"], swap, bias)
+    down = _decode_by_hand(e["w2.weight_packed"], e["w2.weight_scale"], swap, bias)
+    assert len(w31) == 2 * n and len(w31[0]) == k and len(down) == k and len(down[0]) == n
+    up, gate = w31[:n], w31[n:]  # rows [0, N) up, [N, 2N) gate
+    if variant == "swapped halves":
+        up, gate = gate, up
+    beta, lin = e["situ_beta"], e["situ_linear_beta"]
+    if variant == "swapped betas":
+        beta, lin = lin, beta
+    x = e["x"]
+    g = [[sum(a * b for a, b in zip(t, row, strict=True)) for row in gate] for t in x]
+    u = [[sum(a * b for a, b in zip(t, row, strict=True)) for row in up] for t in x]
+
+    def situ(gv: float, uv: float) -> float:
+        capped = beta * math.tanh(gv / beta)
+        sig = 1 / (1 + math.exp(-(capped if variant == "sigmoid of the capped gate" else gv)))
+        return capped * sig * lin * math.tanh(uv / lin)
+
+    h = [[situ(a, b) for a, b in zip(gr, ur, strict=True)] for gr, ur in zip(g, u, strict=True)]
+    y = [[sum(a * b for a, b in zip(t, row, strict=True)) for row in down] for t in h]
+    return g, u, y
+
+
+def _relative_error(got: list[list[float]], want: list[list[float]]) -> float:
+    flat = [(a, b) for ga, wa in zip(got, want, strict=True) for a, b in zip(ga, wa, strict=True)]
+    return max(abs(a - b) for a, b in flat) / max(abs(b) for _, b in flat)
+
+
+def test_expert_vector_is_the_spec_computed_by_hand():
+    e = example_json("expert-vector")
+    assert (e["K"], e["N"], e["fc1_order"]) == (32, 32, ["up", "gate"])
+    g, u, y = _expert_by_hand(e)
+    assert g == e["gate"] and u == e["up"], "x·gateᵀ and x·upᵀ are exact"
+    assert len(y) == len(e["y"]) == 2 and all(len(r) == 32 for r in e["y"])
+    err = _relative_error(y, e["y"])
+    assert err <= 1e-6, f"fp64 lands within ~1e-7 of the fp32 answer (got {err:.3g})"
+    # every y is written as the shortest decimal that reads back as its fp32 number
+    assert all(float(str(np.float32(v))) == v for row in e["y"] for v in row)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "swapped nibbles",
+        "bias 126",
+        "bias 128",
+        "swapped halves",
+        "swapped betas",
+        "sigmoid of the capped gate",
+    ],
+)
+def test_expert_vector_catches_a_wrong_reading(variant):
+    """What section 11.2 says: each of these readings is off by more than 1 %."""
+    e = example_json("expert-vector")
+    _, _, y = _expert_by_hand(e, variant)
+    assert _relative_error(y, e["y"]) > 0.01, variant
+
+
+def test_expert_vector_is_the_code_s_known_answer():
+    from kimi_w31.converter import known_answers
+
+    doc, code = example_json("expert-vector"), known_answers.EXPERT
+    assert set(doc) == set(code)
+    for key, value in code.items():
+        if key.endswith("weight_scale"):
+            assert "".join(doc[key]) == "".join(value), key
+        elif isinstance(value, tuple):
+            assert doc[key] == [list(v) if isinstance(v, tuple) else v for v in value], key
+        else:
+            assert doc[key] == value, key
+
+
+# -- what the spec settles: the wrapper's places, an optional plan_fingerprint ------------------
+
+
+def test_only_the_top_level_and_text_config_quantization_configs_are_wrapped(run):
+    """6.3 "Where": a quantization_config elsewhere (a vision tower's) is carried unchanged."""
+    source = copy.deepcopy(run["source_config"])
+    vision = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    source["vision_config"] = {"hidden_size": 8, "quantization_config": vision}
+    source["text_config"]["quantization_config"] = copy.deepcopy(source["quantization_config"])
+    converted = contract.converted_config(source, run["config"]["kimi_w31"])
+    for holder in (converted, converted["text_config"]):
+        assert holder["quantization_config"]["quant_method"] == contract.WRAPPER_METHOD
+    assert converted["vision_config"] == source["vision_config"]
+    assert not contract.check_wrapped(converted)
+    assert contract.unwrap_config(converted) == source
+
+
+@pytest.mark.parametrize("fingerprint", [None, "", "made by another converter", 7])
+def test_verify_does_not_require_plan_fingerprint(run, tmp_path, fingerprint):
+    """Section 7: optional and opaque; a checker MUST NOT require or interpret it."""
+    import shutil
+
+    from kimi_w31.converter.verify import verify
+
+    out = tmp_path / "out"
+    shutil.copytree(run["out"], out)
+    doc = json.loads((out / contract.CHECKSUMS_NAME).read_text())
+    if fingerprint is None:
+        del doc["plan_fingerprint"]
+    else:
+        doc["plan_fingerprint"] = fingerprint
+    (out / contract.CHECKSUMS_NAME).write_text(json.dumps(doc) + "\n")
+    report = verify(out, checksums=True, source=str(run["src"]))
+    assert report.ok, [p.code for c in report.checks for p in c.problems]

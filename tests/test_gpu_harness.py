@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from kimi_w31.converter import reference as ref
 
 # gpu/ is a tool folder at the repository root, not part of the installed package.
@@ -570,3 +572,136 @@ def test_w4a8_reference_and_tp_rank_tensors(checkpoint_pair) -> None:
         assert np.array_equal(got.down, want.down)
     assert W.w4a8_gate(0.9999, 0.02) and not W.w4a8_gate(0.9999, 0.05)
     assert not W.w4a8_gate(0.999, 0.01)
+
+
+# --------------------------------------------------------------------------------------
+# what gpu/sglang_h200.sh wait reports
+# --------------------------------------------------------------------------------------
+
+_SUITES = ["single", "dist-ep1", "dist-ep2", "single-w4a8", "w4a8-checks"]
+
+
+@st.composite
+def _status_files(draw):
+    plan = draw(st.lists(st.sampled_from(_SUITES), min_size=1, max_size=4, unique=True))
+    outcome = {
+        name: draw(st.one_of(st.none(), st.integers(0, 3), st.just("not-run"))) for name in plan
+    }
+    lines = [f"plan {' '.join(plan)}"]
+    for name in plan:
+        o = outcome[name]
+        if o == "not-run":
+            lines.append(f"{name} not-run needs 2 GPUs, found 1")
+        elif o is not None:
+            lines.append(f"{name} {o}")
+    return plan, outcome, "\n".join(lines) + "\n"
+
+
+@given(_status_files(), st.booleans())
+def test_suite_summary_passes_only_when_every_planned_suite_passed(case, finished) -> None:
+    from gpu import sglang_cases as S
+
+    plan, outcome, text = case
+    code, lines = S.suite_summary(text, finished)
+    states = {o.name: o.state for o in S.suite_outcomes(text, finished)}
+    assert list(states) == plan
+    for name in plan:
+        o = outcome[name]
+        want = (
+            "unfinished" if o is None else "not-run" if o == "not-run" else
+            "passed" if o == 0 else "failed"
+        )  # fmt: skip
+        assert states[name] == want
+    assert (code == 0) == all(outcome[n] == 0 for n in plan)
+    assert all(any(line.startswith(f"{n}:") for line in lines) for n in plan)
+
+
+def test_suite_summary_without_a_plan_or_with_a_failed_step() -> None:
+    from gpu import sglang_cases as S
+
+    assert S.suite_summary(None, finished=False)[0] == 1  # the pipeline never started
+    assert S.suite_summary("", finished=True)[0] == 1
+    code, _ = S.suite_summary("plan single dist-ep1\nsynth 1\n", finished=True)
+    states = {o.name: o.state for o in S.suite_outcomes("plan single\nsynth 1\n", True)}
+    assert code == 1 and states == {"single": "unfinished", "synth": "failed"}
+
+
+@pytest.mark.parametrize(
+    ("status", "done", "rc"),
+    [
+        ("plan single dist-ep1\nsingle 0\ndist-ep1 not-run needs 2 GPUs, found 1\n", True, 1),
+        ("plan single dist-ep1\nsingle 0\ndist-ep1 1\n", True, 1),
+        ("plan single dist-ep1\nsingle 0\n", False, 1),
+        ("plan single dist-ep1\nsingle 0\ndist-ep1 0\n", True, 0),
+    ],
+)
+def test_sglang_h200_wait_exits_with_the_suites_outcome(tmp_path, status, done, rc) -> None:
+    """The script itself, on a work folder as the pipeline leaves it."""
+    import os
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path / "work"
+    (work / "out").mkdir(parents=True)
+    shutil.copytree(root / "gpu", work / "repo" / "gpu")
+    (work / "suites.status").write_text(status)
+    (work / "out" / "pipeline.log").write_text("== pipeline start\n")
+    if done:
+        (work / "done").touch()
+    env = {
+        **os.environ,
+        "KIMI_W31_WORK": str(work),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    env.pop("OUT", None)
+    proc = subprocess.run(
+        ["bash", str(root / "gpu" / "sglang_h200.sh"), "wait", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    if rc:
+        assert "did not pass: dist-ep1" in proc.stdout
+    else:
+        assert "all 2 passed" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------
+# W4A8 rows and the two-GPU W4A8 verdict (gpu/sglang_run.py dist --precision fp8)
+# --------------------------------------------------------------------------------------
+
+
+def test_gated_row_and_dist_w4a8_verdict() -> None:
+    from gpu import sglang_cases as S
+
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal((8, 64)).astype(np.float32)
+    close = want + 0.001 * rng.standard_normal(want.shape).astype(np.float32)
+    swapped = rng.standard_normal(want.shape).astype(np.float32)
+    gate = {"cosine_min": 0.9995, "nrmse_max": 0.035}
+    good = S.gated_row("tp2-w4a8-2gpu-M8", 8, close, want, want, **gate)
+    bad = S.gated_row("neg", 32, swapped, want, want, expect="fail", **gate)
+    missed = S.gated_row("tp2-w4a8-2gpu-M128", 128, swapped, want, want, **gate)
+    assert good["passes_gate"] and good["ok"] and not bad["passes_gate"] and bad["ok"]
+    assert not missed["ok"]
+    assert S.dist_w4a8_verdict([good, bad], True)["overall"]
+    assert not S.dist_w4a8_verdict([good, bad], False)["overall"]  # ranks differ
+    assert not S.dist_w4a8_verdict([good], True)["overall"]  # no negative control
+    assert not S.dist_w4a8_verdict([bad], True)["overall"]  # no positive case
+    assert not S.dist_w4a8_verdict([good, bad, missed], True)["overall"]
+    leaked = {**bad, "passes_gate": True, "ok": False}  # a control that passed
+    assert not S.dist_w4a8_verdict([good, leaked], True)["overall"]
+    # the gate is the single-GPU W4A8 gate's: both thresholds are inclusive
+    from gpu import w4a8 as W
+
+    assert gate == {"cosine_min": W.W4A8_COSINE_MIN, "nrmse_max": W.W4A8_NRMSE_MAX}
+
+
+def test_dist_cli_takes_the_w4a8_precision() -> None:
+    from gpu import sglang_run as R
+
+    ns = R.argparse.Namespace(ep=2, precision="fp8")
+    assert R._dist_tag(ns) == "dist-w4a8-ep2"
+    assert R._dist_tag(R.argparse.Namespace(ep=1, precision="default")) == "dist-ep1"

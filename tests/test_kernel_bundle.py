@@ -222,3 +222,24 @@ def test_serve_points_every_process_at_the_bundle(tmp_path) -> None:
     (bundle / B.MANIFEST).write_text("{}")
     bad = CliRunner().invoke(main, [*base, "--kernels", str(bundle)])
     assert bad.exit_code == 1 and Code.KERNEL_BUNDLE_INVALID.value in bad.output
+
+
+def test_a_bundle_does_not_skip_the_checks_of_a_converted_checkpoint(tmp_path, monkeypatch):
+    """--kernels adds a variable for the server; the structure verify still runs first."""
+    from click.testing import CliRunner
+    from kimi_w31.adapter import launch
+    from test_adapter_launch import ckpt
+
+    verified = []
+    monkeypatch.setattr(launch, "check_stack", lambda: [])
+    monkeypatch.setattr(
+        launch, "verify_structure", lambda root: verified.append(root) or ["index: missing"]
+    )
+    bundle = write_bundle(tmp_path / "kernels")
+    args = [str(ckpt(tmp_path)), "--print", "--kernels", str(bundle)]
+    refused = CliRunner().invoke(launch.serve, args)
+    assert refused.exit_code == 1 and "verify: index" in refused.output and verified
+    monkeypatch.setattr(launch, "verify_structure", lambda root: [])
+    ok = CliRunner().invoke(launch.serve, args)
+    assert ok.exit_code == 0, ok.output
+    assert "KIMI_W31_KERNELS=" in ok.output

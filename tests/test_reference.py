@@ -218,3 +218,69 @@ def test_compare() -> None:
     assert off["nrmse"] == pytest.approx(math.sqrt(0.25 / 3) / math.sqrt(14 / 3))
     assert ref.compare(-e, e)["cosine"] == pytest.approx(-1.0)
     assert all(isinstance(v, float) for v in off.values())
+
+
+# -- the known-answer self-test (docs/format.md section 11) -----------------------------------
+
+_unpack, _e8m0 = ref.unpack_fp4, ref.e8m0_to_float
+
+
+def _bias(bias: int):
+    def e8m0(scale: np.ndarray) -> np.ndarray:
+        s = np.asarray(scale)
+        out = np.ldexp(np.ones(s.shape, dtype=np.float32), s.astype(np.int32) - bias)
+        return np.where(s == 0xFF, np.float32(np.nan), out).astype(np.float32)
+
+    return e8m0
+
+
+# Wrong decoders: each computes the same wrong function on both sides of a comparison.
+WRONG_DECODERS = {
+    "swapped nibbles": (
+        "unpack_fp4",
+        lambda packed, low_nibble_first=True: _unpack(packed, not low_nibble_first),
+    ),
+    "scale bias 126": ("e8m0_to_float", _bias(126)),
+    "scale bias 128": ("e8m0_to_float", _bias(128)),
+    "e2m1 table off by one": ("_E2M1_LUT", np.roll(ref._E2M1_LUT, 1)),
+}
+
+
+def test_the_reference_passes_its_self_test() -> None:
+    from kimi_w31.converter import known_answers
+
+    assert known_answers.self_test() == []
+
+
+@pytest.mark.parametrize("wrong", sorted(WRONG_DECODERS))
+def test_a_wrong_decoder_fails_the_self_test(monkeypatch, wrong) -> None:
+    from kimi_w31.converter import known_answers
+
+    monkeypatch.setattr(ref, *WRONG_DECODERS[wrong])
+    assert known_answers.self_test(), wrong
+
+
+@pytest.mark.parametrize("wrong", ["swapped nibbles", "scale bias 126"])
+def test_verify_numerics_refuses_a_wrong_decoder(monkeypatch, converted, small_source, wrong):
+    """The comparison alone passes a wrong decoder (it agrees with itself); the self-test
+    stops it before any expert is computed."""
+    from kimi_w31.converter.errors import Code
+    from kimi_w31.converter.verify import numerics, verify
+
+    monkeypatch.setattr(ref, *WRONG_DECODERS[wrong])
+    self_test = numerics.self_test
+    monkeypatch.setattr(numerics, "self_test", lambda: [])
+    blind = verify(converted, source=str(small_source), numerics=True, sample=2)
+    assert blind.check("numerics").ok is True, "source vs converted cannot see it"
+    monkeypatch.setattr(numerics, "self_test", self_test)
+    report = verify(converted, source=str(small_source), numerics=True, sample=2)
+    check = report.check("numerics")
+    assert check.ok is False and not report.ok
+    assert {p.code for p in check.problems} == {Code.NUMERICS_SELF_TEST}
+
+
+def test_verify_numerics_passes_with_the_right_decoder(converted, small_source) -> None:
+    from kimi_w31.converter.verify import verify
+
+    report = verify(converted, source=str(small_source), numerics=True, sample=2)
+    assert report.ok and report.check("numerics").ok is True

@@ -11,20 +11,62 @@ the executors only schedule it:
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from ..outdir import Ledger, OutputDir
-from ..plan import OutputShard
-from .shard import Job, ShardOutcome
+from ..plan import OutputShard, Plan
+from .shard import Job, ShardOutcome, SourceFiles
 
 OnDone = Callable[[ShardOutcome], None]
 
 
+class DownloadProgress:
+    """What an executor that downloads says about it while it runs; the default shows
+    nothing. Called from download threads."""
+
+    def download_start(self, total_bytes: int, files: int) -> None:
+        """`total_bytes`: the source shards this run must download (not those present)."""
+
+    def download_advance(self, nbytes: int) -> None:
+        """Bytes that arrived (negative when the client rewinds a retried transfer)."""
+
+    def download_file_done(self, file: str, unreported: int) -> None:
+        """A source shard is complete; `unreported` of its bytes came without `advance`
+        (found complete after all): done, but not network speed."""
+
+    def download_stop(self) -> None: ...
+
+
 class Executor(Protocol):
-    """Schedules `settle` for every shard; returns the outcomes (ledger already updated)."""
+    """Schedules `settle` for every shard; returns the outcomes (ledger already updated).
+
+    Everything the pipeline and the command line ask of an executor is declared here; an
+    executor subclasses this and overrides only what it has something to say about (the
+    defaults: sources already on disk, no downloads, nothing to add to the plan or the
+    summary).
+    """
+
+    # Where source bytes arriving during the run are reported; only a downloading executor
+    # calls it. The default instance shows nothing (it holds no state).
+    download_progress: DownloadProgress = DownloadProgress()
 
     def claimed(self, out: OutputDir) -> None:
         """Called once the output directory is this run's, before its free-space check."""
+
+    def source_files(
+        self, root: Path, shard_files: list[str], header_sha256: dict[str, str]
+    ) -> SourceFiles:
+        """The source shards as the run reads them; by default already on disk."""
+        return SourceFiles(root, shard_files, header_sha256)
+
+    def plan_rows(self, plan: Plan) -> list[tuple[str, str]]:
+        """Rows this executor adds to the dry run's plan table."""
+        return []
+
+    def summary(self, plan: Plan) -> dict:
+        """Keys this executor adds to the run's summary (and its `--json`)."""
+        return {}
 
     def run(
         self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone

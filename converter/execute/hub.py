@@ -30,7 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import EXIT_USAGE, Code, fail
+from ..errors import Code, fail
 from ..hashing import Interrupted
 from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard, Plan
@@ -43,7 +43,7 @@ from ..source.hub import (
     open_partials,
     remove_partial,
 )
-from . import OnDone
+from . import DownloadProgress, Executor, OnDone
 from .shard import (
     Job,
     Outcome,
@@ -60,23 +60,6 @@ _MAX_DOWNLOADS = 4  # parallel source downloads, within the window
 _WATCH_INTERVAL = 0.05  # s between looks for new partial downloads (cheap: /proc/self/fd)
 _METER_INTERVAL = 0.5  # s between disk samples, so bytes still arriving are seen too
 _STOP_GRACE = 2.0  # s a stopping run gives downloads to end at their next chunk
-
-
-class DownloadProgress:
-    """What the Hub executor says about downloads while it runs; the default shows nothing.
-    Called from download threads."""
-
-    def download_start(self, total_bytes: int, files: int) -> None:
-        """`total_bytes`: the source shards this run must download (not those present)."""
-
-    def download_advance(self, nbytes: int) -> None:
-        """Bytes that arrived (negative when the client rewinds a retried transfer)."""
-
-    def download_file_done(self, file: str, unreported: int) -> None:
-        """A source shard is complete; `unreported` of its bytes came without `advance`
-        (found complete after all): done, but not network speed."""
-
-    def download_stop(self) -> None: ...
 
 
 def download_order(shards: list[OutputShard], file_order: list[str]) -> list[str]:
@@ -264,7 +247,7 @@ class _DownloadWatch:
 
 
 @dataclass
-class HubExecutor:
+class HubExecutor(Executor):
     origin: HubOrigin
     window: int = DEFAULT_WINDOW
     delete_source_shards: bool = False
@@ -496,7 +479,6 @@ class HubExecutor:
                 "--max-source-window is too small for this checkpoint's layout",
                 expected=f"at least {est.min_window}",
                 found=str(self.window),
-                exit_code=EXIT_USAGE,
                 hint=f"rerun with --max-source-window {est.min_window}: downloaded in "
                 "the order the output needs them, that many source shards must be "
                 "present at once (--dry-run shows it before any download)",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..hashing import Interrupted
 from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard
-from . import OnDone
+from . import Executor, OnDone
 from .shard import Job, ShardOutcome, commit, settle
 
 
@@ -24,7 +24,7 @@ def default_workers() -> int:
 
 
 @dataclass
-class LocalExecutor:
+class LocalExecutor(Executor):
     workers: int = 0  # 0: default_workers()
 
     def claimed(self, out: OutputDir) -> None:

@@ -20,11 +20,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EXIT_USAGE, Code, Fatal, fail
+from ..errors import Code, Fatal, fail
 from ..hashing import Interrupted
-from ..outdir import Ledger, OutputDir, ShardRecord
+from ..outdir import Ledger, ShardRecord
 from ..plan import OutputShard
-from . import OnDone
+from . import Executor, OnDone
 from .shard import Hooks, Job, Outcome, ShardOutcome, SourceChanged, SourceFiles, commit, settle
 
 RAY_MISSING = (
@@ -37,7 +37,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise fail(Code.USAGE, RAY_MISSING, exit_code=EXIT_USAGE) from None
+        raise fail(Code.USAGE, RAY_MISSING) from None
     return ray
 
 
@@ -97,7 +97,6 @@ def shard_task(
             "kind": "fatal",
             "problems": exc.problems,
             "hint": exc.hint,
-            "exit_code": exc.exit_code,
         }
     except SourceChanged as exc:
         return {"status": "error", "kind": "source", "file": exc.file, "detail": exc.detail}
@@ -114,19 +113,16 @@ def shard_task(
 def _raise(result: dict) -> None:
     kind = result["kind"]
     if kind == "fatal":
-        raise Fatal(result["problems"], result["exit_code"], result["hint"])
+        raise Fatal(result["problems"], hint=result["hint"])
     if kind == "source":
         raise SourceChanged(result["file"], result["detail"])
     raise OSError(result["errno"] or errno.EIO, result["strerror"], result["filename"])
 
 
 @dataclass
-class RayExecutor:
+class RayExecutor(Executor):
     address: str | None = None  # None: RAY_ADDRESS, else a local runtime on this machine
     num_cpus: int | None = None  # only for a local runtime
-
-    def claimed(self, out: OutputDir) -> None:
-        """Nothing to prepare."""
 
     def run(
         self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone

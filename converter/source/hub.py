@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME
-from ..errors import EXIT_USAGE, Code, Fatal, fail
+from ..errors import Code, Fatal, fail
 from ..hashing import Interrupted
 from ..safetensors_format import ShardHeader, check_header_length, parse_header_bytes
 
@@ -335,7 +335,6 @@ class HubOrigin:
                 Code.USAGE,
                 "--download needs a Hugging Face repo id (org/name)",
                 file=spec,
-                exit_code=EXIT_USAGE,
             )
         self.revision = revision
         self.repo = open_repo(spec, revision, self.endpoint, self.token)

@@ -1,8 +1,10 @@
 """The `verify` command: click parses, `verify()` proves, this module renders.
 
 One line per check (ok / FAIL / skip with what it covered), then every problem with its
-code; `--json` prints the report with each problem's `code`. Exit codes: 0 every check
-passed, 1 a check failed, 2 usage error, 130 interrupted, 143 terminated.
+code (a problem that follows from another one listed is counted, not repeated); `--json`
+prints the report with each problem's `code` and the exit code. Exit codes come from
+`errors.EXIT_CODES`, as in every command: 0 every check passed, 1 a check failed, 2 usage
+error, 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from rich.markup import escape
 
 from .. import console
 from ..console import err, out, run_guarded
-from ..errors import EXIT_PROBLEMS, usage
+from ..errors import usage
 from . import verify as run_verify
 from .report import VerifyReport
 
@@ -153,12 +155,17 @@ def verify(
         if not report.ok:
             if not as_json:
                 failed = [c for c in report.checks if c.ok is False]
-                total = sum(c.problems_total for c in failed)
+                total = sum(c.problems_total for c in failed) - report.suppressed
+                more = (
+                    f" ({report.suppressed} more follow from them, not listed)"
+                    if report.suppressed
+                    else ""
+                )
                 err.print(
                     f"[bold red]error:[/] verification failed: {total} problem(s) in "
-                    f"{len(failed)} check(s)"
+                    f"{len(failed)} check(s){more}"
                 )
-            sys.exit(EXIT_PROBLEMS)
+            sys.exit(report.exit_code)
 
     run_guarded(body, as_json, interrupted=INTERRUPTED)
 
@@ -185,9 +192,16 @@ _MARKS = {True: "[green]ok[/]  ", False: "[bold red]FAIL[/]", None: "[dim]skip[/
 
 def _print_report(report: VerifyReport) -> None:
     out.print(f"verify {escape(report.output)} ({', '.join(report.levels)})")
+    hidden = report.hidden
     for check in report.checks:
         detail = f": {escape(check.detail)}" if check.detail else ""
-        count = f" ({check.problems_total} problem(s))" if check.ok is False else ""
+        count = ""
+        if check.ok is False:
+            suppressed = check.suppressed(hidden)
+            count = f" ({check.problems_total - suppressed} problem(s)"
+            if suppressed:
+                count += f"; {suppressed} more that follow from a cause listed below"
+            count += ")"
         out.print(f"  {_MARKS[check.ok]}  {escape(check.title)}{detail}{count}")
     _print_problems(report, out)
     if report.ok:
@@ -196,13 +210,15 @@ def _print_report(report: VerifyReport) -> None:
 
 
 def _print_problems(report: VerifyReport, where: Console) -> None:
+    hidden = report.hidden
     for check in report.checks:
-        if check.ok is not False:
+        roots = check.roots(hidden)
+        if check.ok is not False or not roots:
             continue
         where.print(f"{escape(check.title)}:")
-        for p in check.problems[:SHOWN_PER_CHECK]:
+        for p in roots[:SHOWN_PER_CHECK]:
             where.print(f"  - [{p.code.value}] {p.render()}", markup=False)
-        more = check.problems_total - min(len(check.problems), SHOWN_PER_CHECK)
+        more = check.problems_total - check.suppressed(hidden) - min(len(roots), SHOWN_PER_CHECK)
         if more > 0:
             where.print(f"  ... and {more} more (--json lists up to 1000 a check)")
 

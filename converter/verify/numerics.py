@@ -5,7 +5,9 @@ semantics: `w31` split by the block's `fc1_order`, betas from the block. Both de
 MXFP4 with the numpy reference (`reference.py`) and run the SiTU expert MLP in fp32 on the
 same random inputs; identical bytes through identical fp32 operations may differ only by
 rounding, so the relative max error must be <= 1e-5. Swapped halves, a wrong `fc1_order` or
-swapped betas fail here even where every byte "moved right".
+swapped betas fail here even where every byte "moved right". Both sides share one decoder,
+so before any expert the reference must reproduce the spec's known answers
+(`known_answers.py`): a decoder wrong in the same way on both sides agrees with itself.
 
 One expert at a time, each side computed and freed before the next (~0.2 GB at the real
 model's dims); tensors are read with `safetensors.safe_open(framework="numpy")`. No torch.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import contract
+from .. import contract, known_answers
 from .. import reference as ref
 from ..console import Progress
 from ..errors import Code, Problem
@@ -51,6 +53,10 @@ def check_numerics(
     report: VerifyReport,
 ) -> None:
     title = "numerics: source vs converted semantics"
+    failed = self_test()
+    if failed:  # a wrong decoder agrees with itself: compare nothing through it
+        report.add("numerics", LEVEL, title, failed, "not run")
+        return
     sides, problems = _semantics(out, source)
     chosen = _choose(out, source, sample, seed)
     if sides is None or not chosen:
@@ -86,6 +92,19 @@ def check_numerics(
         f"{len(chosen)} experts, SiTU({conv.beta:g}, {conv.linear_beta:g}) vs SiTU({src.beta:g}, "
         f"{src.linear_beta:g}), worst rel. error {worst:.2g}",
     )
+
+
+def self_test() -> list[Problem]:
+    """The numpy reference against the spec's known answers (docs/format.md, section 11).
+
+    Source and converted experts go through the same decoder, so a decoder with swapped
+    nibbles or an off-by-one scale bias would pass the comparison below; answers fixed in
+    advance do not.
+    """
+    return [
+        Problem(Code.NUMERICS_SELF_TEST, f"the MXFP4/SiTU reference fails a known answer: {m}")
+        for m in known_answers.self_test()
+    ]
 
 
 def _semantics(

@@ -1,0 +1,105 @@
+"""Exit codes belong to reason codes: one table (`errors.EXIT_CODES`), the same in every
+command and in `--json`; no raise site chooses one."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from kimi_w31.converter.errors import (
+    EXIT_CODES,
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    Code,
+    Fatal,
+    Problem,
+    fail,
+)
+
+from kimi_w31.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("converter", "adapter", "kimi_w31")
+ANY = ["--manifest", "kimi-k3-any"]
+
+
+def test_every_reason_code_has_its_exit_code():
+    """A new code must say how it exits: no silent default."""
+    missing = sorted(c.value for c in Code if c not in EXIT_CODES)
+    assert missing == [], f"codes without a line in errors.EXIT_CODES: {missing}"
+    assert set(EXIT_CODES.values()) <= {EXIT_PROBLEMS, EXIT_USAGE}
+
+
+def test_no_raise_site_chooses_an_exit_code():
+    pattern = re.compile(
+        r"\bexit_code\s*=\s*(?!exit_code_of\b)|\b(?:sys|ctx)\.exit\(\s*\d|SystemExit\(\s*\d"
+    )
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line) and not line.lstrip().startswith("#"):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert found == []
+
+
+@pytest.mark.parametrize("code", list(Code))
+def test_a_fatal_exits_as_its_reason_says(code):
+    assert fail(code, "x").exit_code == EXIT_CODES[code]
+
+
+def test_a_usage_reason_wins_over_a_data_reason():
+    usage = [c for c in Code if EXIT_CODES[c] == EXIT_USAGE]
+    data = [c for c in Code if EXIT_CODES[c] == EXIT_PROBLEMS]
+    for u, d in zip(usage, data, strict=False):
+        assert Fatal([Problem(d, "x"), Problem(u, "y")]).exit_code == EXIT_USAGE
+
+
+# -- one reason, several commands: the same exit code, in the process and in --json ---------
+def _non_empty(tmp: Path) -> Path:
+    target = tmp / "full"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    return target
+
+
+def _cases(small_source: Path, tmp: Path) -> list[tuple[Code, str, list[str], bool]]:
+    """(reason, command, argv, prints --json): each reason reached from several commands."""
+    full, src, absent = str(_non_empty(tmp)), str(small_source), str(tmp / "absent")
+    return [
+        (Code.OUTPUT_NOT_EMPTY, "synth", ["synth", full], False),
+        (Code.OUTPUT_NOT_EMPTY, "convert", [src, full, *ANY], True),
+        (Code.MANIFEST_NOT_FOUND, "convert", [src, str(tmp / "o1"), "--manifest", "nope"], True),
+        (Code.MANIFEST_NOT_FOUND, "verify", ["verify", src, "--manifest", "nope"], True),
+        (Code.USAGE, "convert", [src, str(tmp / "o2"), "--seed", "1"], False),
+        (Code.USAGE, "convert", [src, str(tmp / "o3"), "--download-dir", "d"], True),
+        (Code.USAGE, "verify", ["verify", src, "--seed", "1"], True),
+        (Code.USAGE, "synth", ["synth", str(tmp / "s"), "--k", "33"], False),
+        (Code.SOURCE_NOT_FOUND, "convert", [absent, str(tmp / "o4")], True),
+        (Code.SOURCE_NOT_FOUND, "verify", ["verify", src, "--source", absent], True),
+    ]
+
+
+def test_the_same_reason_exits_the_same_in_every_command(small_source, tmp_path):
+    seen: dict[Code, set[int]] = {}
+    for code, command, argv, has_json in _cases(small_source, tmp_path):
+        result = CliRunner().invoke(main, [*argv, "--json"] if has_json else argv)
+        seen.setdefault(code, set()).add(result.exit_code)
+        assert result.exit_code == EXIT_CODES[code], (command, argv, result.output)
+        if has_json:
+            doc = json.loads(result.output)
+            assert doc["exit_code"] == result.exit_code, (command, doc)
+            codes = {p["code"] for p in doc.get("problems", [])} | set(doc.get("codes", []))
+            codes |= {p["code"] for c in doc.get("checks", []) for p in c["problems"]}
+            assert code.value in codes, (command, doc)
+    assert all(len(exits) == 1 for exits in seen.values()), seen
+
+
+def test_success_says_exit_code_0_in_json(small_source, tmp_path):
+    result = CliRunner().invoke(main, [str(small_source), str(tmp_path / "o"), *ANY, "--json"])
+    assert result.exit_code == json.loads(result.output)["exit_code"] == 0
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "o"), "--json"])
+    assert result.exit_code == json.loads(result.output)["exit_code"] == 0
