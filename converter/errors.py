@@ -269,6 +269,21 @@ EXIT_CODES: dict[Code, int] = {
     Code.TENSOR_DTYPE_DIFFERS: EXIT_PROBLEMS,
     Code.TENSOR_SHAPE_DIFFERS: EXIT_PROBLEMS,
     Code.FILE_NOT_FROM_SOURCE: EXIT_PROBLEMS,
+    # a kernel bundle that does not match the serving stack: the data is wrong for here
+    **dict.fromkeys(
+        (
+            Code.KERNEL_BUNDLE_INVALID,
+            Code.KERNEL_BUNDLE_ARCH,
+            Code.KERNEL_BUNDLE_FLASHINFER,
+            Code.KERNEL_BUNDLE_CUDA,
+            Code.KERNEL_BUNDLE_TORCH,
+            Code.KERNEL_BUNDLE_PYTHON,
+            Code.KERNEL_BUNDLE_NO_MODULE,
+            Code.KERNEL_BUNDLE_SOURCES,
+            Code.KERNEL_BUNDLE_LIBRARY,
+        ),
+        EXIT_PROBLEMS,
+    ),
 }
 
 
