@@ -389,6 +389,10 @@ class HubOrigin:
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
         return [f for f in self.small_files if f not in weight_files]
 
+    def top_level_names(self, root: Path) -> list[str]:
+        assert self.repo is not None
+        return sorted(f for f in self.repo.files if "/" not in f)
+
     def fetch(self, file: str, tqdm_class: type | None = None) -> Path:
         """Download one file of the pinned commit (a no-op if it is already complete)."""
         from huggingface_hub import hf_hub_download
