@@ -243,3 +243,68 @@ def test_a_bundle_does_not_skip_the_checks_of_a_converted_checkpoint(tmp_path, m
     ok = CliRunner().invoke(launch.serve, args)
     assert ok.exit_code == 0, ok.output
     assert "KIMI_W31_KERNELS=" in ok.output
+
+
+def _fake_core(monkeypatch):
+    import functools
+    import sys
+    import types
+
+    core = types.ModuleType("flashinfer.fused_moe.core")
+    stock = {
+        "gen_cutlass_fused_moe_sm90_module": lambda fast=False: "stock-90",
+        "gen_cutlass_fused_moe_sm120_module": lambda fast=False: "stock-120",
+        "gen_cutlass_fused_moe_sm100_module": lambda fast=False: "stock-100",
+    }
+    for name, fn in stock.items():
+        setattr(core, name, fn)
+
+    @functools.cache
+    def get_cutlass_fused_moe_module(backend="100"):
+        gen = {"90": "sm90", "120": "sm120", "100": "sm100"}[backend]
+        return getattr(core, f"gen_cutlass_fused_moe_{gen}_module")(False)
+
+    core.get_cutlass_fused_moe_module = get_cutlass_fused_moe_module
+    fused = types.ModuleType("flashinfer.fused_moe")
+    fused.core = core
+    root = types.ModuleType("flashinfer")
+    root.fused_moe = fused
+    for mod in (root, fused, core):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return core, stock
+
+
+def test_install_routes_only_the_served_architectures_module(tmp_path, monkeypatch) -> None:
+    """The plugin replaces FlashInfer's fused-MoE generator of its own architecture only, and
+    drops FlashInfer's cached module so the next lookup loads the plugin's."""
+    from kimi_w31.adapter import kernels as K
+
+    core, stock = _fake_core(monkeypatch)
+    monkeypatch.setattr(K, "_installed", {})
+    monkeypatch.delenv(K.ENV_BUNDLE, raising=False)
+    assert core.get_cutlass_fused_moe_module("90") == "stock-90"  # cached before install
+    lib = tmp_path / "m.so"
+    K.install(K.W4A16, lib)
+    spec = core.gen_cutlass_fused_moe_sm90_module(False)
+    assert isinstance(spec, K._Library) and spec.library == lib
+    assert isinstance(core.get_cutlass_fused_moe_module("90"), K._Library)  # cache dropped
+    # SGLang's other FlashInfer MoE uses keep FlashInfer's own modules
+    assert core.gen_cutlass_fused_moe_sm120_module is stock["gen_cutlass_fused_moe_sm120_module"]
+    assert core.get_cutlass_fused_moe_module("100") == "stock-100"
+    assert K.ensure("sm90") is K.W4A16 and K._installed["sm90"] == ("w4a16", lib)  # kept
+
+
+def test_without_the_hook_point_flashinfer_keeps_its_module(monkeypatch, caplog) -> None:
+    import sys
+    import types
+
+    from kimi_w31.adapter import flashinfer_moe as fm
+    from kimi_w31.adapter import kernels as K
+
+    fused = types.ModuleType("flashinfer.fused_moe")  # no .core: a layout we do not know
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", fused)
+    monkeypatch.setattr(K, "_installed", {})
+    with caplog.at_level("WARNING", logger="kimi_w31.adapter"):
+        fm.use_plugin_kernels("sm90")
+    assert K._installed == {} and "whole module" in caplog.text
