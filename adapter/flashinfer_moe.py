@@ -20,6 +20,7 @@ Shapes (E = local experts, K = hidden size of the expert input, N = intermediate
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,8 +43,20 @@ _WAYS_OUT = (
 )
 
 
+_INSTALL = "pip install '.[sglang]'"
+logger = logging.getLogger("kimi_w31.adapter")
+
+
 class SituUnsupportedError(RuntimeError):
     """The installed FlashInfer cannot run the CUTLASS fused MoE with the SiTU activation."""
+
+
+def _broken(exc: BaseException) -> SituUnsupportedError:
+    return SituUnsupportedError(
+        f"cannot import flashinfer.fused_moe ({exc!r}): the installed FlashInfer is broken "
+        f"or incomplete; reinstall it ({_INSTALL} from the repository clone), or serve with "
+        "--moe-runner-backend marlin."
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -67,11 +80,17 @@ def check_situ_support() -> str:
     try:
         import flashinfer
         from flashinfer.fused_moe import ActivationType, cutlass_fused_moe
-    except Exception as exc:  # not installed, or broken (missing CUDA libs, ...)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "flashinfer":
+            raise _broken(exc) from exc
         raise SituUnsupportedError(
-            f"cannot import flashinfer.fused_moe ({exc!r}); Kimi-K3 SiTU on the FlashInfer "
-            f"CUTLASS MoE needs flashinfer-python >= 0.7.0. {_WAYS_OUT}"
+            "cannot import flashinfer: FlashInfer is not installed. Kimi-K3 SiTU on the "
+            "FlashInfer CUTLASS MoE needs flashinfer-python >= 0.7.0; install the serving "
+            f"extras from the repository clone: {_INSTALL}, or serve with "
+            "--moe-runner-backend marlin."
         ) from exc
+    except Exception as exc:  # installed but broken (missing CUDA libs, ...)
+        raise _broken(exc) from exc
     version = str(getattr(flashinfer, "__version__", "unknown"))
     missing: list[str] = []
     if not hasattr(ActivationType, "Situ"):
@@ -140,6 +159,33 @@ def situ_params(
         torch.full(shape, float(beta), dtype=torch.float32, device=device),
         torch.full(shape, float(linear_beta), dtype=torch.float32, device=device),
     )
+
+
+# --------------------------------------------------------------------------------------
+# The module: the plugin's own FlashInfer kernels (kernels.py)
+# --------------------------------------------------------------------------------------
+
+
+def use_plugin_kernels(arch: Arch, humming: bool = False) -> None:
+    """Before this process first uses FlashInfer's fused-MoE module: route it to the plugin's
+    module for the serving path (only its runner; from the `KIMI_W31_KERNELS` bundle when
+    set, refused with `bundle.BundleError` if that does not match this stack). Called by
+    every `prepare_*`; idempotent. A FlashInfer without the lookup this relies on keeps its
+    stock module (correct, only a longer first build), with a warning."""
+    from . import kernels
+
+    try:
+        from flashinfer.fused_moe import core
+
+        core.get_cutlass_fused_moe_module.cache_clear  # noqa: B018  the hook point must exist
+    except (ImportError, AttributeError) as exc:
+        logger.warning(
+            "kimi_w31: cannot route FlashInfer's fused-MoE module to the plugin's (%r); "
+            "FlashInfer will build its whole module on first use",
+            exc,
+        )
+        return
+    kernels.ensure(arch, humming)
 
 
 # --------------------------------------------------------------------------------------
@@ -239,6 +285,7 @@ def prepare_sm90(
     )
 
     dims = moe_dims(w31_packed, w31_scale, w2_packed, w2_scale)
+    use_plugin_kernels("sm90")
     fc1 = interleave_moe_weights_for_sm90_mixed_gemm(w31_packed.contiguous(), "fp4")
     fc2 = interleave_moe_weights_for_sm90_mixed_gemm(w2_packed.contiguous(), "fp4")
     s1 = interleave_moe_scales_for_sm90_mixed_gemm(w31_scale.contiguous(), group_size=GROUP_SIZE)
@@ -333,6 +380,7 @@ def prepare_sm90_humming(
     from flashinfer.fused_moe import preprocess_moe_weights_for_sm90_mixed_gemm_humming as prep
 
     dims = moe_dims(w31_packed, w31_scale, w2_packed, w2_scale)
+    use_plugin_kernels("sm90", humming=True)
     fc1, s1, r1 = _humming_prep_bounded(prep, w31_packed, w31_scale, budget)
     fc2, s2, r2 = _humming_prep_bounded(prep, w2_packed, w2_scale, budget)
     act_scale = torch.ones((), dtype=torch.float32, device=w31_packed.device)
@@ -364,6 +412,7 @@ def prepare_sm120(
     from flashinfer import block_scale_interleave
 
     dims = moe_dims(w31_packed, w31_scale, w2_packed, w2_scale)
+    use_plugin_kernels("sm120")
     s1 = block_scale_interleave(w31_scale.contiguous()).reshape(w31_scale.shape)
     s2 = block_scale_interleave(w2_scale.contiguous()).reshape(w2_scale.shape)
     ones = torch.ones(dims.num_local_experts, dtype=torch.float32, device=w31_packed.device)

@@ -513,6 +513,15 @@ def verify_structure(root: Path) -> list[str]:
     help="Build FlashInfer's fused-MoE module into its JIT cache first, with progress "
     "(a no-op once built), so no server rank pays the build inside its first forward.",
 )
+@click.option(
+    "--kernels",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="Load the plugin's FlashInfer modules from this bundle (`prebuild --out DIR`) in "
+    "every server process (sets KIMI_W31_KERNELS); a bundle that does not match the serving "
+    "stack is refused, never loaded.",
+)
 @click.option("--print", "print_only", is_flag=True, help="Print the command, do not run it.")
 @click.option(
     "--gpu-memory",
@@ -535,6 +544,7 @@ def serve(
     backend: str,
     unconverted: bool,
     prebuild_first: bool,
+    kernels: Path | None,
     print_only: bool,
     gpu_memory: str | None,
     skip_checks: bool,
@@ -562,6 +572,7 @@ def serve(
       kimi-convert serve out/ --tp 16 --ep 2 --backend marlin             SGLang's marlin MoE
       kimi-convert serve SRC/ --unconverted --tp 16 --ep 2                the original, SiTU
       kimi-convert serve out/ --tp 16 --ep 2 --prebuild                   FlashInfer's build first
+      kimi-convert serve out/ --tp 16 --ep 2 --kernels kernels/           a prebuilt kernel bundle
 
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
@@ -582,6 +593,8 @@ def serve(
             problems += [f"verify: {p}" for p in verify_structure(checkpoint)]
         if problems:
             raise ServeError("not starting the server:\n  - " + "\n  - ".join(problems))
+    if kernels is not None:  # after the checks: they read plan.env as "unconverted"
+        plan.env.update(kernel_bundle_env(kernels))
     if print_only:
         click.echo(plan.shell())
         return
@@ -590,37 +603,75 @@ def serve(
     os.execvpe(plan.argv[0], plan.argv, {**os.environ, **plan.env})
 
 
-def run_prebuild(arch: str | None, progress_mode: str) -> None:
+def kernel_bundle_env(kernels: Path) -> dict[str, str]:
+    """The variable that points every server process at a kernel bundle; its manifest must
+    parse (the stack match is checked by the plugin, in the processes that serve)."""
+    from .bundle import MANIFEST, BundleError, Manifest
+    from .kernels import ENV_BUNDLE
+
+    where = kernels / MANIFEST
+    try:
+        Manifest.from_json(where.read_text(), str(where))
+    except OSError as exc:
+        raise ServeError(f"--kernels {kernels}: no readable {MANIFEST} ({exc.strerror})") from None
+    except BundleError as exc:
+        raise ServeError(f"--kernels {kernels}: {exc}") from None
+    return {ENV_BUNDLE: str(kernels.resolve())}
+
+
+def run_prebuild(
+    arch: str | None,
+    progress_mode: str,
+    *,
+    out: Path | None = None,
+    precision: tuple[str, ...] = (),
+    jobs: int | None = None,
+    plan_only: bool = False,
+) -> None:
     """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
     from ..converter import console
     from .flashinfer_moe import SituUnsupportedError
     from .prebuild import PrebuildError, prebuild
 
-    shown: list[console.Progress] = []
+    shown: dict[str, console.Progress] = {}
 
     def report(p) -> None:  # called from this thread: compile progress in translation units
-        if not shown:
-            shown.append(
-                console.Progress(
-                    console.resolve_mode(progress_mode), "flashinfer build", p.total, unit="sources"
-                )
+        if p.module not in shown:
+            for bar in shown.values():
+                bar.stop()
+            shown[p.module] = console.Progress(
+                console.resolve_mode(progress_mode),
+                f"flashinfer build {p.module}".strip(),
+                p.total,
+                unit="sources",
             )
-        bar = shown[0]
+        bar = shown[p.module]
         bar.advance(p.done - bar.done)
 
     try:
-        result = prebuild(report, arch=arch)  # type: ignore[arg-type]
+        result = prebuild(
+            report,
+            arch=arch,  # type: ignore[arg-type]
+            variants=precision or None,
+            out=out,
+            jobs=jobs,
+            plan_only=plan_only,
+        )
     except (PrebuildError, SituUnsupportedError) as exc:
         raise ServeError(f"prebuild: {exc}") from None
     finally:
-        for bar in shown:
+        for bar in shown.values():
             bar.stop()
-    what = "built" if result.built else "already built"
-    click.echo(
-        f"{result.module} ({result.arch}, {result.sources} sources) {what} in "
-        f"{result.seconds:.0f} s: {result.library}",
-        err=True,
-    )
+    for m in result.modules:
+        what = "planned" if plan_only else "built" if m.built else "already built"
+        click.echo(
+            f"{m.module} ({result.arch} {m.variant}, {m.sources} sources, source hash "
+            f"{m.source_hash[:16]}) {what} in {m.seconds:.0f} s with {result.jobs} jobs: "
+            f"{m.library}",
+            err=True,
+        )
+    if result.bundle is not None:
+        click.echo(f"bundle: {result.bundle}", err=True)
 
 
 @click.command("prebuild")
@@ -628,25 +679,57 @@ def run_prebuild(arch: str | None, progress_mode: str) -> None:
     "--arch",
     type=click.Choice(["sm90", "sm120"]),
     default=None,
-    help="Build for this GPU architecture [default: the visible GPU's]; without a GPU, "
-    "build for the machines you will serve on and copy FlashInfer's cache directory over.",
+    help="Build for this GPU architecture [default: the visible GPU's]; a build machine "
+    "needs no GPU.",
 )
+@click.option(
+    "--precision",
+    "precision",
+    type=click.Choice(["w4a16", "w4a8", "sm120"]),
+    multiple=True,
+    help="Which serving path's module (repeatable) [default: w4a16 on sm90, sm120 on sm120]; "
+    "w4a8 is SM90 --flashinfer-mxfp4-moe-precision fp8.",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="Also write a relocatable bundle there (libraries + manifest) for `serve --kernels "
+    "DIR` / KIMI_W31_KERNELS on serving nodes.",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Parallel nvcc processes [default: MAX_JOBS, else min(cores, available memory / 6 GiB)].",
+)
+@click.option("--list", "plan_only", is_flag=True, help="Print the modules and hashes only.")
 @progress_option
-def prebuild_command(arch: str | None, progress_mode: str) -> None:
-    """Build FlashInfer's CUTLASS fused-MoE module into its JIT cache before serving.
+def prebuild_command(
+    arch: str | None,
+    precision: tuple[str, ...],
+    out: Path | None,
+    jobs: int | None,
+    plan_only: bool,
+    progress_mode: str,
+) -> None:
+    """Build the plugin's FlashInfer MoE modules before serving, optionally as a bundle.
 
-    FlashInfer compiles this module on the first MoE call (SM90: 248 sources, about 1-2
-    hours on 16 cores); every server rank started cold would pay it inside its first
-    forward. Run this once in the environment that serves (or on a build machine with the
-    same FlashInfer and CUDA, then copy ~/.cache/flashinfer or FLASHINFER_WORKSPACE_BASE).
-    A second run returns at once.
+    The plugin runs on its own FlashInfer modules, one per serving path with only the runner
+    it calls (SM90 W4A16: 46 translation units instead of FlashInfer's 248). Without them
+    built, every cold server rank compiles one inside weight loading. This compiles them
+    into FlashInfer's JIT cache here and, with --out, into a bundle that serving nodes
+    load with no compiler (`serve --kernels DIR`). A second run returns at once.
 
     \b
     Examples:
       kimi-convert prebuild                          on the serving machine (its GPU)
-      kimi-convert prebuild --arch sm90 --progress lines > build.log 2>&1
-      kimi-convert serve out/ --tp 8 --prebuild      build if needed, then serve
+      kimi-convert prebuild --arch sm90 --out kernels/ --progress lines > build.log 2>&1
+      kimi-convert prebuild --arch sm90 --precision w4a16 --precision w4a8 --out kernels/
+      kimi-convert serve out/ --tp 8 --kernels kernels/
 
     Exit codes: 0 built or already built, 1 it cannot be built here, 2 usage error.
     """
-    run_prebuild(arch, progress_mode)
+    run_prebuild(arch, progress_mode, out=out, precision=precision, jobs=jobs, plan_only=plan_only)

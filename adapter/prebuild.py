@@ -1,69 +1,117 @@
-"""Pay FlashInfer's fused-MoE JIT build once, before serving.
+"""Pay the plugin's FlashInfer build once, before serving, and optionally bundle it.
 
-FlashInfer compiles its CUTLASS fused-MoE module for the GPU's architecture on the first
-MoE call: on SM90 that is `fused_moe_90`, 248 sources, one to two hours on 16 cores
-(docs/gpu-validation.md). A server started cold pays it inside its first forward. `prebuild`
-compiles exactly the module `cutlass_fused_moe` will load (same FlashInfer recipe, same
-cache directory, `FLASHINFER_WORKSPACE_BASE` respected), reporting progress, so that the
-server then finds it in FlashInfer's JIT cache.
+The plugin runs on its own FlashInfer modules (`kernels.py`: per serving path, exactly the
+runner it calls, heavy translation units split, costliest first). Without them ready, the
+first MoE call of every cold server rank compiles one. `prebuild` compiles them ahead:
+
+- into FlashInfer's JIT cache (same recipe and cache directory the plugin uses,
+  `FLASHINFER_WORKSPACE_BASE` respected), so a server on this machine finds them; and,
+  with `out`, into a relocatable bundle (`bundle.py`: the libraries plus a manifest of the
+  stack they are bound to) that serving nodes load through `KIMI_W31_KERNELS` with no
+  compiler and no build.
 
     from kimi_w31.adapter.prebuild import prebuild
-    result = prebuild(lambda p: print(f"{p.done}/{p.total} {p.stage}"))
+    result = prebuild(lambda p: print(f"{p.module} {p.done}/{p.total}"), arch="sm90", out=d)
 
 Importing this module needs neither torch nor FlashInfer; calling `prebuild` needs both
-(and nvcc), but no GPU when `arch` is given: on a machine without the GPU, run it in a
-fresh process (FlashInfer picks its cache directory from the target architecture when it is
-imported) and copy FlashInfer's cache directory (`FLASHINFER_WORKSPACE_BASE`) over.
+(and nvcc), but no GPU when `arch` is given: FlashInfer fixes its target architecture and
+cache directory when it is imported, so `prebuild` sets `FLASHINFER_CUDA_ARCH_LIST` for
+`arch` before it imports FlashInfer (a process that imported FlashInfer earlier without a
+GPU is refused: its cache directory would not be the server's).
+
+Parallelism is bounded by memory as well as cores (`default_jobs`): ninja's default of one
+nvcc per core has had builds killed for memory (one CUTLASS MoE unit took 9.4 GiB).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 Arch = Literal["sm90", "sm120"]
 Stage = Literal["cached", "compile", "done"]
+ARCHES = ("sm90", "sm120")
 
-# The FlashInfer generator (in flashinfer.fused_moe.core's namespace) per serving
-# architecture, and the FLASHINFER_CUDA_ARCH_LIST entry that makes FlashInfer on a machine
-# without that GPU pick the cache directory a server on that GPU will look in (FlashInfer
-# adds the same suffix, e.g. 9.0 -> 90a, as it does for a detected GPU).
-_GENERATOR = {
-    "sm90": "gen_cutlass_fused_moe_sm90_module",
-    "sm120": "gen_cutlass_fused_moe_sm120_module",
-}
-_CUDA_ARCH = {"sm90": "9.0", "sm120": "12.0"}
+# The FLASHINFER_CUDA_ARCH_LIST entry that makes FlashInfer on a machine without that GPU
+# target it and pick the cache directory a server on that GPU will look in (e.g. 90a).
+_CUDA_ARCH = {"sm90": "9.0a", "sm120": "12.0"}
+# Host memory one nvcc of these CUTLASS units may take (measured up to 9.4 GiB for an
+# unsplit M256 unit; the split units stay well below).
+GIB_PER_JOB = 6.0
 
 
 @dataclass(frozen=True)
 class Progress:
-    """One progress report: `done` of `total` translation units compiled."""
+    """One progress report: `done` of `total` translation units of `module` compiled."""
 
     stage: Stage
     done: int
     total: int
     elapsed_s: float
+    module: str = ""
+
+
+@dataclass(frozen=True)
+class ModuleResult:
+    variant: str  # kernels.Variant.key
+    module: str  # FlashInfer's module name
+    library: Path  # in FlashInfer's JIT cache
+    built: bool  # False when it was already in the cache
+    sources: int
+    seconds: float
+    source_hash: str
 
 
 @dataclass(frozen=True)
 class PrebuildResult:
     arch: Arch
-    module: str  # FlashInfer's module name, e.g. "fused_moe_90"
-    library: Path  # the shared library cutlass_fused_moe will load
-    built: bool  # False when it was already in FlashInfer's JIT cache
-    sources: int
-    seconds: float
+    modules: list[ModuleResult]
+    jobs: int
+    bundle: Path | None = None  # the manifest written, with `out`
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
 
 ProgressCallback = Callable[[Progress], None]
 
 
 class PrebuildError(RuntimeError):
-    """The module could not be built (no FlashInfer, no nvcc, unknown arch, build failed)."""
+    """The modules cannot be built here (no FlashInfer, no nvcc, wrong arch, build failed)."""
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_jobs(
+    cores: int | None = None,
+    available_bytes: int | None = None,
+    gib_per_job: float = GIB_PER_JOB,
+    environ: dict[str, str] | os._Environ[str] = os.environ,
+) -> int:
+    """Parallel nvcc jobs: `MAX_JOBS` when set (FlashInfer's own knob), else
+    min(cores, available memory / `gib_per_job` GiB), at least 1."""
+    given = environ.get("MAX_JOBS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    cores = cores or os.cpu_count() or 1
+    if available_bytes is None:
+        available_bytes = _meminfo_available()
+    if available_bytes is None:
+        return max(1, cores)
+    return max(1, min(cores, int(available_bytes // (gib_per_job * 2**30))))
 
 
 def _gpu_arch() -> Arch | None:
@@ -82,49 +130,120 @@ def _gpu_arch() -> Arch | None:
         raise PrebuildError(str(exc)) from exc
 
 
-def _spec(arch: Arch) -> Any:
-    import os
+def target_flashinfer(arch: Arch, gpu: Arch | None) -> None:
+    """Make FlashInfer, not yet imported, target `arch` on a machine without that GPU."""
     import sys
 
-    if "FLASHINFER_CUDA_ARCH_LIST" not in os.environ and _gpu_arch() is None:
-        # FlashInfer fixes its cache directory from this (or the visible GPUs) at import.
-        if "flashinfer" in sys.modules:
-            raise PrebuildError(
-                "flashinfer was imported in this process before prebuild, on a machine "
-                "without a GPU: its cache directory would not be the server's. Run prebuild "
-                f"in a fresh process, or set FLASHINFER_CUDA_ARCH_LIST={_CUDA_ARCH[arch]}"
-            )
-        os.environ["FLASHINFER_CUDA_ARCH_LIST"] = _CUDA_ARCH[arch]
-    try:
-        from flashinfer.fused_moe import core
-    except Exception as exc:  # not installed or broken
-        raise PrebuildError(f"cannot import flashinfer.fused_moe ({exc!r})") from exc
-    return getattr(core, _GENERATOR[arch])(False)
+    if gpu is not None or "FLASHINFER_CUDA_ARCH_LIST" in os.environ:
+        return
+    if "flashinfer" in sys.modules:
+        raise PrebuildError(
+            "flashinfer was imported in this process before prebuild, on a machine without a "
+            "GPU: its cache directory would not be the server's. Run prebuild in a fresh "
+            f"process, or set FLASHINFER_CUDA_ARCH_LIST={_CUDA_ARCH[arch]}"
+        )
+    os.environ["FLASHINFER_CUDA_ARCH_LIST"] = _CUDA_ARCH[arch]
 
 
 def _objects(build_dir: Path) -> int:
     return sum(1 for _ in build_dir.rglob("*.o")) if build_dir.is_dir() else 0
 
 
+def _build(spec: Any, jobs: int, report: ProgressCallback, poll_s: float) -> float:
+    """Run FlashInfer's ninja build of `spec` with `jobs`, reporting progress from here."""
+    errors: list[BaseException] = []
+    previous = os.environ.get("MAX_JOBS")
+    os.environ["MAX_JOBS"] = str(jobs)  # FlashInfer's run_ninja reads it
+
+    def build() -> None:
+        try:
+            spec.build()
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    total = len(spec.sources)
+    t0 = time.monotonic()
+    worker = threading.Thread(target=build, name="kimi-w31-prebuild", daemon=True)
+    report(Progress("compile", min(_objects(spec.build_dir), total), total, 0.0, spec.name))
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(poll_s)
+            done = min(_objects(spec.build_dir), total)
+            report(Progress("compile", done, total, time.monotonic() - t0, spec.name))
+    finally:
+        if previous is None:
+            os.environ.pop("MAX_JOBS", None)
+        else:
+            os.environ["MAX_JOBS"] = previous
+    if errors:
+        raise PrebuildError(f"building {spec.name} failed: {errors[0]}") from errors[0]
+    return time.monotonic() - t0
+
+
+def _bundle(out: Path, arch: Arch, results: list[ModuleResult], jobs: int) -> Path:
+    """Copy the libraries into `out` and write its manifest (kept modules of an earlier
+    bundle for the same stack stay)."""
+    import datetime as dt
+
+    from .. import __version__
+    from . import bundle as B
+
+    stack = B.current_stack(arch)
+    modules: dict[str, B.Module] = {}
+    try:
+        old = B.Manifest.from_json((out / B.MANIFEST).read_text())
+        if old.stack == stack:
+            modules = {m.variant: m for m in old.modules if (out / m.file).is_file()}
+    except (OSError, B.BundleError):
+        pass
+    out.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        file = f"{r.module}.so"
+        tmp = out / f".{file}.tmp"
+        shutil.copyfile(r.library, tmp)
+        tmp.replace(out / file)
+        modules[r.variant] = B.Module(
+            variant=r.variant,
+            name=r.module,
+            file=file,
+            sha256=B.sha256_file(out / file),
+            size=(out / file).stat().st_size,
+            source_hash=r.source_hash,
+            units=r.sources,
+            build_seconds=round(r.seconds, 1) if r.built else None,
+        )
+    manifest = B.Manifest(
+        stack=stack,
+        modules=tuple(modules[k] for k in sorted(modules)),
+        kimi_w31=__version__,
+        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        build={"jobs": jobs, "cpu_count": os.cpu_count()},
+    )
+    return B.write(out, manifest)
+
+
 def prebuild(
     progress_cb: ProgressCallback | None = None,
     *,
     arch: Arch | None = None,
+    variants: Sequence[str] | None = None,
+    out: Path | None = None,
+    jobs: int | None = None,
     poll_s: float = 5.0,
+    plan_only: bool = False,
 ) -> PrebuildResult:
-    """Compile FlashInfer's CUTLASS fused-MoE module for `arch` (default: this GPU's).
+    """Compile the plugin's FlashInfer modules for `arch` (default: this GPU's).
 
-    `progress_cb` gets a `Progress` at the start, every `poll_s` seconds while compiling
-    (translation units done, counted from the object files in the build directory), and at
-    the end; it is not called from a worker thread. Returns what was built and where; raises
-    `PrebuildError` when it cannot. Idempotent: a second call finds the cache and returns
-    at once with `built=False`.
+    `variants`: kernels.VARIANTS keys (default: the architecture's default serving path,
+    SM90 W4A16). `out`: also write a bundle there. `jobs`: parallel nvcc processes (default
+    `default_jobs()`). `plan_only`: compute the recipes and hashes, build nothing.
+    `progress_cb` gets `Progress` reports from the calling thread. Idempotent: a module
+    already in FlashInfer's cache is not rebuilt (`built=False`). Raises `PrebuildError`.
     """
-    from .flashinfer_moe import check_situ_support
-
-    if arch is not None and arch not in _GENERATOR:
-        raise PrebuildError(f"unknown arch {arch!r}: expected one of {sorted(_GENERATOR)}")
-    check_situ_support()  # a FlashInfer without CUTLASS SiTU is not worth building
+    t_start = time.monotonic()
+    if arch is not None and arch not in ARCHES:
+        raise PrebuildError(f"unknown arch {arch!r}: expected one of {list(ARCHES)}")
     gpu = _gpu_arch()
     if arch is None and gpu is None:
         raise PrebuildError("no CUDA GPU visible: pass arch='sm90' or arch='sm120'")
@@ -134,31 +253,44 @@ def prebuild(
             "on a machine without a GPU"
         )
     target: Arch = arch or gpu  # type: ignore[assignment]
-    spec = _spec(target)
-    total = len(spec.sources)
+    from . import kernels
+
+    keys = list(variants or kernels.DEFAULT_VARIANTS[target])
+    unknown = [k for k in keys if k not in kernels.VARIANTS]
+    wrong = [k for k in keys if k in kernels.VARIANTS and kernels.VARIANTS[k].arch != target]
+    if unknown or wrong:
+        raise PrebuildError(
+            f"precision {', '.join(unknown + wrong)} is not a {target} module: expected "
+            f"{[k for k, v in kernels.VARIANTS.items() if v.arch == target]}"
+        )
+    # Before anything imports FlashInfer (check_situ_support does).
+    target_flashinfer(target, gpu)
+    from .flashinfer_moe import check_humming_support, check_situ_support
+
+    check_situ_support()  # a FlashInfer without CUTLASS SiTU is not worth building
+    if "w4a8" in keys:
+        check_humming_support()
+    n_jobs = jobs if jobs is not None else default_jobs()
     report = progress_cb or (lambda _p: None)
-    t0 = time.monotonic()
-    if spec.is_compiled:
-        report(Progress("cached", total, total, 0.0))
-        return PrebuildResult(target, spec.name, spec.get_library_path(), False, total, 0.0)
-
-    errors: list[BaseException] = []
-
-    def build() -> None:
+    results: list[ModuleResult] = []
+    for key in keys:
         try:
-            spec.build()
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
-
-    worker = threading.Thread(target=build, name="kimi-w31-prebuild", daemon=True)
-    report(Progress("compile", _objects(spec.build_dir), total, 0.0))
-    worker.start()
-    while worker.is_alive():
-        worker.join(poll_s)
-        done = min(_objects(spec.build_dir), total)
-        report(Progress("compile", done, total, time.monotonic() - t0))
-    if errors:
-        raise PrebuildError(f"building {spec.name} failed: {errors[0]}") from errors[0]
-    seconds = time.monotonic() - t0
-    report(Progress("done", total, total, seconds))
-    return PrebuildResult(target, spec.name, spec.get_library_path(), True, total, seconds)
+            rec = kernels.recipe(kernels.VARIANTS[key])
+            spec = kernels.jit_spec(rec, write=not plan_only)
+            digest = kernels.source_hash(rec, spec)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise PrebuildError(f"cannot compute the {key} module's recipe: {exc}") from exc
+        total = len(spec.sources)
+        library = spec.get_library_path()
+        if plan_only or spec.is_compiled:
+            if not plan_only:
+                report(Progress("cached", total, total, 0.0, spec.name))
+            results.append(ModuleResult(key, spec.name, library, False, total, 0.0, digest))
+            continue
+        seconds = _build(spec, n_jobs, report, poll_s)
+        report(Progress("done", total, total, seconds, spec.name))
+        results.append(ModuleResult(key, spec.name, library, True, total, seconds, digest))
+    manifest = None
+    if out is not None and not plan_only:
+        manifest = _bundle(out, target, results, n_jobs)
+    return PrebuildResult(target, results, n_jobs, manifest, seconds=time.monotonic() - t_start)

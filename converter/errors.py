@@ -132,6 +132,16 @@ class Code(str, Enum):
     TENSOR_DTYPE_DIFFERS = "tensor-dtype-differs"
     TENSOR_SHAPE_DIFFERS = "tensor-shape-differs"
     FILE_NOT_FROM_SOURCE = "file-not-from-source"
+    # -- a prebuilt kernel bundle (adapter: kimi-convert prebuild --out, KIMI_W31_KERNELS)
+    KERNEL_BUNDLE_INVALID = "kernel-bundle-invalid"
+    KERNEL_BUNDLE_ARCH = "kernel-bundle-arch"
+    KERNEL_BUNDLE_FLASHINFER = "kernel-bundle-flashinfer"
+    KERNEL_BUNDLE_CUDA = "kernel-bundle-cuda"
+    KERNEL_BUNDLE_TORCH = "kernel-bundle-torch"
+    KERNEL_BUNDLE_PYTHON = "kernel-bundle-python"
+    KERNEL_BUNDLE_NO_MODULE = "kernel-bundle-no-module"
+    KERNEL_BUNDLE_SOURCES = "kernel-bundle-sources"
+    KERNEL_BUNDLE_LIBRARY = "kernel-bundle-library"
 
 
 @dataclass(frozen=True)
@@ -277,6 +287,21 @@ EXIT_CODES: dict[Code, int] = {
     Code.TENSOR_DTYPE_DIFFERS: EXIT_PROBLEMS,
     Code.TENSOR_SHAPE_DIFFERS: EXIT_PROBLEMS,
     Code.FILE_NOT_FROM_SOURCE: EXIT_PROBLEMS,
+    # a kernel bundle that does not match the serving stack: the data is wrong for here
+    **dict.fromkeys(
+        (
+            Code.KERNEL_BUNDLE_INVALID,
+            Code.KERNEL_BUNDLE_ARCH,
+            Code.KERNEL_BUNDLE_FLASHINFER,
+            Code.KERNEL_BUNDLE_CUDA,
+            Code.KERNEL_BUNDLE_TORCH,
+            Code.KERNEL_BUNDLE_PYTHON,
+            Code.KERNEL_BUNDLE_NO_MODULE,
+            Code.KERNEL_BUNDLE_SOURCES,
+            Code.KERNEL_BUNDLE_LIBRARY,
+        ),
+        EXIT_PROBLEMS,
+    ),
 }
 
 

@@ -8,7 +8,7 @@
 # Inputs beside the repo (see gpu/README.md for how to make them):
 #   .fi/flashinfer-0.7.2.post1-sm90moe.tar.xz   flashinfer-python 0.7.2.post1, trimmed data
 #   .fi/apache_tvm_ffi-*-cp312-*.whl            its compiled dependency
-#   .fi/prebuilt/*.so.part-*  (optional)        a trimmed module built earlier: skips the build
+#   .fi/prebuilt/*.so.part-*  (optional)        the plugin's W4A16 module built earlier: no build
 # Results: $WORK/out (report.json, report.md, harness.log, pipeline.log), copied to $OUT.
 set -uo pipefail
 
@@ -61,8 +61,8 @@ pipeline() {
     fi
     echo "== pipeline start $(date -u +%FT%TZ)"
     if [ -z "$prebuilt" ]; then
-        echo "== trimmed FlashInfer build (detached from synth/convert)"
-        (time python3 -m gpu.trimmed_build --build) > "$WORK/out/build.log" 2>&1 &
+        echo "== the plugin's FlashInfer module: kimi-convert prebuild (detached from synth/convert)"
+        (time kimi_convert prebuild --arch sm90 --progress lines) > "$WORK/out/build.log" 2>&1 &
         build_pid=$!
     fi
     echo "== synth + convert"

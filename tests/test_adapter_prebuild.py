@@ -1,15 +1,26 @@
-"""adapter/prebuild.py against a fake FlashInfer: what it builds, progress, cache, errors."""
+"""adapter/prebuild.py against a fake FlashInfer: what it builds, progress, cache, jobs,
+bundles, errors, and the off-GPU `--arch` path in a fresh process."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import os
+import subprocess
 import sys
+import textwrap
 import time
 import types
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kimi_w31.adapter import bundle as B
+from kimi_w31.adapter import kernels as K
 from kimi_w31.adapter import prebuild as pb
+
+STACK = B.Stack(arch="sm90", flashinfer="0.7.2.post1", cuda="13.0", torch="2.11.0", python="3.12")
 
 
 class _Act(enum.IntEnum):
@@ -17,7 +28,7 @@ class _Act(enum.IntEnum):
     Situ = 10
 
 
-def _cutlass(input, *, situ_beta=None, situ_linear_beta=None):  # noqa: A002
+def _cutlass(input, *, situ_beta=None, situ_linear_beta=None, use_wfp4afp8_humming=False):  # noqa: A002
     return input
 
 
@@ -26,6 +37,7 @@ class FakeSpec:
         self.name, self.sources, self.fail = name, [root / f"s{i}.cu" for i in range(n)], fail
         self.build_dir = root / "build" / name
         self.builds = 0
+        self.max_jobs_seen: str | None = None
 
     @property
     def is_compiled(self) -> bool:
@@ -36,58 +48,101 @@ class FakeSpec:
 
     def build(self) -> None:
         self.builds += 1
+        self.max_jobs_seen = os.environ.get("MAX_JOBS")
         self.build_dir.mkdir(parents=True, exist_ok=True)
         for i, _ in enumerate(self.sources):
             time.sleep(0.02)
             if self.fail and i == 1:
                 raise RuntimeError("nvcc exited with 1")
             (self.build_dir / f"s{i}.cuda.o").write_bytes(b"")
-        self.get_library_path().write_bytes(b"\x7fELF")
+        self.get_library_path().write_bytes(b"\x7fELF" + self.name.encode())
 
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch, tmp_path):
-    specs: dict[str, FakeSpec] = {}
+    """A FlashInfer with SiTU and Humming; the plugin's recipes replaced by fake specs."""
     root = types.ModuleType("flashinfer")
     root.__version__ = "0.7.2.post1"
     fused = types.ModuleType("flashinfer.fused_moe")
     fused.ActivationType, fused.cutlass_fused_moe = _Act, _cutlass
-    core = types.ModuleType("flashinfer.fused_moe.core")
-    for arch, name in (("sm90", "fused_moe_90"), ("sm120", "fused_moe_120")):
-        specs[arch] = FakeSpec(tmp_path, name, 6)
-        setattr(core, pb._GENERATOR[arch], lambda fast, s=specs[arch]: s)
-    fused.core, root.fused_moe = core, fused
-    for mod in (root, fused, core):
+    fused.preprocess_moe_weights_for_sm90_mixed_gemm_humming = lambda *a: a
+    root.fused_moe = fused
+    for mod in (root, fused):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    specs = {
+        key: FakeSpec(tmp_path, f"{v.module_name}", {"w4a16": 6, "w4a8": 9, "sm120": 4}[key])
+        for key, v in K.VARIANTS.items()
+    }
+    monkeypatch.setattr(K, "recipe", lambda v, **_: v.key)
+    monkeypatch.setattr(K, "jit_spec", lambda key, write=True: specs[key])
+    monkeypatch.setattr(K, "source_hash", lambda key, spec: f"hash-of-{key}")
+    monkeypatch.setattr(B, "current_stack", lambda arch: dataclasses.replace(STACK, arch=arch))
+    monkeypatch.setattr(pb, "_gpu_arch", lambda: None)
     return specs
 
 
-def test_builds_the_module_once_with_progress(fake_flashinfer) -> None:
+def test_builds_the_default_module_once_with_progress(fake_flashinfer) -> None:
     seen: list[pb.Progress] = []
-    result = pb.prebuild(seen.append, arch="sm90", poll_s=0.01)
-    spec = fake_flashinfer["sm90"]
-    assert result.built and result.module == "fused_moe_90" and result.sources == 6
-    assert result.library == spec.get_library_path() and result.library.exists()
-    assert seen[0].stage == "compile" and seen[-1] == pb.Progress("done", 6, 6, seen[-1].elapsed_s)
+    result = pb.prebuild(seen.append, arch="sm90", jobs=3, poll_s=0.01)
+    spec = fake_flashinfer["w4a16"]
+    (m,) = result.modules
+    assert m.built and m.variant == "w4a16" and m.module == spec.name and m.sources == 6
+    assert m.library == spec.get_library_path() and m.library.exists()
+    assert m.source_hash == "hash-of-w4a16" and result.jobs == 3 and result.bundle is None
+    assert seen[0].stage == "compile" and seen[-1].stage == "done" and seen[-1].done == 6
     dones = [p.done for p in seen if p.stage == "compile"]
-    assert dones == sorted(dones) and all(p.total == 6 for p in seen)  # monotone progress
+    assert dones == sorted(dones) and all(p.total == 6 and p.module == spec.name for p in seen)
+    # MAX_JOBS reaches FlashInfer's ninja for the build only
+    assert spec.max_jobs_seen == "3" and "MAX_JOBS" not in os.environ
     again: list[pb.Progress] = []
     cached = pb.prebuild(again.append, arch="sm90")
-    assert not cached.built and spec.builds == 1 and [p.stage for p in again] == ["cached"]
-    assert fake_flashinfer["sm120"].builds == 0
+    assert not cached.modules[0].built and spec.builds == 1
+    assert [p.stage for p in again] == ["cached"]
+    assert fake_flashinfer["w4a8"].builds == 0 and fake_flashinfer["sm120"].builds == 0
 
 
-def test_sm120_and_unknown_arch(fake_flashinfer) -> None:
-    assert pb.prebuild(arch="sm120", poll_s=0.01).module == "fused_moe_120"
+def test_several_precisions_and_a_bundle(fake_flashinfer, tmp_path) -> None:
+    out = tmp_path / "kernels"
+    result = pb.prebuild(arch="sm90", variants=["w4a16", "w4a8"], out=out, jobs=2, poll_s=0.01)
+    assert [m.variant for m in result.modules] == ["w4a16", "w4a8"]
+    assert result.bundle == out / B.MANIFEST
+    manifest = B.Manifest.from_json(result.bundle.read_text())
+    assert manifest.stack == STACK and manifest.build["jobs"] == 2
+    for m in manifest.modules:
+        lib = out / m.file
+        assert lib.read_bytes() == fake_flashinfer[m.variant].get_library_path().read_bytes()
+        assert m.sha256 == B.sha256_file(lib) and m.source_hash == f"hash-of-{m.variant}"
+        # what a serving node on the same stack accepts
+        assert B.check(out, m.variant, STACK, m.source_hash)[1] == lib
+    # a later run for one precision keeps the other's entry
+    pb.prebuild(arch="sm90", variants=["w4a8"], out=out)
+    again = B.Manifest.from_json(result.bundle.read_text())
+    assert {m.variant for m in again.modules} == {"w4a16", "w4a8"}
+
+
+def test_sm120_wrong_precision_and_unknown_arch(fake_flashinfer) -> None:
+    assert pb.prebuild(arch="sm120", poll_s=0.01).modules[0].variant == "sm120"
     with pytest.raises(pb.PrebuildError, match="unknown arch"):
         pb.prebuild(arch="sm100")  # type: ignore[arg-type]
+    with pytest.raises(pb.PrebuildError, match="not a sm120 module"):
+        pb.prebuild(arch="sm120", variants=["w4a16"])
+    with pytest.raises(pb.PrebuildError, match="not a sm90 module"):
+        pb.prebuild(arch="sm90", variants=["w4a32"])
 
 
 def test_build_failure_is_reported(fake_flashinfer) -> None:
-    fake_flashinfer["sm90"].fail = True
-    with pytest.raises(pb.PrebuildError, match="fused_moe_90 failed: nvcc exited"):
+    fake_flashinfer["w4a16"].fail = True
+    with pytest.raises(pb.PrebuildError, match="fused_moe_90_kimi_w31_w4a16 failed: nvcc exited"):
         pb.prebuild(arch="sm90", poll_s=0.01)
+    assert "MAX_JOBS" not in os.environ
+
+
+def test_plan_only_builds_nothing(fake_flashinfer, tmp_path) -> None:
+    result = pb.prebuild(arch="sm90", variants=["w4a8"], plan_only=True, out=tmp_path / "b")
+    assert result.modules[0].source_hash == "hash-of-w4a8" and not result.modules[0].built
+    assert fake_flashinfer["w4a8"].builds == 0 and not (tmp_path / "b").exists()
 
 
 def test_refuses_a_flashinfer_without_situ(fake_flashinfer, monkeypatch) -> None:
@@ -96,17 +151,96 @@ def test_refuses_a_flashinfer_without_situ(fake_flashinfer, monkeypatch) -> None
     monkeypatch.setattr(sys.modules["flashinfer.fused_moe"], "cutlass_fused_moe", lambda input: 0)
     with pytest.raises(SituUnsupportedError):
         pb.prebuild(arch="sm90")
-    assert fake_flashinfer["sm90"].builds == 0
+    assert fake_flashinfer["w4a16"].builds == 0
+
+
+def test_without_flashinfer_the_message_says_how_to_install(monkeypatch) -> None:
+    from kimi_w31.adapter.flashinfer_moe import SituUnsupportedError
+
+    monkeypatch.setattr(pb, "_gpu_arch", lambda: None)
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    with pytest.raises(SituUnsupportedError) as err:
+        pb.prebuild(arch="sm90")
+    msg = str(err.value)
+    assert "not installed" in msg and "pip install '.[sglang]'" in msg
+    assert "Upgrade" not in msg  # nothing to upgrade
 
 
 def test_without_a_gpu_flashinfer_must_not_be_imported_first(fake_flashinfer, monkeypatch):
-    # FlashInfer picks its cache directory at import; without a GPU and without the arch
-    # list, that directory would not be the one a server on the GPU reads.
+    # FlashInfer picks its target and cache directory at import; without a GPU and without
+    # the arch list, that directory would not be the one a server on the GPU reads.
     monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST")
     with pytest.raises(pb.PrebuildError, match="fresh process"):
         pb.prebuild(arch="sm90")
     with pytest.raises(pb.PrebuildError, match="no CUDA GPU"):
         pb.prebuild()
+
+
+_FAKE_FLASHINFER = """
+import enum, os
+from pathlib import Path
+Path(os.environ["SEEN"]).write_text(os.environ.get("FLASHINFER_CUDA_ARCH_LIST", "<unset>"))
+__version__ = "0.7.2.post1"
+"""
+_FAKE_FUSED = """
+import dataclasses
+import enum
+class ActivationType(enum.IntEnum):
+    Situ = 10
+def cutlass_fused_moe(input, *, situ_beta=None, situ_linear_beta=None):
+    return input
+"""
+_DRIVER = """
+import sys
+from kimi_w31.adapter import kernels as K, prebuild as pb
+class Spec:
+    name, sources, is_compiled = "m", [], False
+    def get_library_path(self):
+        return "m.so"
+K.recipe = lambda v, **_: v
+K.jit_spec = lambda rec, write=True: Spec()
+K.source_hash = lambda rec, spec: "h"
+pb._gpu_arch = lambda: None  # a build machine without a GPU
+r = pb.prebuild(arch=sys.argv[1], plan_only=True)
+print(r.arch, r.modules[0].variant)
+"""
+
+
+@pytest.mark.parametrize(("arch", "want"), [("sm90", "9.0a"), ("sm120", "12.0")])
+def test_off_gpu_arch_in_a_fresh_process(tmp_path, arch, want) -> None:
+    """`prebuild --arch` on a machine without the GPU, in a new interpreter: the arch list is
+    set before anything imports FlashInfer (its own guard would trip otherwise)."""
+    pkg = tmp_path / "site" / "flashinfer"
+    (pkg / "fused_moe").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(_FAKE_FLASHINFER))
+    (pkg / "fused_moe" / "__init__.py").write_text(textwrap.dedent(_FAKE_FUSED))
+    env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_CUDA_ARCH_LIST"}
+    env["SEEN"] = str(tmp_path / "seen")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", _DRIVER, arch], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [arch, K.DEFAULT_VARIANTS[arch][0]]
+    assert (tmp_path / "seen").read_text() == want
+
+
+@given(
+    cores=st.integers(1, 256),
+    gib=st.floats(0, 2048, allow_nan=False),
+    per_job=st.floats(0.5, 16),
+    max_jobs=st.one_of(st.none(), st.integers(1, 512)),
+)
+def test_jobs_are_bounded_by_memory_and_cores(cores, gib, per_job, max_jobs) -> None:
+    environ = {} if max_jobs is None else {"MAX_JOBS": str(max_jobs)}
+    jobs = pb.default_jobs(cores, int(gib * 2**30), per_job, environ)
+    if max_jobs is not None:
+        assert jobs == max_jobs  # the user's word wins
+    else:
+        assert 1 <= jobs <= cores
+        assert jobs == 1 or jobs * per_job <= gib + 1e-9  # never more nvcc than memory holds
+        assert jobs == cores or (jobs + 1) * per_job > gib - 1e-9  # no fewer than it holds
 
 
 def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_path):
@@ -115,18 +249,25 @@ def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_pa
 
     from kimi_w31.cli import main
 
-    def fake(report, *, arch=None, poll_s=5.0):
+    calls = []
+
+    def fake(report, *, arch=None, variants=None, out=None, jobs=None, plan_only=False):
+        calls.append((arch, variants, out, jobs, plan_only))
         for done in (0, 5, 10):
-            report(pb.Progress("compile", done, 10, float(done)))
-        return pb.PrebuildResult(arch or "sm90", "fused_moe_90", tmp_path / "m.so", True, 10, 3.0)
+            report(pb.Progress("compile", done, 10, float(done), "m"))
+        lib = tmp_path / "m.so"
+        mod = pb.ModuleResult("w4a16", "m", lib, True, 10, 3.0, "ab" * 32)
+        return pb.PrebuildResult(arch or "sm90", [mod], 4, None)
 
     monkeypatch.setattr(pb, "prebuild", fake)
-    result = CliRunner().invoke(main, ["prebuild", "--arch", "sm90", "--progress", "lines"])
+    args = ["prebuild", "--arch", "sm90", "--progress", "lines", "--precision", "w4a8"]
+    result = CliRunner().invoke(main, [*args, "--jobs", "4", "--out", str(tmp_path / "k")])
     assert result.exit_code == 0, result.output
-    lines = [x for x in result.output.splitlines() if x.startswith("flashinfer build: ")]
-    assert lines and lines[-1].startswith("flashinfer build: 10/10 (100%)")
+    assert calls[-1] == ("sm90", ("w4a8",), tmp_path / "k", 4, False)
+    lines = [x for x in result.output.splitlines() if x.startswith("flashinfer build m: ")]
+    assert lines and lines[-1].startswith("flashinfer build m: 10/10 (100%)")
 
-    def broken(report, *, arch=None, poll_s=5.0):
+    def broken(report, **kw):
         raise pb.PrebuildError("no CUDA GPU visible: pass arch='sm90' or arch='sm120'")
 
     monkeypatch.setattr(pb, "prebuild", broken)

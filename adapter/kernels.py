@@ -1,0 +1,652 @@
+"""The plugin's own FlashInfer kernels: one JIT module per serving path, holding exactly the
+runner that path calls.
+
+FlashInfer's SM90 fused-MoE module (`fused_moe_90`) compiles every runner of its CUTLASS
+MoE: 248 translation units, about 55 minutes on 16 cores. The plugin calls one of them per
+serving path:
+
+- `w4a16` (SM90): `CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>` and the
+  `<__nv_bfloat16, SafeFP4>` grouped GEMMs;
+- `w4a8` (SM90, `--flashinfer-mxfp4-moe-precision fp8`): the two Humming runners (FP8 x
+  MXFP4, pre-MMA E8M0) and the `<__nv_fp8_e4m3, SafeFP4>` grouped GEMMs;
+- `sm120`: FlashInfer's whole SM120 module, not trimmed (no SM120 machine has validated a
+  subset), built and bundled the same way.
+
+Each module is built through FlashInfer's own `gen_jit_spec` with the flags FlashInfer
+computes for its stock module: we let FlashInfer's generator run, stop it at
+`gen_jit_spec` (nothing registers or builds), and keep its name suffix, flags, include paths
+and link flags, changing only the source list. Two files are derived from FlashInfer's
+sources because they name every runner type (the explicit-instantiation file and the
+binding's runner constructor); both are written next to FlashInfer's originals so their
+relative includes resolve unchanged.
+
+The generated grouped-GEMM files are split: each holds eight explicit instantiations, and
+one (M256) unit alone took 876 s. `split_generated` cuts a file into parts of bounded
+estimated cost (several instantiations per `.cu`, written in a tree of our own beside
+FlashInfer's generated sources, see `part_path`), and `Recipe.sources` lists
+the costliest units first, because ninja starts edges in manifest order on a cold build.
+
+`install(variant, library)` makes `flashinfer.fused_moe` use one of these modules (an
+already built library, or the JIT spec); `ensure(arch, humming)` is what the adapter calls
+before its first FlashInfer MoE call: the bundle named by `KIMI_W31_KERNELS` when set
+(checked against the running stack, see `bundle.py`), else the JIT spec in FlashInfer's
+cache. Only the fused-MoE generator of the served architecture is redirected; the rest of
+FlashInfer is untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Arch = Literal["sm90", "sm120"]
+ENV_BUNDLE = "KIMI_W31_KERNELS"
+
+BINDING = "flashinfer_cutlass_fused_moe_binding.cu"
+INSTANTIATION = "cutlass_fused_moe_instantiation.cu"
+TRIMMED_PREFIX = "kimi_w31_trimmed_"
+SPLIT_TAG = "kimi_w31_part"
+
+# The binding's constructor picks a runner per dtype combination between these two lines.
+_CTOR_START = "    // keep consistent with cpp/tensorrt_llm/plugins/mixtureOfExperts"
+_CTOR_END = "    if (!mKernelRunner) {"
+
+_CTOR_W4A16 = """    // Trimmed build: only the SM90 MXFP4 W4A16 runner (bf16 x FP4 weights) is
+    // compiled; every other combination falls through to the check below.
+#if defined(ENABLE_FP4) && defined(ENABLE_BF16)
+    if (isWFP4A16Quant()) {
+      TVM_FFI_ICHECK_EQ(mActivationDtype, dl_bfloat16)
+          << "SM90 MXFP4 W4A16 supports BF16 activations only";
+      mInnerDimMultiplier = 2;
+      mKernelRunner =
+          std::make_shared<kernels::CutlassMoeFCRunner<__nv_bfloat16, kernels::Fp4Type>>();
+    }
+#endif
+"""
+
+_INSTANTIATION_W4A16 = """// Trimmed build: only the runner the SM90 MXFP4 W4A16 MoE needs.
+#include "cutlass_fused_moe_kernels.cuh"
+#include "moe_kernels.h"
+
+namespace tensorrt_llm::kernels::cutlass_kernels {
+#if defined(ENABLE_FP4) && defined(ENABLE_BF16)
+template class CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>;
+#endif
+"""
+
+# SM90 W4A8 "Humming" (FP8 activations quantized online x MXFP4 weights with pre-MMA E8M0
+# scale folding): the binding's branch for `use_wfp4afp8_humming=True`, verbatim in effect.
+_CTOR_W4A8 = """    // Trimmed build: only the SM90 MXFP4 x FP8 Humming runner
+    // (online FP8 activation quant); every other combination falls through to the check below.
+#ifdef ENABLE_FP4
+    if (isWMxfp4AFp8HummingQuant()) {
+      TVM_FFI_ICHECK_EQ(common::getSMVersion(), 90)
+          << "Humming-style MXFP4 x FP8 is only supported on SM90.";
+      mInnerDimMultiplier = 2;
+      mSm90Wfp4Afp8Mode = kernels::Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0;
+      TVM_FFI_ICHECK(mActivationDtype == dl_float16 || mActivationDtype == dl_bfloat16)
+          << "Humming-style MXFP4 x FP8 requires FP16/BF16 inputs and online FP8 activation "
+             "quantization.";
+      TVM_FFI_ICHECK(mActivationDtype == mOutputDtype)
+          << "Humming-style MXFP4 x FP8 online activation quantization currently requires "
+             "activation dtype and output dtype to match.";
+      mKernelRunner =
+          switch_output_type<__nv_fp8_e4m3, kernels::Fp4Type, true, false,
+                             kernels::Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>(mOutputDtype);
+    }
+#endif
+"""
+
+_INSTANTIATION_W4A8 = """// Trimmed build: only the SM90 MXFP4 x FP8 Humming runners
+// (both output types the binding's switch_output_type names).
+#include "cutlass_fused_moe_kernels.cuh"
+#include "moe_kernels.h"
+
+namespace tensorrt_llm::kernels::cutlass_kernels {
+#ifdef ENABLE_FP4
+template class CutlassMoeFCRunner<__nv_fp8_e4m3, Fp4Type, half, half, half, false,
+                                  Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>;
+#ifdef ENABLE_BF16
+template class CutlassMoeFCRunner<__nv_fp8_e4m3, Fp4Type, __nv_bfloat16, __nv_bfloat16,
+                                  __nv_bfloat16, false, Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>;
+#endif
+#endif
+"""
+
+
+@dataclass(frozen=True)
+class Trim:
+    """What a trimmed module keeps of FlashInfer's stock source list."""
+
+    kernel_marker: str  # generated grouped-GEMM files instantiating this dtype pair
+    gemm_source: str  # the one moe_gemm_kernels_<act>_<weight>.cu kept
+    ctor: str
+    instantiation_head: str
+    required_runner: str  # must appear in the stock instantiation file
+    derived_prefix: str
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One serving path's module."""
+
+    key: str
+    arch: Arch
+    module_name: str  # FlashInfer's stock name prefix is replaced by this
+    stock_prefix: str  # e.g. "fused_moe_90"; a suffix after it (FlashInfer's flavour) is kept
+    generator: str  # FlashInfer's generator, in flashinfer.jit.fused_moe and fused_moe.core
+    trim: Trim | None  # None: FlashInfer's stock module as is
+
+    @property
+    def derived_prefix(self) -> str:
+        return self.trim.derived_prefix if self.trim else ""
+
+
+W4A16 = Variant(
+    key="w4a16",
+    arch="sm90",
+    module_name="fused_moe_90_kimi_w31_w4a16",
+    stock_prefix="fused_moe_90",
+    generator="gen_cutlass_fused_moe_sm90_module",
+    trim=Trim(
+        kernel_marker="__nv_bfloat16, SafeFP4",
+        gemm_source="moe_gemm_kernels_bf16_fp4.cu",
+        ctor=_CTOR_W4A16,
+        instantiation_head=_INSTANTIATION_W4A16,
+        required_runner="CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>",
+        derived_prefix=TRIMMED_PREFIX,
+    ),
+)
+W4A8_HUMMING = Variant(
+    key="w4a8",
+    arch="sm90",
+    module_name="fused_moe_90_kimi_w31_w4a8_humming",
+    stock_prefix="fused_moe_90",
+    generator="gen_cutlass_fused_moe_sm90_module",
+    trim=Trim(
+        kernel_marker="__nv_fp8_e4m3, SafeFP4",
+        gemm_source="moe_gemm_kernels_fp8_fp4.cu",
+        ctor=_CTOR_W4A8,
+        instantiation_head=_INSTANTIATION_W4A8,
+        required_runner="Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>;",
+        derived_prefix=TRIMMED_PREFIX + "w4a8_",
+    ),
+)
+SM120 = Variant(
+    key="sm120",
+    arch="sm120",
+    module_name="fused_moe_120",
+    stock_prefix="fused_moe_120",
+    generator="gen_cutlass_fused_moe_sm120_module",
+    trim=None,
+)
+VARIANTS = {v.key: v for v in (W4A16, W4A8_HUMMING, SM120)}
+DEFAULT_VARIANTS: dict[str, tuple[str, ...]] = {"sm90": ("w4a16",), "sm120": ("sm120",)}
+
+
+def variant_for(arch: Arch, humming: bool = False) -> Variant:
+    """The module a serving path needs (SM90 W4A8 only with `humming`)."""
+    if arch == "sm90":
+        return W4A8_HUMMING if humming else W4A16
+    if arch == "sm120":
+        return SM120
+    raise ValueError(f"unsupported arch {arch!r}: expected 'sm90' or 'sm120'")
+
+
+# --------------------------------------------------------------------------------------
+# The two derived sources
+# --------------------------------------------------------------------------------------
+
+
+def trim_binding(text: str, trim: Trim) -> str:
+    """Keep only the trim's branch of the binding's runner constructor."""
+    start = text.find(_CTOR_START)
+    end = text.find(_CTOR_END, start)
+    if start < 0 or end < 0:
+        raise ValueError("binding layout changed: runner constructor markers not found")
+    if text.find(_CTOR_START, start + 1) >= 0:
+        raise ValueError("binding layout changed: constructor marker found twice")
+    return text[:start] + trim.ctor + text[end:]
+
+
+def trim_instantiation(text: str, trim: Trim) -> str:
+    """Keep the trim's runners and every finalize-routing instantiation of the original."""
+    finalize = re.findall(
+        r"^(?:#ifdef ENABLE_BF16\n)?INSTANTIATE_FINALIZE_MOE_ROUTING\(.*?\);\n"
+        r"(?:#endif\n)?",
+        text,
+        flags=re.M,
+    )
+    if not finalize or trim.required_runner not in text:
+        raise ValueError("instantiation layout changed: expected instantiations not found")
+    return trim.instantiation_head + "".join(finalize) + "}  // namespace\n"
+
+
+# --------------------------------------------------------------------------------------
+# Splitting the generated grouped-GEMM files
+# --------------------------------------------------------------------------------------
+
+# One explicit instantiation: `template void launcher<...>(...);` (no `;` inside).
+_INSTANCE = re.compile(r"^template\s[^;]*;[ \t]*\n?", re.M)
+_HEAD_LINE = re.compile(r"^\s*(#\s*include\b.*|namespace\s+[\w:]+\s*\{?|\{|//.*)?\s*$")
+_TAIL_LINE = re.compile(r"^\s*(\}\s*(//.*)?|//.*)?\s*$")
+_TILE = re.compile(r"cute::Shape<cute::Int<(\d+)>,\s*cute::Int<(\d+)>,\s*cute::Int<(\d+)>>")
+# The compile cost model, in units of ~11 s of one nvcc among 16 on a 16-core H200 machine,
+# fitted to ninja's per-unit times of a cold W4A16 build there (45 kernel units, rms error
+# ~35 s): a kernel unit costs ~110 s whatever it holds (CUTLASS headers, host pass), plus
+# ~11 s per instantiation, plus ~10.5 s per 128^3 of CTA tile volume (the K depth of the
+# tile counts: a file of eight M128xN16xK512 kernels took 287 s, one M256xN256xK128 ~200 s).
+UNIT_OVERHEAD = 10.0
+_TILE_VOLUME = 128**3
+# A part of at most this cost (~330 s) never dominates a build whose units sum to ~800 of
+# them on 16 cores; fewer parts than that bound cost an overhead each.
+DEFAULT_MAX_PART_WEIGHT = 30.0
+
+
+def instance_weight(instance: str) -> float:
+    """Estimated compile cost of one instantiation (see UNIT_OVERHEAD); 2.0 if unknown."""
+    tile = _TILE.search(instance)
+    if tile is None:
+        return 2.0
+    m, n, k = (int(x) for x in tile.groups())
+    return 1.0 + m * n * k / _TILE_VOLUME
+
+
+@dataclass(frozen=True)
+class Part:
+    text: str
+    instances: int
+    weight: float  # estimated cost of the unit, UNIT_OVERHEAD included
+
+
+def _balanced(weights: Sequence[float], cap: float) -> list[int]:
+    """Chunk sizes cutting `weights` (in order) into the fewest contiguous chunks of at most
+    `cap` each, as even as the order allows (a single heavier item is a chunk of its own)."""
+    total = sum(weights)
+    count = max(1, -(-total // cap)) if cap > 0 else len(weights)
+    target = total / count
+    sizes: list[int] = []
+    acc, size = 0.0, 0
+    for w in weights:
+        if size and acc + w > target + 1e-9 and len(sizes) < count - 1:
+            sizes.append(size)
+            acc, size = 0.0, 0
+        acc += w
+        size += 1
+    sizes.append(size)
+    # Balancing may leave the last chunk over the cap: then plain first-fit by the cap.
+    chunks, i = [], 0
+    for n in sizes:
+        chunks.append(weights[i : i + n])
+        i += n
+    if any(len(c) > 1 and sum(c) > cap + 1e-9 for c in chunks):
+        sizes, acc = [], 0.0
+        for w in weights:
+            if not sizes or acc + w > cap + 1e-9:
+                sizes.append(0)
+                acc = 0.0
+            sizes[-1] += 1
+            acc += w
+    return sizes
+
+
+def split_generated(text: str, max_weight: float = DEFAULT_MAX_PART_WEIGHT) -> list[Part]:
+    """Cut one generated kernel file into the fewest parts of estimated cost at most
+    `max_weight` each (UNIT_OVERHEAD included; a single heavier instantiation is a part of
+    its own), in file order; each part keeps the file's head (includes, namespace openings)
+    and tail (namespace closings).
+
+    A file whose instantiations are separated by anything but blank lines, or whose head or
+    tail holds anything but includes, namespace braces and comments, is returned whole (one
+    part): a layout we do not know is compiled as FlashInfer wrote it.
+    """
+    found = list(_INSTANCE.finditer(text))
+    weights = [instance_weight(m.group(0)) for m in found]
+    if not found:
+        return [Part(text, 0, UNIT_OVERHEAD)]
+    head, tail = text[: found[0].start()], text[found[-1].end() :]
+    between = (text[a.end() : b.start()] for a, b in zip(found, found[1:], strict=False))
+    # Head and tail are repeated in every part: a definition there would be linked once
+    # per part.
+    if (
+        any(gap.strip() for gap in between)
+        or not all(_HEAD_LINE.match(line) for line in head.splitlines())
+        or not all(_TAIL_LINE.match(line) for line in tail.splitlines())
+    ):
+        return [Part(text, len(found), UNIT_OVERHEAD + sum(weights))]
+    parts, i = [], 0
+    for n in _balanced(weights, max_weight - UNIT_OVERHEAD):
+        chunk = [m.group(0).rstrip("\n") + "\n" for m in found[i : i + n]]
+        parts.append(
+            Part(head + "\n".join(chunk) + tail, n, UNIT_OVERHEAD + sum(weights[i : i + n]))
+        )
+        i += n
+    return parts
+
+
+SPLIT_DIR = "kimi_w31_split"
+
+
+def part_path(path: Path, index: int, count: int) -> Path:
+    """Where part `index` (1-based) of a generated kernel file goes.
+
+    Not beside it: FlashInfer's generator deletes every file of its output directory
+    (`cutlass_instantiations/<arch>`) it did not generate itself, each time any process
+    builds the spec, which would make ninja recompile our parts in every new process. So a
+    sibling tree of FlashInfer's generated-source directory,
+    `<gen>/kimi_w31_split/<arch>/gemm_grouped/90/<file>.kimi_w31_partIofN.cu` (the parts'
+    only include is include-path relative), under a name FlashInfer's `*.generated.cu` glob
+    never matches.
+    """
+    if len(path.parents) < 5:
+        raise ValueError(f"{path}: not a generated kernel file path (<gen>/x/<arch>/a/b/file)")
+    stem = path.name.removesuffix(".generated.cu")
+    where = path.parents[4] / SPLIT_DIR / path.parents[2].name / path.parents[1].name
+    return where / path.parent.name / f"{stem}.{SPLIT_TAG}{index}of{count}.cu"
+
+
+# --------------------------------------------------------------------------------------
+# The recipe: sources in build order, derived texts, FlashInfer's flags
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    path: Path
+    weight: float  # estimated compile cost, for ordering
+    text: str | None = None  # derived (written by us); None: FlashInfer's file as is
+
+
+@dataclass(frozen=True)
+class Recipe:
+    variant: Variant
+    name: str
+    units: tuple[Unit, ...]  # build order: costliest first
+    kwargs: dict[str, Any] = field(default_factory=dict)  # FlashInfer's gen_jit_spec kwargs
+
+    @property
+    def sources(self) -> list[Path]:
+        return [u.path for u in self.units]
+
+
+# Estimated cost (same units) of FlashInfer's own sources, from the same build; the rest
+# take seconds.
+_FIXED_COST = {
+    INSTANTIATION: 10.0,  # the runner's explicit instantiation (113 s)
+    "fp8_blockscale_gemm.cu": 10.0,  # 113 s
+    BINDING: 7.0,  # 77 s
+    "moe_gemm_tma_warp_specialized_input.cu": 4.0,  # 40 s
+}
+_GEMM_SOURCE_COST = 5.0  # moe_gemm_kernels_<act>_<weight>.cu (59 s)
+
+
+def fixed_cost(path: Path, trim: Trim) -> float:
+    name = path.name.removeprefix(trim.derived_prefix)
+    if name == trim.gemm_source:
+        return _GEMM_SOURCE_COST
+    return _FIXED_COST.get(name, 1.0 if path.suffix == ".cu" else 0.5)
+
+
+def _m_tile(path: Path) -> int:
+    match = re.search(r"_M(\d+)_", path.name)
+    return int(match.group(1)) if match else 0
+
+
+def select_generated(
+    paths: Sequence[Path], read: Callable[[Path], str] = Path.read_text, trim: Trim = W4A16.trim
+) -> list[Path]:  # type: ignore[assignment]
+    """The generated SM90 grouped-GEMM files that instantiate the trim's dtype pair,
+    largest M tile first."""
+    picked = [
+        p
+        for p in paths
+        if p.name.endswith(".generated.cu")
+        and p.parent.name == "90"
+        and p.parent.parent.name == "gemm_grouped"
+        and trim.kernel_marker in read(p)
+    ]
+    return sorted(picked, key=lambda p: (-_m_tile(p), p.name))
+
+
+def trimmed_sources(
+    stock: Sequence[Path],
+    generated: Sequence[Path],
+    binding: Path,
+    instantiation: Path,
+    trim: Trim = W4A16.trim,  # type: ignore[assignment]
+) -> list[Path]:
+    """The stock source list with every other dtype's GEMM file and kernel file dropped.
+
+    Order: selected generated kernels, then the derived instantiation and binding, then the
+    stock non-kernel sources in stock order (`recipe` reorders by estimated cost).
+    """
+    rest: list[Path] = []
+    for p in stock:
+        if p.name.endswith(".generated.cu"):
+            continue  # replaced by `generated`
+        if p.name.startswith("moe_gemm_kernels_") and p.name != trim.gemm_source:
+            continue
+        if p.name in (BINDING, INSTANTIATION):
+            continue
+        rest.append(p)
+    missing = {BINDING, INSTANTIATION} - {p.name for p in stock}
+    if missing or trim.gemm_source not in {p.name for p in rest}:
+        raise ValueError(f"stock source list changed: missing {sorted(missing)} / gemm file")
+    return [*generated, instantiation, binding, *rest]
+
+
+def order_units(units: Iterable[Unit]) -> tuple[Unit, ...]:
+    """Costliest first (stable among equals), so the longest units start at once."""
+    return tuple(sorted(units, key=lambda u: -u.weight))
+
+
+def build_units(
+    stock: Sequence[Path],
+    trim: Trim,
+    *,
+    read: Callable[[Path], str] = Path.read_text,
+    split: bool = True,
+    max_weight: float = DEFAULT_MAX_PART_WEIGHT,
+) -> list[Unit]:
+    """The trimmed module's units from FlashInfer's stock source list (pure but for `read`)."""
+    backend = next((p.parent for p in stock if p.name == BINDING), None)
+    if backend is None:
+        raise ValueError(f"stock source list changed: no {BINDING}")
+    binding = backend / f"{trim.derived_prefix}{BINDING}"
+    instantiation = backend / f"{trim.derived_prefix}{INSTANTIATION}"
+    generated = select_generated([p for p in stock if p.name.endswith(".generated.cu")], read, trim)
+    if not generated:
+        raise ValueError(f"no generated kernel file instantiates <{trim.kernel_marker}>")
+    ordered = trimmed_sources(stock, generated, binding, instantiation, trim)
+    units: list[Unit] = []
+    for path in ordered:
+        if path == binding:
+            text = trim_binding(read(backend / BINDING), trim)
+            units.append(Unit(path, fixed_cost(path, trim), text))
+        elif path == instantiation:
+            text = trim_instantiation(read(backend / INSTANTIATION), trim)
+            units.append(Unit(path, fixed_cost(path, trim), text))
+        elif path in generated:
+            text = read(path)
+            parts = split_generated(text, max_weight if split else float("inf"))
+            if len(parts) == 1:
+                units.append(Unit(path, parts[0].weight))
+            else:
+                units += [
+                    Unit(part_path(path, i, len(parts)), p.weight, p.text)
+                    for i, p in enumerate(parts, 1)
+                ]
+        else:
+            units.append(Unit(path, fixed_cost(path, trim)))
+    return units
+
+
+def stock_recipe(generator: str) -> tuple[str, list[Path], dict[str, Any]]:
+    """Run FlashInfer's generator (it also writes its generated kernel files) but stop it at
+    `gen_jit_spec`: (module name, sources, keyword arguments), nothing registered or built."""
+    from flashinfer.jit import fused_moe as fm
+
+    captured: dict[str, Any] = {}
+    real = fm.gen_jit_spec
+
+    def capture(name: str, sources: Sequence[Any], **kwargs: Any) -> None:
+        captured.update(name=name, sources=[Path(s) for s in sources], kwargs=kwargs)
+
+    fm.gen_jit_spec = capture
+    try:
+        getattr(fm, generator)(False)
+    finally:
+        fm.gen_jit_spec = real
+    if "name" not in captured:
+        raise RuntimeError(f"flashinfer's {generator} did not call gen_jit_spec")
+    return str(captured["name"]), captured["sources"], captured["kwargs"]
+
+
+def recipe(
+    variant: Variant, *, split: bool = True, max_weight: float = DEFAULT_MAX_PART_WEIGHT
+) -> Recipe:
+    """The variant's module recipe from the installed FlashInfer (no GPU, no file written
+    but FlashInfer's own generated kernel files)."""
+    stock_name, stock, kwargs = stock_recipe(variant.generator)
+    if not stock_name.startswith(variant.stock_prefix):
+        raise RuntimeError(f"unexpected stock module {stock_name!r} from {variant.generator}")
+    # A flavour of the stock module (e.g. FlashInfer's H20 prebuilt-descriptor one) keeps its
+    # suffix, so differently flagged builds never share a cache directory or a bundle entry.
+    name = variant.module_name + stock_name[len(variant.stock_prefix) :]
+    if variant.trim is None:
+        return Recipe(variant, name, tuple(Unit(p, 0.0) for p in stock), kwargs)
+    units = build_units(stock, variant.trim, split=split, max_weight=max_weight)
+    return Recipe(variant, name, order_units(units), kwargs)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    # Keep mtimes stable so ninja does not rebuild an unchanged unit.
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def jit_spec(rec: Recipe, *, write: bool = True) -> Any:
+    """FlashInfer's JitSpec for the recipe; `write` puts the derived files in place first."""
+    from flashinfer.jit import gen_jit_spec
+
+    if write:
+        for unit in rec.units:
+            if unit.text is not None:
+                unit.path.parent.mkdir(parents=True, exist_ok=True)
+                _write_if_changed(unit.path, unit.text)
+    return gen_jit_spec(rec.name, rec.sources, **rec.kwargs)
+
+
+# nvcc's own thread count changes how fast it compiles, not what it emits.
+_NEUTRAL_FLAG = re.compile(r"^--threads(=\d+)?$|^-t\d+$")
+
+
+def _relative(path: Path, roots: Sequence[Path]) -> str:
+    for i, root in enumerate(roots):
+        try:
+            return f"<{i}>/{path.resolve().relative_to(root.resolve()).as_posix()}"
+        except ValueError:
+            continue
+    return path.as_posix()
+
+
+def source_hash(rec: Recipe, spec: Any, roots: Sequence[Path] | None = None) -> str:
+    """sha256 over the module's name, every source's content (derived texts as generated)
+    and the compiler and linker flags, machine paths made relative to FlashInfer's source and
+    generated-source directories: equal on every machine with the same FlashInfer, CUDA
+    flags and plugin recipe."""
+    if roots is None:
+        from flashinfer.jit import env as jit_env
+
+        roots = [Path(jit_env.FLASHINFER_CSRC_DIR), Path(jit_env.FLASHINFER_GEN_SRC_DIR)]
+    h = hashlib.sha256()
+    h.update(rec.name.encode() + b"\0")
+    for unit in rec.units:
+        data = unit.text.encode() if unit.text is not None else unit.path.read_bytes()
+        h.update(_relative(unit.path, roots).encode() + b"\0")
+        h.update(hashlib.sha256(data).digest())
+    flags = {
+        "cflags": list(spec.extra_cflags or []),
+        "cuda_cflags": [f for f in spec.extra_cuda_cflags or [] if not _NEUTRAL_FLAG.match(f)],
+        "ldflags": list(spec.extra_ldflags or []),
+        "include": [_relative(Path(p), roots) for p in spec.extra_include_dirs or []],
+    }
+    h.update(json.dumps(flags, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------
+# Loading: route FlashInfer's fused-MoE module lookup to the plugin's module
+# --------------------------------------------------------------------------------------
+
+
+class _Library:
+    """A spec stand-in that loads an already built library instead of running ninja."""
+
+    def __init__(self, library: Path) -> None:
+        self.library = library
+
+    def build_and_load(self) -> Any:
+        import tvm_ffi
+
+        return tvm_ffi.load_module(str(self.library))
+
+
+# arch -> (variant key, library or None) installed in this process
+_installed: dict[str, tuple[str, Path | None]] = {}
+
+
+def install(variant: Variant, library: Path | None = None) -> None:
+    """Route FlashInfer's fused-MoE module for `variant.arch` to the variant's module.
+
+    `get_cutlass_fused_moe_module` (which `cutlass_fused_moe` and the weight interleaves
+    call) looks its generator up as a module global at call time and caches the loaded
+    module, so this must run before the first call. With `library`, that file (a bundle's,
+    or one built by `prebuild` with the same FlashInfer and CUDA) is loaded as is and
+    nothing is compiled. One module per architecture per process: FlashInfer caches one,
+    and installing another variant later re-routes the next lookup to it.
+    """
+    from flashinfer.fused_moe import core
+
+    def gen(use_fast_build: bool = False) -> Any:
+        if library is not None:
+            return _Library(library)
+        return jit_spec(recipe(variant))
+
+    setattr(core, variant.generator, gen)
+    core.get_cutlass_fused_moe_module.cache_clear()
+    _installed[variant.arch] = (variant.key, library)
+
+
+def ensure(arch: Arch, humming: bool = False) -> Variant:
+    """Before the adapter's first FlashInfer MoE call in a process: use the plugin's module,
+    from the bundle `$KIMI_W31_KERNELS` names (refused unless it matches this stack: raises
+    `bundle.BundleError`), else built into FlashInfer's JIT cache on first use. Idempotent;
+    an explicit `install` made earlier in the process (the GPU harness) is kept."""
+    variant = variant_for(arch, humming)
+    current = _installed.get(arch)
+    if current is not None and current[0] == variant.key:
+        return variant
+    library = None
+    where = os.environ.get(ENV_BUNDLE, "").strip()
+    if where:
+        library = bundle_library(Path(where), variant)
+    install(variant, library)
+    return variant
+
+
+def bundle_library(root: Path, variant: Variant) -> Path:
+    """What the plugin loads for `variant` from the bundle at `root`: the running stack and
+    the recipe's source hash computed here, then `bundle.check` (raises BundleError)."""
+    from . import bundle
+
+    running = bundle.current_stack(variant.arch)
+    rec = recipe(variant)
+    digest = source_hash(rec, jit_spec(rec, write=False))
+    return bundle.check(root, variant.key, running, digest)[1]

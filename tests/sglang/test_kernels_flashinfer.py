@@ -1,0 +1,147 @@
+"""The plugin's FlashInfer modules against FlashInfer's real generator (flashinfer-python
+0.7.2.post1 in the SGLang test environment; no GPU, nothing compiled): what each module
+compiles, how the heavy units are split, the source hash, and `prebuild --arch` off-GPU in
+a fresh process. Each check runs in its own interpreter: FlashInfer fixes its target
+architecture when it is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+K_SPLIT = "kimi_w31_split"
+
+_FACTS = """
+import json, re, sys
+from pathlib import Path
+from kimi_w31.adapter import kernels as K
+
+_INST = re.compile(r"^template\\s[^;]*;", re.M)
+out = {}
+for key in ("w4a16", "w4a8"):
+    v = K.VARIANTS[key]
+    name, stock, _ = K.stock_recipe(v.generator)
+    rec = K.recipe(v)
+    spec = K.jit_spec(rec, write=False)
+    gen = [p for p in stock if p.name.endswith(".generated.cu")]
+    kept = [p for p in gen if v.trim.kernel_marker in p.read_text()]
+    others = {o.trim.kernel_marker for o in K.VARIANTS.values() if o.trim and o is not v}
+    kernel_units = [u for u in rec.units if "gemm_grouped" in u.path.parent.parent.name]
+    text = lambda u: u.text if u.text is not None else u.path.read_text()
+    # write our split parts (they live in the tmp workspace) and ask FlashInfer again
+    for u in kernel_units:
+        if u.text is not None:
+            u.path.parent.mkdir(parents=True, exist_ok=True)
+            u.path.write_text(u.text)
+    _, stock_after, _ = K.stock_recipe(v.generator)
+    out[key] = {
+        "stock_name": name,
+        "stock_sources": len(stock),
+        "units": [str(u.path) for u in rec.units],
+        "derived": [str(u.path) for u in rec.units if u.text is not None],
+        "stock": [str(p) for p in stock],
+        "weights": [u.weight for u in rec.units],
+        "kernel_weights": [u.weight for u in kernel_units],
+        "want_instances": sorted(x for p in kept for x in _INST.findall(p.read_text())),
+        "got_instances": sorted(x for u in kernel_units for x in _INST.findall(text(u))),
+        "foreign": [str(u.path) for u in rec.units if any(m in text(u) for m in others)
+                    and u.path.name.endswith(".cu") and "gemm_grouped" in str(u.path)],
+        "stock_after_has_parts": any(K.SPLIT_TAG in p.name for p in stock_after),
+        # FlashInfer's generator deletes what it did not write in its own tree: ours survive
+        "parts_survive": all(u.path.exists() for u in kernel_units if u.text is not None),
+        "split_root": str(Path(K.part_path(gen[0], 1, 2)).parents[3]),
+        "hash": K.source_hash(rec, spec),
+        "spec_sources": len(spec.sources),
+        "cuda_flags": list(spec.extra_cuda_cflags),
+    }
+print(json.dumps(out))
+"""
+
+
+def _run(code: str, workspace: Path, *args: str, arch_list: str | None = "9.0a"):
+    env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_CUDA_ARCH_LIST"}
+    env["FLASHINFER_WORKSPACE_BASE"] = str(workspace)
+    if arch_list:
+        env["FLASHINFER_CUDA_ARCH_LIST"] = arch_list
+    return subprocess.run(
+        [sys.executable, *(["-c", code] if code else []), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def facts(tmp_path_factory):
+    runs = []
+    for i in range(2):  # two workspaces: the hash must not depend on where files live
+        ws = tmp_path_factory.mktemp(f"fiws{i}")
+        out = _run(textwrap.dedent(_FACTS), ws)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append((ws, json.loads(out.stdout.strip().splitlines()[-1])))
+    return runs
+
+
+@pytest.mark.parametrize("key", ["w4a16", "w4a8"])
+def test_each_module_compiles_exactly_its_runners_kernels_once(facts, key) -> None:
+    f = facts[0][1][key]
+    assert f["stock_name"] == "fused_moe_90" and f["stock_sources"] == 248
+    assert f["want_instances"] and f["got_instances"] == f["want_instances"]
+    assert f["foreign"] == []  # no kernel of another dtype pair
+    assert f["spec_sources"] == len(f["units"]) < f["stock_sources"]
+
+
+@pytest.mark.parametrize("key", ["w4a16", "w4a8"])
+def test_units_are_flashinfers_files_or_derived_beside_them(facts, key) -> None:
+    f = facts[0][1][key]
+    stock = {Path(p) for p in f["stock"]}
+    stock_dirs = {p.parent for p in stock}
+    derived = {Path(p) for p in f["derived"]}
+    split_root = Path(f["split_root"])
+    for unit in map(Path, f["units"]):
+        beside = unit.parent in stock_dirs or unit.is_relative_to(split_root)
+        assert unit in stock or (unit in derived and beside), unit
+        if unit in derived:
+            assert not unit.name.endswith(".generated.cu")
+    assert not f["stock_after_has_parts"]  # FlashInfer's own module never picks ours up
+    # ... and regenerating FlashInfer's sources (every process does) keeps ours, so a warm
+    # cache is not recompiled in the next process
+    assert f["parts_survive"] and any(K_SPLIT in str(u) for u in derived)
+
+
+@pytest.mark.parametrize("key", ["w4a16", "w4a8"])
+def test_heavy_units_are_split_and_start_first(facts, key) -> None:
+    from kimi_w31.adapter import kernels as K
+
+    f = facts[0][1][key]
+    assert max(f["kernel_weights"]) <= K.DEFAULT_MAX_PART_WEIGHT
+    assert f["weights"] == sorted(f["weights"], reverse=True)
+    # FlashInfer's own SM90 flags
+    assert "-gencode=arch=compute_90a,code=sm_90a" in f["cuda_flags"]
+
+
+def test_the_source_hash_does_not_depend_on_the_workspace(facts) -> None:
+    (_, a), (_, b) = facts
+    for key in ("w4a16", "w4a8"):
+        assert a[key]["hash"] == b[key]["hash"]
+    assert a["w4a16"]["hash"] != a["w4a8"]["hash"]
+
+
+def test_prebuild_off_gpu_in_a_fresh_process(tmp_path) -> None:
+    """No GPU, FLASHINFER_CUDA_ARCH_LIST unset: `prebuild --arch sm90` targets SM90 (its
+    cache directory is the one a server on an H200 reads) instead of tripping FlashInfer's
+    guard."""
+    out = _run(
+        "", tmp_path, "-m", "kimi_w31", "prebuild", "--arch", "sm90", "--list", arch_list=None
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fused_moe_90_kimi_w31_w4a16 (sm90 w4a16, " in out.stderr
+    assert f"{tmp_path}/.cache/flashinfer/0.7.2.post1/90a/cached_ops/" in out.stderr

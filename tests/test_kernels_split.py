@@ -1,0 +1,183 @@
+"""adapter/kernels.py, the pure parts: splitting FlashInfer's generated grouped-GEMM files,
+the trimmed source list and the build order. Against FlashInfer's real generator:
+tests/sglang/test_kernels_flashinfer.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kimi_w31.adapter import kernels as K
+
+HEAD = (
+    '#include "tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/x.inl"\n'
+    "namespace tensorrt_llm\n{\nnamespace kernels\n{\n\n\n"
+)
+TAIL = "\n\n} // namespace kernels\n} // namespace tensorrt_llm\n"
+
+
+def instance(m: int, n: int, k: int, tag: int, dtype: str = "__nv_bfloat16") -> str:
+    return (
+        f"template void launcher<{dtype}, SafeFP4, {dtype},\nEpilogue, "
+        f"cute::Shape<cute::Int<{m}>, cute::Int<{n}>, cute::Int<{k}>>, "
+        f"cute::Shape<cute::Int<1>, cute::Int<{tag}>, cute::Int<1>>> (\n"
+        "GroupedGemmInput inputs, int sm_count_, size_t* workspace_size);\n"
+    )
+
+
+def generated(instances: list[str]) -> str:
+    return HEAD + "\n\n".join(instances) + TAIL
+
+
+_INST = re.compile(r"^template\s[^;]*;", re.M)
+tiles = st.tuples(
+    st.sampled_from([64, 128, 256]),
+    st.sampled_from([16, 32, 64, 128, 256]),
+    st.sampled_from([128, 256, 512]),
+)
+
+
+def _first_fit(weights, cap):
+    count, acc = 0, 0.0
+    for w in weights:
+        if count == 0 or acc + w > cap:
+            count, acc = count + 1, 0.0
+        acc += w
+    return count
+
+
+@given(
+    shapes=st.lists(tiles, min_size=1, max_size=12),
+    max_weight=st.sampled_from([5.0, 10.0, 12.0, 15.0, 20.0, 30.0, 60.0, 1000.0]),
+)
+def test_split_keeps_every_instantiation_once_in_order(shapes, max_weight) -> None:
+    insts = [instance(m, n, k, i) for i, (m, n, k) in enumerate(shapes)]
+    parts = K.split_generated(generated(insts), max_weight)
+    got = [x for p in parts for x in _INST.findall(p.text)]
+    assert got == [x.rstrip("\n") for x in insts]  # nothing lost, nothing doubled, same order
+    assert sum(p.instances for p in parts) == len(insts)
+    weights = [K.instance_weight(x) for x in insts]
+    for p in parts:
+        assert p.text.startswith(HEAD) and p.text.endswith(TAIL)  # includes, namespaces
+        assert p.weight <= max_weight + 1e-9 or p.instances == 1  # bounded, or one heavy one
+    assert sum(p.weight for p in parts) == pytest.approx(
+        sum(weights) + K.UNIT_OVERHEAD * len(parts)
+    )
+    # never more units (each costs an overhead) than filling parts up to the bound would give
+    assert len(parts) <= _first_fit(weights, max_weight - K.UNIT_OVERHEAD) or len(parts) == len(
+        insts
+    )
+
+
+def test_weight_grows_with_the_tile_volume() -> None:
+    assert K.instance_weight(instance(256, 128, 128, 1)) == 3.0
+    assert K.instance_weight(instance(128, 16, 512, 1)) == 1.5
+    assert K.instance_weight("template void f<int>();") == 2.0  # unknown tile
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        generated([instance(256, 256, 128, 1), instance(256, 256, 128, 2)]).replace(
+            "\n\n\ntemplate void launcher", "\nint other;\ntemplate void launcher", 1
+        )[::1],
+        HEAD
+        + instance(256, 256, 128, 1)
+        + "static int x = 1;\n"
+        + instance(256, 256, 128, 2)
+        + TAIL,
+    ],
+)
+def test_an_unknown_layout_stays_whole(text) -> None:
+    parts = K.split_generated(text, 1.0)
+    assert len(parts) == 1 and parts[0].text == text
+
+
+def test_parts_live_outside_flashinfers_generated_tree(tmp_path) -> None:
+    gen = tmp_path / "generated"
+    out_dir = gen / "cutlass_instantiations" / "90"  # FlashInfer deletes what it did not write
+    src = out_dir / "gemm_grouped" / "90" / "k_sm90_M256_Mixed_group6.generated.cu"
+    names = [K.part_path(src, i, 4) for i in range(1, 5)]
+    assert len(set(names)) == 4
+    assert all(p.is_relative_to(gen) and not p.is_relative_to(out_dir) for p in names)
+    assert all(p.parent.name == src.parent.name for p in names)  # same object-name prefix
+    # FlashInfer lists its kernel files with rglob("*.generated.cu"): ours must not match
+    assert not any(p.name.endswith(".generated.cu") for p in names)
+    assert names[0].name == "k_sm90_M256_Mixed_group6.kimi_w31_part1of4.cu"
+    with pytest.raises(ValueError):
+        K.part_path(Path("x.generated.cu"), 1, 2)
+
+
+def _stock(tmp_path: Path) -> tuple[list[Path], dict[Path, str]]:
+    d = tmp_path / "csrc"
+    g = tmp_path / "gen" / "cutlass_instantiations" / "90" / "gemm_grouped" / "90"
+    files = {
+        d / "moe_gemm_kernels_fp8_fp8.cu": "",
+        d / "moe_gemm_kernels_bf16_fp4.cu": "",
+        d / "moe_gemm_kernels_fp8_fp4.cu": "",
+        d / K.BINDING: (
+            "a\n    // keep consistent with cpp/tensorrt_llm/plugins/mixtureOfExperts/x.cpp\n"
+            "    if (x) {}\n    if (!mKernelRunner) {\n}\n"
+        ),
+        d / K.INSTANTIATION: (
+            "template class CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>;\n"
+            "template class CutlassMoeFCRunner<__nv_fp8_e4m3, Fp4Type, half, half, half, false,\n"
+            "    Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>;\n"
+            "INSTANTIATE_FINALIZE_MOE_ROUTING(half, half, half);\n"
+        ),
+        g / "k_sm90_M256_Mixed_group6.generated.cu": generated(
+            [instance(256, 256, 128, i) for i in range(8)]
+        ),
+        g / "k_sm90_M64_Mixed_group12.generated.cu": generated(
+            [instance(64, 16, 128, i) for i in range(8)]
+        ),
+        g / "k_sm90_M128_Mixed_group42.generated.cu": generated(
+            [instance(128, 128, 128, i, "__nv_fp8_e4m3") for i in range(8)]
+        ),
+        d / "logger.cpp": "",
+    }
+    return list(files), files
+
+
+@pytest.mark.parametrize("variant", [K.W4A16, K.W4A8_HUMMING], ids=lambda v: v.key)
+def test_units_hold_the_runner_its_kernels_split_and_costliest_first(tmp_path, variant) -> None:
+    stock, files = _stock(tmp_path)
+    trim = variant.trim
+    units = K.order_units(K.build_units(stock, trim, read=lambda p: files[p], max_weight=30.0))
+    names = [u.path.name for u in units]
+    # the variant's derived instantiation and binding, its GEMM file, nobody else's
+    for name in (trim.derived_prefix + K.INSTANTIATION, trim.derived_prefix + K.BINDING):
+        assert name in names
+    assert trim.gemm_source in names
+    assert not any(n.startswith("moe_gemm_kernels_") and n != trim.gemm_source for n in names)
+    assert K.BINDING not in names and K.INSTANTIATION not in names and "logger.cpp" in names
+    kernels = [u for u in units if "_Mixed_group" in u.path.name]
+    kept = {p for p in stock if p.name.endswith(".generated.cu") and trim.kernel_marker in files[p]}
+    # every instantiation of the kept files is compiled exactly once, none of the others
+    want = sorted(x for p in kept for x in _INST.findall(files[p]))
+    got = sorted(x for u in kernels for x in _INST.findall(u.text or files[u.path]))
+    assert got == want
+    weights = [u.weight for u in units]
+    assert weights == sorted(weights, reverse=True)  # costliest first
+    assert all(u.weight <= 30.0 for u in kernels)
+    assert units[-1].path.name == "logger.cpp"  # host-only sources last
+
+
+def test_no_split_keeps_flashinfers_files(tmp_path) -> None:
+    stock, files = _stock(tmp_path)
+    units = K.build_units(stock, K.W4A16.trim, read=lambda p: files[p], split=False)
+    kernels = [u for u in units if "_Mixed_group" in u.path.name]
+    assert all(u.text is None and u.path.name.endswith(".generated.cu") for u in kernels)
+    assert len(kernels) == 2
+
+
+def test_variants_per_serving_path() -> None:
+    assert K.variant_for("sm90") is K.W4A16
+    assert K.variant_for("sm90", humming=True) is K.W4A8_HUMMING
+    assert K.variant_for("sm120") is K.SM120 and K.SM120.trim is None
+    assert len({v.module_name for v in K.VARIANTS.values()}) == len(K.VARIANTS)
+    with pytest.raises(ValueError):
+        K.variant_for("sm100")  # type: ignore[arg-type]
