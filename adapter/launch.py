@@ -728,7 +728,7 @@ def prebuild_command(
       kimi-convert prebuild                          on the serving machine (its GPU)
       kimi-convert prebuild --arch sm90 --out kernels/ --progress lines > build.log 2>&1
       kimi-convert prebuild --arch sm90 --precision w4a16 --precision w4a8 --out kernels/
-      kimi-convert serve out/ --tp 8 --kernels kernels/
+      kimi-convert serve out/ --tp 16 --ep 2 --kernels kernels/ -- --nnodes 2 ...
 
     Exit codes: 0 built or already built, 1 it cannot be built here, 2 usage error.
     """

@@ -73,7 +73,7 @@ def main() -> None:
       kimi-convert SRC out/ --dry-run                   check and plan only, write nothing
       kimi-convert verify out/ --checksums              prove an output intact
       kimi-convert synth src/                           make a small checkpoint to try
-      kimi-convert serve out/ --tp 8                    check, then run SGLang on it
+      kimi-convert serve out/ --tp 16 --ep 2 -- --nnodes 2 ...  check, then run SGLang
       kimi-convert prebuild                             FlashInfer's JIT build, once
 
     Exit codes: 0 ok, 1 invalid input or failed check, 2 usage error, 130 interrupted,

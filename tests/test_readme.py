@@ -69,6 +69,8 @@ def kimi_k3_checkpoint(tmp_path_factory) -> Path:
 def test_a_serve_example_launches_the_whole_model(command, kimi_k3_checkpoint):
     argv = [a for a in shlex.split(command)[2:] if a != "..."]
     argv[0] = str(kimi_k3_checkpoint)  # the example's checkpoint path
+    if "--kernels" in argv:  # a bundle directory of the reader's machine
+        argv[argv.index("--kernels") + 1] = str(kimi_k3_checkpoint.parent)
     params = serve.make_context("serve", argv).params
     plan = plan_serve(
         params["checkpoint"],
