@@ -585,7 +585,7 @@ def layer_rule(cfg: Any, bound: int | None = None) -> tuple[LayerRule, list[Prob
                     f"config field {key} must be an integer >= {minimum}"
                     + (" (without it SGLang builds no MoE layer)" if key == "num_experts" else ""),
                     file=CONFIG_NAME,
-                    found=repr(value),
+                    found="missing or null" if value is None else repr(value),
                 )
             )
         else:

@@ -279,12 +279,14 @@ def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]
     for symbol, key in manifest.dims.items():
         value = contract.config_value(config, key)
         if not contract.is_config_int(value) or value <= 0:
+            if key in contract.MOE_RULE_FIELDS:  # judged once, by `contract.layer_rule`
+                continue
             problems.append(
                 Problem(
                     Code.CONFIG_FIELD,
                     f"config field {key} is missing or not a positive integer",
                     file=contract.CONFIG_NAME,
-                    found=repr(value),
+                    found="missing or null" if value is None else repr(value),
                 )
             )
         else:
