@@ -153,7 +153,8 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
             found=str(opts.max_shard_size),
         )
     manifest = load_manifest(opts.manifest)
-    root = opts.origin.resolve(opts.source, opts.revision)
+    found = opts.origin.resolve(opts.source, opts.revision)
+    root = found.root
     out = opts.out.expanduser().resolve()
     if out == root or root in out.parents:
         raise fail(
@@ -164,7 +165,7 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
             found=str(root),
         )
     with gc_paused():
-        source = read_source(root, opts.source, opts.origin)
+        source = read_source(root, opts.source, found.reader)
         table, problems = validate_source(source, manifest)
         if problems:
             hint = None
@@ -235,7 +236,7 @@ def _as_fatal(exc: BaseException, out: OutputDir) -> Fatal | None:
 
 def _source_files(opts: ConvertOptions, source: Source) -> SourceFiles:
     planned = {f: h.header_sha256 for f, h in source.headers.items()}
-    return opts.executor.source_files(source.root, source.shard_files, planned)
+    return opts.executor.source_files(source.root, source.shard_files, planned, source.reader)
 
 
 def preview(out: OutputDir, plan: Plan, sources: SourceFiles, rehash: bool) -> Preview:

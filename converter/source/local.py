@@ -7,7 +7,7 @@ from pathlib import Path
 from ..contract import CHECKSUMS_NAME
 from ..errors import Code, Fatal, Problem, fail
 from ..safetensors_format import ShardHeader, read_header
-from . import stays_inside
+from . import Resolved, stays_inside
 
 
 def resolve_local(spec: str, revision: str | None = None) -> Path:
@@ -53,8 +53,8 @@ class LocalOrigin:
 
     header_workers = 1
 
-    def resolve(self, spec: str, revision: str | None) -> Path:
-        return resolve_local(spec, revision)
+    def resolve(self, spec: str, revision: str | None) -> Resolved:
+        return Resolved(resolve_local(spec, revision), self)  # on disk: nothing more to learn
 
     def has_file(self, root: Path, name: str) -> bool:
         return (root / name).exists()
