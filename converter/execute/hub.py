@@ -15,10 +15,11 @@ Resume: records of a Hub run name source shards by content (size and the Hub's E
 sha256 of an LFS file), not by inode, so an output shard whose source shards were deleted is
 still proven and nothing it needed is downloaded again.
 
-Partial downloads: a download cut short by Ctrl-C or a kill leaves huggingface_hub's
-temporary file behind, which no later download reuses. Each one this run starts is recorded
-in the output's state folder as it appears (`_DownloadWatch`), and every recorded one is
-removed when the run ends, however it ends, and at the start of the next run (after a kill).
+Partial downloads: a download cut short by Ctrl-C or a kill leaves the client's temporary
+file behind (huggingface_hub's, for the Hub), which no later download reuses. Each one this
+run starts is recorded in the output's state folder as it appears (`_DownloadWatch`), and
+every recorded one is removed when the run ends, however it ends, and at the start of the
+next run (after a kill).
 Files nobody recorded, another process's among them, are never touched.
 """
 
