@@ -316,7 +316,8 @@ def convert_cmd(
     byte concatenation; everything else is copied unchanged; the index is written last.
 
     Rerun the same command after any interruption: finished shards are kept once proven.
-    On a finished output it proves every shard again and repairs what fails.
+    On a finished output it proves every shard again and rewrites what fails the proof
+    (size, header, source identity; with --rehash also every tensor's data).
 
     \b
     Examples:
@@ -359,8 +360,8 @@ def convert_cmd(
         elif result.already_complete:
             err.print(
                 f"[green]already complete:[/] {escape(str(result.out))} holds this "
-                f"conversion; all {len(result.plan.shards)} shards proven (size, header, "
-                f"source identity{', data' if rehash else ''}); nothing to do."
+                f"conversion; all {len(result.plan.shards)} shards proven by "
+                f"{summary['kept_proven_by']}; nothing to do."
             )
         else:
             _print_summary(result, summary)
@@ -401,8 +402,11 @@ def _print_plan(result: ConvertResult, extra_rows: list[tuple[str, str]]) -> Non
 
 
 def _print_summary(result: ConvertResult, summary: dict) -> None:
-    repaired = result.mode is Mode.RECHECK
-    table = Table(title="Output repaired" if repaired else "Conversion complete", show_header=False)
+    # "Repaired" only when every kept shard's data was re-read (`kept_data_reread`).
+    title = "Conversion complete"
+    if result.mode is Mode.RECHECK:
+        title = "Output repaired" if summary["kept_data_reread"] else "Output updated"
+    table = Table(title=title, show_header=False)
     table.add_row("output", summary["output"])
     table.add_row(
         "shards written / kept", f"{summary['shards_written']} / {summary['shards_kept']}"
@@ -410,6 +414,8 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     table.add_row("bytes written this run", human(summary["bytes_written"]))
     if summary["bytes_kept"]:
         table.add_row("bytes kept from earlier runs", human(summary["bytes_kept"]))
+    if summary["shards_kept"]:
+        table.add_row("kept shards proven by", summary["kept_proven_by"])
     for shard, reason in list(summary["redone"].items())[:5]:
         table.add_row(f"redone {shard}", reason)
     table.add_row("tensors / experts fused", f"{summary['tensors']} / {summary['experts_fused']}")
@@ -429,7 +435,8 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     show_default=True,
     type=click.IntRange(1),
     metavar="N",
-    help="Layers in all (num_hidden_layers).",
+    help="Layers in all (num_hidden_layers); every fourth and the last have MLA attention, "
+    "the others KDA.",
 )
 @click.option(
     "--dense-layers",
@@ -471,14 +478,21 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     metavar="N",
     help="Source shards to spread the tensors over.",
 )
-@click.option("--real-dims", is_flag=True, help="True per-expert shapes (K 3584, N 3072).")
+@click.option(
+    "--real-dims",
+    is_flag=True,
+    help="The official model's shapes: experts K 3584 x N 3072, hidden 7168, 96 KDA heads, "
+    "two shared experts; MLA and dense-MLP widths assumed (docs/inventory.md); the "
+    "vocabulary and the vision tower's depth stay small.",
+)
 @click.option(
     "--k",
     "k",
     type=click.IntRange(32),
     default=None,
     metavar="N",
-    help="routed_expert_hidden_size, a multiple of 32 [default: 128, 3584 with --real-dims].",
+    help="routed_expert_hidden_size, a multiple of 32 [default: 256, 3584 with --real-dims]; "
+    "the hidden size is twice it, as in the real model.",
 )
 @click.option(
     "--n",
@@ -486,7 +500,7 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     type=click.IntRange(32),
     default=None,
     metavar="N",
-    help="moe_intermediate_size, a multiple of 32 [default: 64, 3072 with --real-dims].",
+    help="moe_intermediate_size, a multiple of 32 [default: 128, 3072 with --real-dims].",
 )
 @click.option(
     "--seed",
@@ -499,7 +513,11 @@ def synth(
     output, layers, dense_layers, moe_every, experts, top_k, shards, real_dims, k, n, seed
 ) -> None:
     """Write a synthetic Kimi-K3-format source checkpoint to OUT_DIR (which must be empty
-    or absent): the real tensor names, dtypes, config and layout, random weights.
+    or absent), random weights: every tensor SGLang's Kimi-K3 model class loads (KDA and
+    MLA attention, dense MLPs, router, shared experts, latent projections, routed experts,
+    norms, embeddings, lm_head, vision tower), under the names it loads them by, with only
+    the routed experts quantized (MXFP4), as docs/inventory.md lists. The default dims suit
+    the SM90/SM120 MXFP4 MoE kernels on one GPU (K a multiple of 256, N of 128).
 
     Its dimensions are not the official model's, so convert it with
     --manifest kimi-k3-any (the default manifest pins the real dims).
@@ -510,7 +528,7 @@ def synth(
       kimi-convert synth src/ --layers 4 --dense-layers 1 --experts 16 --k 256 --n 128
       kimi-convert synth big/ --real-dims --layers 2 --experts 28
     """
-    from .synth import REAL_K, REAL_N, SynthSpec, synth_checkpoint
+    from .synth import cli_spec, synth_checkpoint
 
     def body() -> None:
         if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -520,26 +538,24 @@ def synth(
                 file=str(output.resolve()),
                 hint="choose another directory or remove this one first",
             )
-        kk = k or (REAL_K if real_dims else 128)
-        nn = n or (REAL_N if real_dims else 64)
+        spec = cli_spec(
+            layers=layers,
+            dense_layers=dense_layers,
+            moe_every=moe_every,
+            experts=experts,
+            top_k=top_k,
+            shards=shards,
+            real_dims=real_dims,
+            k=k,
+            n=n,
+            seed=seed,
+        )
+        kk, nn = spec.k, spec.n
         if kk % 32 or nn % 32:
             raise fail(
                 Code.USAGE,
                 "--k and --n must be multiples of 32 (the MXFP4 group size)",
             )
-        dense = min(1, layers - 1) if dense_layers is None else dense_layers
-        spec = SynthSpec(
-            layers=layers,
-            dense_layers=dense,
-            moe_every=moe_every,
-            experts=experts,
-            k=kk,
-            n=nn,
-            top_k=min(top_k, experts),
-            shards=shards,
-            seed=seed,
-            hidden=1024 if real_dims else 256,
-        )
         if not spec.moe_layers():
             raise fail(
                 Code.USAGE,

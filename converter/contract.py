@@ -432,3 +432,34 @@ def moe_layer_ids(cfg: Any) -> tuple[list[int], list[Problem]]:
         return [], problems
     assert layers is not None and experts is not None and dense is not None and freq
     return [i for i in range(layers) if i >= dense and i % freq == 0], []
+
+
+# -- file names of a checkpoint ---------------------------------------------------------------
+# A hidden path (any part starting with ".") is not part of a checkpoint: loaders read only
+# what the index names, and the state kept beside a checkpoint lives there (the converter's
+# `.kimi_w31/`, git's `.git/` and `.gitattributes`, huggingface_hub's `.cache/huggingface/`).
+# A converter never copies one and a checker ignores them, saying which. A differential test
+# holds this to huggingface_hub's own upload filter: everything it skips, we ignore too.
+
+
+def not_part_of_checkpoint(rel: str) -> bool:
+    """Whether the relative path (a file or folder) is none of the checkpoint's business."""
+    return any(part.startswith(".") for part in rel.split("/"))
+
+
+def file_name_problem(name: object) -> str | None:
+    """Why `name` cannot be a file of a converted checkpoint, or None if it can."""
+    if not isinstance(name, str) or not name:
+        return "is not a file name"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8, as the OS hands them over
+        return "is not valid UTF-8"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name) or "\\" in name:
+        return "holds a control character or a backslash"
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return "is not a plain relative path"
+    if any(p.startswith(".") for p in parts):
+        return "is hidden (not part of a checkpoint)"
+    return None

@@ -84,6 +84,8 @@ class Code(str, Enum):
     LAYER_UNEXPECTED = "layer-unexpected"
     LAYER_DUPLICATED = "layer-duplicated"
     NO_EXPERTS = "no-experts"
+    INVENTORY_MISSING = "inventory-missing"
+    INVENTORY_DTYPE = "inventory-dtype"
     # -- the output directory and the run
     OUTPUT_NOT_DIRECTORY = "output-not-directory"
     OUTPUT_NOT_EMPTY = "output-not-empty"
@@ -96,6 +98,10 @@ class Code(str, Enum):
     SCALE_NAN = "scale-nan"
     WINDOW_TOO_SMALL = "window-too-small"
     OUTPUT_HEADER_TOO_LARGE = "output-header-too-large"
+    STATE_FOLDER_INVALID = "state-folder-invalid"
+    PERMISSION_DENIED = "permission-denied"
+    OUTPUT_OF_ANOTHER_SOURCE = "output-of-another-source"
+    FILE_NAME_INVALID = "file-name-invalid"
     # -- a converted checkpoint (verify, serve)
     INCOMPLETE_OUTPUT = "incomplete-output"
     BLOCK_MISSING = "block-missing"
@@ -248,6 +254,12 @@ EXIT_CODES: dict[Code, int] = {
     Code.NUMERICS_DIFFER: EXIT_PROBLEMS,
     Code.NUMERICS_UNAVAILABLE: EXIT_PROBLEMS,
     Code.NUMERICS_SELF_TEST: EXIT_PROBLEMS,
+    Code.INVENTORY_MISSING: EXIT_PROBLEMS,
+    Code.INVENTORY_DTYPE: EXIT_PROBLEMS,
+    Code.STATE_FOLDER_INVALID: EXIT_PROBLEMS,
+    Code.PERMISSION_DENIED: EXIT_PROBLEMS,
+    Code.OUTPUT_OF_ANOTHER_SOURCE: EXIT_PROBLEMS,
+    Code.FILE_NAME_INVALID: EXIT_PROBLEMS,
     Code.TENSOR_DTYPE_DIFFERS: EXIT_PROBLEMS,
     Code.TENSOR_SHAPE_DIFFERS: EXIT_PROBLEMS,
     Code.FILE_NOT_FROM_SOURCE: EXIT_PROBLEMS,

@@ -17,6 +17,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+from .fsio import open_regular
+
 TENSOR_HASH = "crc32"
 CHUNK_SIZE = 8 << 20
 
@@ -43,7 +45,7 @@ def sha256_bytes(data: bytes) -> str:
 def sha256_file(path: Path) -> str:
     """sha256 of a whole file, read in bounded chunks."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with os.fdopen(open_regular(path), "rb") as fh:  # never a FIFO or a device
         while chunk := fh.read(CHUNK_SIZE):
             h.update(chunk)
     return h.hexdigest()

@@ -14,10 +14,15 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
+from . import fsio
 from .errors import Code, Fatal, fail
+
+# Never through a link, never blocking on a FIFO planted in the lock's place.
+_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def _alive(pid: int) -> bool:
@@ -52,7 +57,7 @@ class OutputLock:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(self.path, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 if self._take_over_stale(me):
                     return
@@ -68,10 +73,14 @@ class OutputLock:
     def _take_over_stale(self, me: dict) -> bool:
         """True if we now hold the lock, False if it vanished; raises if someone holds it."""
         try:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = os.open(self.path, _FLAGS)
         except FileNotFoundError:
             return False
+        except OSError as exc:  # a link (ELOOP) or anything else that cannot be a lock
+            raise self._not_a_lock(fsio.describe(self.path)) from exc
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise self._not_a_lock(fsio.describe(self.path))
             if not _flock(fd):  # the owner is alive (or another run is taking over)
                 raise self._busy(self._owner())
             if not self._is_current(fd):  # released and recreated while we waited
@@ -111,9 +120,19 @@ class OutputLock:
             file=str(self.path.parent.parent),
         )
 
+    def _not_a_lock(self, found: str) -> Fatal:
+        return fail(
+            Code.STATE_FOLDER_INVALID,
+            "the lock file is not a regular file kimi-convert made",
+            file=str(self.path),
+            expected="a regular file, or nothing",
+            found=found,
+            hint=f"remove {self.path} yourself if no conversion is running; nothing was changed",
+        )
+
     def _owner(self) -> dict | None:
         try:
-            owner = json.loads(self.path.read_text())
+            owner = json.loads(fsio.read_regular(self.path, follow=False))
         except (OSError, ValueError):
             return None
         return owner if isinstance(owner, dict) else None

@@ -13,13 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from . import contract
+from .console import id_ranges
 from .errors import Code, Fatal, Problem, fail
+from .safetensors_format import TensorInfo
 
 DEFAULT_MANIFEST = "kimi-k3"
 # Symbols every manifest must map to config fields: K (expert input width), N (expert
@@ -41,6 +44,33 @@ class TensorRule:
     shape: tuple[str, ...]  # formulas such as "N", "2*N", "K/32"
 
 
+# Where a group of the non-expert inventory applies (see `Inventory`).
+INVENTORY_PLACES = ("model", "layer", "kda", "mla", "dense", "moe", "vision_block")
+
+
+@dataclass(frozen=True)
+class InventoryGroup:
+    """Tensor names required at one kind of place, when a config field is set (`when`) or
+    unset (`unless`). Names under a layer or vision block are relative to its prefix."""
+
+    place: str
+    names: tuple[str, ...]
+    when: str | None = None
+    unless: str | None = None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The non-expert tensors a checkpoint must carry (the model class loads them all)."""
+
+    dtypes: frozenset[str]  # what each may be stored as (the model's unquantized methods)
+    aliases: tuple[tuple[str, str], ...]  # name spellings the model's loader maps alike
+    layer_prefix: str  # "...layers.{L}."
+    vision_block_prefix: str  # "...blocks.{B}."
+    vision_blocks: tuple[str, int]  # (vision config field, its default)
+    groups: tuple[InventoryGroup, ...]
+
+
 @dataclass(frozen=True)
 class Manifest:
     name: str
@@ -52,6 +82,7 @@ class Manifest:
     situ_linear_beta: float
     pinned: dict[str, Any]
     group_size: int = contract.GROUP_SIZE
+    inventory: Inventory | None = None
 
     def rules(self, converted: bool) -> dict[str, TensorRule]:
         return self.converted_tensors if converted else self.source_tensors
@@ -146,6 +177,7 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
             rules[section][key] = TensorRule(rule["dtype"], tuple(shape))
     if not isinstance(raw["name"], str):
         raise bad("'name' must be a string")
+    inventory = _parse_inventory(raw["inventory"], bad) if "inventory" in raw else None
     return Manifest(
         name=raw["name"],
         sha256=hashlib.sha256(data).hexdigest(),
@@ -155,6 +187,56 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
         situ_beta=float(situ["beta"]),
         situ_linear_beta=float(situ["linear_beta"]),
         pinned=dict(pinned),
+        inventory=inventory,
+    )
+
+
+def _parse_inventory(raw: Any, bad: Any) -> Inventory:
+    def strings(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    shape = (
+        '\'inventory\' must be {"dtypes": [str], "aliases": {str: str}, "layer_prefix": '
+        'str with {L}, "vision_block_prefix": str with {B}, "vision_blocks": [field, '
+        'default], "groups": [{"place": one of ' + ", ".join(INVENTORY_PLACES) + ", "
+        '"names": [str], optional "when"/"unless": config field}]}'
+    )
+    if not isinstance(raw, dict):
+        raise bad(shape)
+    aliases, blocks, groups = raw.get("aliases"), raw.get("vision_blocks"), raw.get("groups")
+    if (
+        not strings(raw.get("dtypes"))
+        or not isinstance(aliases, dict)
+        or not all(isinstance(v, str) for v in aliases.values())
+        or "{L}" not in str(raw.get("layer_prefix"))
+        or "{B}" not in str(raw.get("vision_block_prefix"))
+        or not (isinstance(blocks, list) and len(blocks) == 2 and isinstance(blocks[0], str))
+        or type(blocks[1]) is not int
+        or not isinstance(groups, list)
+    ):
+        raise bad(shape)
+    parsed = []
+    for group in groups:
+        if (
+            not isinstance(group, dict)
+            or group.get("place") not in INVENTORY_PLACES
+            or not strings(group.get("names"))
+            or not set(group) <= {"place", "names", "when", "unless"}
+            or not all(isinstance(group.get(k, ""), str) for k in ("when", "unless"))
+        ):
+            raise bad(shape)
+        parsed.append(
+            InventoryGroup(
+                group["place"], tuple(group["names"]), group.get("when"), group.get("unless")
+            )
+        )
+    return Inventory(
+        frozenset(raw["dtypes"]),
+        tuple(aliases.items()),
+        raw["layer_prefix"],
+        raw["vision_block_prefix"],
+        (blocks[0], blocks[1]),
+        tuple(parsed),
     )
 
 
@@ -257,3 +339,126 @@ def check_situ_config(manifest: Manifest, config: dict) -> list[Problem]:
                 )
             )
     return problems
+
+
+# -- the non-expert inventory ---------------------------------------------------------------
+
+
+def _field(config: Any, dotted: str) -> Any:
+    """A text-model config value; "a.b" reads key b of the object a (e.g. linear_attn_config)."""
+    head, _, rest = dotted.partition(".")
+    value = contract.config_value(config, head)
+    for key in filter(None, rest.split(".")):
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
+def _kda_layers(config: Any, layers: int) -> set[int]:
+    """SGLang 0.5.23 (configs/kimi_linear.py `is_kda_layer`): layer i is a KDA layer when
+    i + 1 is in linear_attn_config.kda_layers; every other layer is MLA (full attention)."""
+    kda = _field(config, "linear_attn_config.kda_layers")
+    ids = kda if isinstance(kda, list) else []
+    return {i for i in range(layers) if i + 1 in ids}
+
+
+def expected_inventory(inventory: Inventory, config: Any) -> dict[str, str]:
+    """Every non-expert tensor name the config's model loads -> what requires it."""
+    layers = contract.config_value(config, "num_hidden_layers")
+    layers = layers if type(layers) is int and layers > 0 else 0
+    moe = set(contract.moe_layer_ids(config)[0])
+    kda = _kda_layers(config, layers)
+    vision = contract.get(config, "vision_config")
+    field, default = inventory.vision_blocks
+    blocks = contract.get(vision, field, default) if vision is not None else default
+    blocks = blocks if type(blocks) is int and blocks >= 0 else default
+    places: dict[str, list[int]] = {
+        "model": [0],
+        "layer": list(range(layers)),
+        "kda": sorted(kda),
+        "mla": [i for i in range(layers) if i not in kda],
+        "moe": sorted(moe),
+        "dense": [i for i in range(layers) if i not in moe],
+        "vision_block": list(range(blocks)),
+    }
+    expected: dict[str, str] = {}
+    for group in inventory.groups:
+        if group.when is not None and not _field(config, group.when):
+            continue
+        if group.unless is not None and _field(config, group.unless):
+            continue
+        for i in places[group.place]:
+            if group.place == "model":
+                prefix = ""
+            elif group.place == "vision_block":
+                prefix = inventory.vision_block_prefix.replace("{B}", str(i))
+            else:
+                prefix = inventory.layer_prefix.replace("{L}", str(i))
+            for name in group.names:
+                expected[prefix + name] = group.place
+    return expected
+
+
+def check_inventory(
+    manifest: Manifest, config: Any, tensors: Iterable[tuple[str, TensorInfo]]
+) -> list[Problem]:
+    """The non-expert tensors the manifest's inventory requires: each present (under any
+    spelling the model's loader maps alike) and stored unquantized. Missing names are
+    reported once per name pattern, with the layers that lack it."""
+    inventory = manifest.inventory
+    if inventory is None:
+        return []
+    expected = expected_inventory(inventory, config)
+    found: dict[str, tuple[str, TensorInfo]] = {}
+    for file, info in tensors:
+        name = info.name
+        if ".experts." in name:  # routed experts are the contract's, checked elsewhere
+            continue
+        for spelled, canonical in inventory.aliases:
+            name = name.replace(spelled, canonical)
+        if name in expected:
+            found[name] = (file, info)
+    problems = []
+    missing: dict[str, list[int]] = {}
+    for name, place in expected.items():
+        hit = found.get(name)
+        if hit is None:
+            pattern, index = _pattern(name, inventory)
+            missing.setdefault(pattern, []).append(index)
+        elif hit[1].dtype not in inventory.dtypes:
+            problems.append(
+                Problem(
+                    Code.INVENTORY_DTYPE,
+                    f"{place} tensor is not stored unquantized: the model loads it with an "
+                    "unquantized method",
+                    file=hit[0],
+                    tensor=hit[1].name,
+                    expected=" or ".join(sorted(inventory.dtypes)),
+                    found=hit[1].dtype,
+                )
+            )
+    for pattern, ids in missing.items():
+        unit = "blocks" if "{B}" in pattern else "layers"
+        where = f" in {unit} {id_ranges(ids)}" if ids != [-1] else ""
+        problems.append(
+            Problem(
+                Code.INVENTORY_MISSING,
+                f"tensor the model loads is missing{where}",
+                tensor=pattern,
+                expected=f"present (manifest {manifest.name})",
+            )
+        )
+    return problems
+
+
+def _pattern(name: str, inventory: Inventory) -> tuple[str, int]:
+    """(name with its layer or block index as a placeholder, the index; -1 if none)."""
+    for template, mark in (
+        (inventory.layer_prefix, "{L}"),
+        (inventory.vision_block_prefix, "{B}"),
+    ):
+        head, _, tail = template.partition(mark)
+        if name.startswith(head):
+            index, dot, rest = name[len(head) :].partition(".")
+            if dot and index.isdigit() and tail == ".":
+                return f"{head}{mark}.{rest}", int(index)
+    return name, -1

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
-from . import faults
+from . import contract, faults, fsio
 from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
 from .errors import Code, Fatal, Problem, fail
 from .hashing import CHUNK_SIZE, TENSOR_HASH, sha256_file, shard_header_sha256
@@ -45,6 +45,27 @@ _FAULT_LABELS = {
     INDEX_NAME: "finalize.index",
 }
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+@dataclass(frozen=True)
+class SourceId:
+    """Which source an output is the conversion of.
+
+    `key` says where the source was read from (its real path, or a Hub repo and commit): it is
+    machine-local, so only the state folder keeps it as it is; the published checksums file
+    keeps `digest`, a hash of it. `name` (a repo id, or the source directory's own name) is
+    what the published config records and what a refusal shows.
+    """
+
+    name: str
+    key: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(
+            b"kimi-w31 source\0" + self.key.encode("utf-8", "replace")
+        ).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -85,42 +106,51 @@ class Mode(Enum):
     FRESH = "fresh"  # nothing of this plan was there
     RESUME = "resume"  # an interrupted run of this plan
     RECHECK = "recheck"  # a complete output of this plan: prove it again, repair what fails
+    OTHER_SOURCE = "other-source"  # a run of this plan from another source: --force only
 
 
 class Ledger:
-    """Append-only, fsynced record of finished shards; line 1 names the plan fingerprint."""
+    """Append-only, fsynced record of finished shards; line 1 names the plan fingerprint and
+    where the source was read from (`SourceId.key`)."""
 
-    def __init__(self, path: Path, fingerprint: str) -> None:
+    def __init__(self, path: Path, fingerprint: str, source: str = "") -> None:
         self.path = path
         self.fingerprint = fingerprint
+        self.source = source
         self.done: dict[str, ShardRecord] = {}
         self._lock = threading.Lock()
 
     @staticmethod
     def read(path: Path) -> tuple[str | None, dict[str, ShardRecord]]:
         """(fingerprint, records) of a ledger file; a torn last line is ignored."""
+        head, records = Ledger.read_all(path)
+        return head.get("fingerprint"), records
+
+    @staticmethod
+    def read_all(path: Path) -> tuple[dict, dict[str, ShardRecord]]:
+        """(first line, records) of a ledger file; a torn last line is ignored."""
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            lines = fsio.read_regular(path, follow=False).decode("utf-8").splitlines()
             head = json.loads(lines[0])
         except (OSError, ValueError, IndexError):
-            return None, {}
+            return {}, {}
         records = {}
         for line in lines[1:]:
             with contextlib.suppress(ValueError):
                 record = ShardRecord.from_json(json.loads(line))
                 if record is not None:
                     records[record.shard] = record
-        return (head.get("fingerprint") if isinstance(head, dict) else None), records
+        return (head if isinstance(head, dict) else {}), records
 
     def start(self, records: Iterable[ShardRecord] = ()) -> None:
         """A fresh ledger for this fingerprint, seeded with `records` (atomic)."""
         self.done = {r.shard: r for r in records}
-        lines = [json.dumps({"fingerprint": self.fingerprint})]
+        lines = [json.dumps({"fingerprint": self.fingerprint, "source": self.source})]
         lines += [json.dumps(r.to_json(), separators=(",", ":")) for r in self.done.values()]
         write_atomic(self.path, ("\n".join(lines) + "\n").encode(), self.path.parent)
 
     def load(self) -> None:
-        data = self.path.read_bytes()
+        data = fsio.read_regular(self.path, follow=False)
         if not data.endswith(b"\n"):  # a torn last line: drop it, or the next append
             os.truncate(self.path, data.rfind(b"\n") + 1)  # would be glued onto it
         _, self.done = self.read(self.path)
@@ -128,10 +158,8 @@ class Ledger:
     def record(self, record: ShardRecord) -> None:
         with self._lock:
             faults.fault_point("ledger.append")
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+            fsio.append_durably(self.path, line.encode())
             faults.fault_point("ledger.appended")
             self.done[record.shard] = record
 
@@ -152,7 +180,7 @@ class FinalFile:
 
 class OutputDir:
     def __init__(self, root: Path) -> None:
-        self.root = root.expanduser().resolve()
+        self.root = Path(os.path.realpath(root.expanduser()))  # a link loop: no exception
         self.state = self.root / STATE_DIR
         self.tmp = self.state / _TMP
         self.lock_path = self.state / _LOCK
@@ -165,53 +193,130 @@ class OutputDir:
         self._lock: OutputLock | None = None
         self._created: list[Path] = []
         self._writing = False
+        self._state_made = False  # the state folder is there, a real directory, this run's
         self._write_lock = threading.Lock()
         self.warnings: list[str] = []
 
     # -- reading, no lock needed ---------------------------------------------------------
-    def previous_records(self, fingerprint: str) -> tuple[Mode, dict[str, ShardRecord]]:
-        """What an earlier run of this plan left: its mode and shard records."""
-        ledger_fp, records = Ledger.read(self.ledger_path)
-        if ledger_fp == fingerprint:
-            return Mode.RESUME, records
+    def previous_records(
+        self, fingerprint: str, source: SourceId
+    ) -> tuple[Mode, dict[str, ShardRecord]]:
+        """What an earlier run of this plan left: its mode and shard records. A run of this
+        plan from another source is `Mode.OTHER_SOURCE` (`owner` says whose it is)."""
+        head, records = Ledger.read_all(self.ledger_path)
+        if head.get("fingerprint") == fingerprint:
+            if head.get("source") == source.key:
+                return Mode.RESUME, records
+            return Mode.OTHER_SOURCE, {}
         recorded = self._checksums_file()
-        if recorded.get("plan_fingerprint") == fingerprint and self.index.exists():
-            return Mode.RECHECK, _records_of(recorded)
+        if recorded.get("plan_fingerprint") == fingerprint and os.path.lexists(self.index):
+            mine = recorded.get("source")
+            if isinstance(mine, dict) and mine.get("sha256") == source.digest:
+                return Mode.RECHECK, _records_of(recorded)
+            return Mode.OTHER_SOURCE, {}
         return Mode.FRESH, {}
+
+    def owner(self) -> str | None:
+        """Whose conversion the directory holds, in words (None if it holds none we know)."""
+        head, _ = Ledger.read_all(self.ledger_path)
+        if isinstance(head.get("source"), str) and head["source"]:
+            return f"{head['source']} (an unfinished conversion)"
+        try:
+            config = json.loads(fsio.read_regular(self.root / CONFIG_NAME, follow=False))
+        except (OSError, ValueError):
+            return None
+        block = contract.find_block(config) if isinstance(config, dict) else None
+        src = block.get("source") if isinstance(block, dict) else None
+        name = src.get("path") if isinstance(src, dict) else None
+        return f"{name!r} (a finished conversion)" if isinstance(name, str) else None
 
     def _checksums_file(self) -> dict:
         try:
-            data = json.loads(self.checksums.read_text(encoding="utf-8"))
+            data = json.loads(fsio.read_regular(self.checksums, follow=False).decode("utf-8"))
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
 
-    # -- claiming --------------------------------------------------------------------------
-    def claim(self, fingerprint: str, force: bool) -> Mode:
-        """Take the lock, then make the directory this run's (or refuse). Returns the mode;
-        `self.ledger` holds the records of shards an earlier run finished."""
-        if self.root.exists() and not self.root.is_dir():
+    def check_usable(self, mode: Mode | None = None, force: bool = False) -> None:
+        """Refuse, before anything is written (and in --dry-run alike), an output path this
+        run could not or must not write: not a directory, a state folder that is not a real
+        directory (a link would lead writes and deletions elsewhere), no write permission,
+        or the conversion of another source without --force. Deletes nothing."""
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
             raise fail(
                 Code.OUTPUT_NOT_DIRECTORY,
                 "output path exists and is not a directory",
                 file=str(self.root),
             )
+        state = fsio.lkind(self.state)
+        if state not in (None, "directory"):
+            raise fail(
+                Code.STATE_FOLDER_INVALID,
+                f"the state folder {STATE_DIR}/ is not a directory kimi-convert made",
+                file=str(self.state),
+                expected="a directory, or nothing",
+                found=fsio.describe(self.state),
+                hint=f"move or remove {self.state} yourself (it is not this tool's to "
+                "delete), then rerun; nothing was changed",
+            )
+        base = fsio.nearest_existing(self.state)
+        if not os.path.isdir(base):
+            raise fail(
+                Code.OUTPUT_NOT_DIRECTORY,
+                "a folder of the output path is not a directory",
+                file=str(base),
+                expected="a directory",
+                found=fsio.describe(base),
+            )
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise fail(
+                Code.PERMISSION_DENIED,
+                "no permission to write here",
+                file=str(base),
+                expected="a directory this user may write in",
+                hint="make it writable for this user, or choose another output directory",
+            )
+        if mode is Mode.OTHER_SOURCE and not force:
+            raise fail(
+                Code.OUTPUT_OF_ANOTHER_SOURCE,
+                "output directory holds the conversion of another source: "
+                f"{self.owner() or 'unknown'}",
+                file=str(self.root),
+                hint="a rerun continues only the conversion of the same source; pass --force "
+                "to replace it (only files kimi-convert recorded writing are removed), or "
+                "choose another directory",
+            )
+
+    # -- claiming --------------------------------------------------------------------------
+    def claim(self, fingerprint: str, force: bool, source: SourceId | None = None) -> Mode:
+        """Take the lock, then make the directory this run's (or refuse). Returns the mode;
+        `self.ledger` holds the records of shards an earlier run finished."""
+        source = source or SourceId("", "")
+        # Refused before the lock too: a refusal changes nothing, not even a stale lock.
+        self.check_usable(self.previous_records(fingerprint, source)[0], force)
         self._make_dir(self.root)
-        self._make_dir(self.state)
+        if fsio.lkind(self.state) is None:
+            self._make_dir(self.state)
+        if not fsio.is_real_dir(self.state):  # replaced since `check_usable`: still refuse
+            self.check_usable()
+        self._state_made = True
         self._lock = OutputLock(self.lock_path)
         self._lock.acquire()  # on any failure from here the caller calls `abandon`
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
         faults.fault_point("lock.acquired")
-        mode, records = self.previous_records(fingerprint)
+        mode, records = self.previous_records(fingerprint, source)
+        self.check_usable(mode, force)
+        if mode is Mode.OTHER_SOURCE:  # with --force: replace it
+            mode = Mode.FRESH
         if mode is Mode.FRESH:
             self._make_room(force)
-        self.ledger = Ledger(self.ledger_path, fingerprint)
+        self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
         if mode is Mode.RESUME:
             self.ledger.load()
         else:
             self.ledger.start(records.values())
-        shutil.rmtree(self.tmp, ignore_errors=True)  # temporaries of a crashed run
+        fsio.remove(self.tmp)  # temporaries of a crashed run (a link: only the link)
         self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
         return mode
@@ -219,7 +324,7 @@ class OutputDir:
     def _make_room(self, force: bool) -> None:
         """A fresh run: the directory must be empty, or hold only files we recorded writing
         (removed with --force). The state folder of another plan is reset."""
-        entries = [p for p in self.root.iterdir() if p.name != STATE_DIR]
+        entries = self._entries()
         if entries:
             foreign = self._foreign(entries)
             if not force:
@@ -230,9 +335,11 @@ class OutputDir:
                     else "choose another directory: "
                     "this one holds files kimi-convert has no record of writing"
                 )
+                owner = self.owner()
                 raise fail(
                     Code.OUTPUT_NOT_EMPTY,
-                    "output directory is not empty and is not a resumable run of this conversion",
+                    "output directory is not empty and is not a resumable run of this conversion"
+                    + (f": it holds the conversion of {owner}" if owner else ""),
                     file=str(self.root),
                     hint=hint,
                 )
@@ -250,24 +357,30 @@ class OutputDir:
             self._remove_ours(entries)
         for path in self.state.iterdir():  # another plan's ledger and temporaries
             if path.name not in (_LOCK, _PARTIALS):  # the partials are still to be removed
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                fsio.remove(path)  # the state folder is a real directory (`claim`)
 
-    def _recorded(self) -> dict[str, tuple[int, str | None]]:
-        """name -> (size, header sha256 for shards) of every file our records say we wrote."""
-        names: dict[str, tuple[int, str | None]] = {}
+    def _recorded(self) -> dict[str, tuple[int, str | None, str | None]]:
+        """name -> (size, header sha256 for shards, sha256 for other files where recorded) of
+        every file our records say we wrote."""
+        names: dict[str, tuple[int, str | None, str | None]] = {}
         recorded = self._checksums_file()
         files = recorded.get("files") if recorded.get("format_version") else None
         if isinstance(files, dict):
             for name, entry in files.items():
                 if isinstance(entry, dict) and type(entry.get("size")) is int:
-                    names[name] = (entry["size"], entry.get("header_sha256"))
-            if self.checksums.is_file():
-                names[CHECKSUMS_NAME] = (self.checksums.stat().st_size, None)
+                    sha = entry.get("sha256")
+                    names[name] = (
+                        entry["size"],
+                        entry.get("header_sha256"),
+                        sha if isinstance(sha, str) else None,
+                    )
+            if fsio.is_regular(self.checksums, follow=False):
+                names[CHECKSUMS_NAME] = (self.checksums.stat().st_size, None, None)
         for record in Ledger.read(self.ledger_path)[1].values():
-            names[record.shard] = (record.size, record.header_sha256)
+            names[record.shard] = (record.size, record.header_sha256, None)
         for entry in _read_lines(self.journal_path):
             if isinstance(entry.get("file"), str) and type(entry.get("size")) is int:
-                names[entry["file"]] = (entry["size"], None)
+                names[entry["file"]] = (entry["size"], None, None)
         return names
 
     def _foreign(self, entries: list[Path]) -> list[Path]:
@@ -278,17 +391,21 @@ class OutputDir:
             paths = (
                 [entry]
                 if entry.is_symlink() or not entry.is_dir()
-                else sorted(p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir())
+                else sorted(
+                    p
+                    for p in entry.rglob("*")
+                    if (p.is_symlink() or not p.is_dir()) and not _ignored(p, self.root)
+                )
             )
             for path in paths:
                 rel = str(path.relative_to(self.root))
                 want = recorded.get(rel)
                 if (
                     want is None
-                    or path.is_symlink()
-                    or not path.is_file()
+                    or not fsio.is_regular(path, follow=False)
                     or path.stat().st_size != want[0]
                     or (want[1] is not None and shard_header_sha256(path) != want[1])
+                    or (want[2] is not None and sha256_file(path) != want[2])
                 ):
                     foreign.append(path)
         return foreign
@@ -298,12 +415,11 @@ class OutputDir:
         checksums file last (it is the record); the journal keeps the record meanwhile."""
         recorded = self._recorded()
         files = self._all_files(entries)
-        with open(self.journal_path, "a", encoding="utf-8") as fh:
-            for path in files:
-                rel = str(path.relative_to(self.root))
-                fh.write(json.dumps({"file": rel, "size": recorded[rel][0]}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        lines = []
+        for path in files:
+            rel = str(path.relative_to(self.root))
+            lines.append(json.dumps({"file": rel, "size": recorded[rel][0]}) + "\n")
+        fsio.append_durably(self.journal_path, "".join(lines).encode())
         last = {self.index: 0, self.checksums: 2}
         for path in sorted(files, key=lambda p: last.get(p, 1)):
             path.unlink(missing_ok=True)
@@ -345,10 +461,15 @@ class OutputDir:
         """Make every final file what it must be, the index last; returns how many were
         (re)written. Refuses while anything else lies in the directory."""
         expected = {f.name for f in files} | set(self.ledger.done if self.ledger else ())
-        entries = [p for p in self.root.iterdir() if p.name != STATE_DIR]
+        entries = self._entries()
         strays = [
             p for p in self._all_files(entries) if str(p.relative_to(self.root)) not in expected
         ]
+        foreign = self._foreign(strays) if strays else []
+        # Files our records say we wrote that this conversion no longer has (the source
+        # dropped them): ours to remove, after the index (the output stops looking complete).
+        dropped = [p for p in strays if p not in foreign]
+        strays = foreign
         if strays:
             raise Fatal(
                 [
@@ -365,6 +486,15 @@ class OutputDir:
                 "command: finished shards are kept",
             )
         rewritten = 0
+        if dropped:
+            self.begin_writes()
+            for path in dropped:
+                path.unlink(missing_ok=True)
+                rewritten += 1
+                for folder in path.relative_to(self.root).parents[:-1]:  # now empty: gone too
+                    with contextlib.suppress(OSError):
+                        (self.root / folder).rmdir()
+            fsync_dir(self.root)
         index = [f for f in files if f.name == INDEX_NAME]
         for group in ([f for f in files if f.name != INDEX_NAME], index):
             for f in group:
@@ -379,21 +509,30 @@ class OutputDir:
             fsync_dir(self.root)  # everything else is durable before the index appears
         return rewritten
 
+    def _entries(self) -> list[Path]:
+        """What is in the directory, less the hidden paths, never part of a checkpoint (the
+        state folder, git's files, huggingface_hub's `.cache/huggingface/`: see
+        `contract.not_part_of_checkpoint`): neither ours to remove nor in the way, so a clone
+        of an empty model repo is an empty output directory."""
+        return [p for p in self.root.iterdir() if not contract.not_part_of_checkpoint(p.name)]
+
     def _all_files(self, entries: list[Path]) -> list[Path]:
         out = []
         for entry in entries:
             if entry.is_dir() and not entry.is_symlink():
-                out += [p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir()]
+                out += [
+                    p
+                    for p in entry.rglob("*")
+                    if (p.is_symlink() or not p.is_dir()) and not _ignored(p, self.root)
+                ]
             else:
                 out.append(entry)
         return out
 
     def _journal(self, f: FinalFile) -> None:
         """Record a file before writing it, so --force may remove it after a crash."""
-        with open(self.journal_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"file": f.name, "size": f.size}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        line = json.dumps({"file": f.name, "size": f.size}) + "\n"
+        fsio.append_durably(self.journal_path, line.encode())
 
     def _write_final(self, path: Path, f: FinalFile) -> None:
         if not _inside(self.root, path):  # a symlinked folder must not lead writes elsewhere
@@ -405,13 +544,14 @@ class OutputDir:
         self._make_dir(path.parent)
         tmp = self.tmp / (path.name + ".partial")
         try:
-            with open(tmp, "wb") as out:
+            with os.fdopen(fsio.create_fresh(tmp), "wb") as out:
                 if f.data is not None:
                     out.write(f.data)
                 else:
                     assert f.copy_from is not None
                     digest = hashlib.sha256()
-                    with open(f.copy_from, "rb") as src:  # streamed: bounded memory
+                    # streamed (bounded memory), and only from a regular file
+                    with os.fdopen(fsio.open_regular(f.copy_from), "rb") as src:
                         while chunk := src.read(CHUNK_SIZE):
                             digest.update(chunk)
                             out.write(chunk)
@@ -437,14 +577,23 @@ class OutputDir:
         """An OS error as a problem naming its file, with a hint true in the state it leaves."""
         name = path if path is not None else exc.filename
         file = None if name is None else os.fsdecode(name)
-        if not self.state.is_dir():
+        if self._state_made and not fsio.is_real_dir(self.state):
             return fail(
                 Code.STATE_LOST,
-                f"the state folder {self.state} was removed during the "
+                f"the state folder {self.state} was removed or replaced during the "
                 "run: there is no longer a record of what this run wrote",
                 file=file,
-                hint="remove the output directory's contents yourself (or choose "
-                "another directory), then run the conversion again",
+                expected="the state folder this run made",
+                found=fsio.describe(self.state),
+                hint="find what removed it, then rerun: files kimi-convert cannot prove "
+                "it wrote are never deleted (choose an empty directory if it refuses)",
+            )
+        if exc.errno in PERMISSION_ERRNOS:
+            return fail(
+                Code.PERMISSION_DENIED,
+                f"no permission: {exc.strerror or exc}",
+                file=file,
+                hint=self.resume_hint("make the output directory writable for this user"),
             )
         if exc.errno in SPACE_ERRNOS:
             return fail(
@@ -470,10 +619,8 @@ class OutputDir:
     def note_partial(self, path: Path) -> None:
         """Record a partial download this run started (fsynced), so that a later run, or this
         one, may remove it: the only proof this tool has that the file is its own."""
-        with open(self.partials_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"path": str(path)}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        line = json.dumps({"path": str(path)}) + "\n"
+        fsio.append_durably(self.partials_path, line.encode())
 
     def partials(self) -> list[Path]:
         """Every partial download recorded by `note_partial` and not yet forgotten."""
@@ -489,7 +636,7 @@ class OutputDir:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-        if finished:
+        if finished and fsio.is_real_dir(self.state):  # never through a link
             shutil.rmtree(self.state, ignore_errors=True)
 
     def abandon(self) -> None:
@@ -498,7 +645,8 @@ class OutputDir:
         self.release(finished=False)
         nothing_done = not (self.ledger and self.ledger.done) and not self._writing
         if nothing_done and self.state in self._created:
-            shutil.rmtree(self.state, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                fsio.remove(self.state)  # ours; if replaced by a link, only the link
             for path in reversed(self._created):
                 if path != self.state:
                     with contextlib.suppress(OSError):
@@ -506,7 +654,10 @@ class OutputDir:
 
 
 def checksums_document(
-    fingerprint: str, records: list[ShardRecord], others: list[FinalFile]
+    fingerprint: str,
+    records: list[ShardRecord],
+    others: list[FinalFile],
+    source: SourceId | None = None,
 ) -> bytes:
     """`kimi_w31.checksums.json`: every shard's record, and size + sha256 of every other file."""
     files: dict[str, dict] = {}
@@ -523,6 +674,9 @@ def checksums_document(
         "format_version": CHECKSUMS_FORMAT,
         "tensor_checksum": TENSOR_HASH,
         "plan_fingerprint": fingerprint,
+        # Where the source was read from, hashed: a rerun continues only the same source's
+        # conversion (`OutputDir.previous_records`); no path of this machine is published.
+        "source": {"sha256": source.digest if source is not None else None},
         "files": files,
     }
     return (json.dumps(doc) + "\n").encode()
@@ -541,10 +695,14 @@ def _records_of(checksums: dict) -> dict[str, ShardRecord]:
     return records
 
 
+def _ignored(path: Path, root: Path) -> bool:
+    return contract.not_part_of_checkpoint(path.relative_to(root).as_posix())
+
+
 def _read_lines(path: Path) -> list[dict]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
+        lines = fsio.read_regular(path, follow=False).decode("utf-8").splitlines()
+    except (OSError, ValueError):  # missing, not a regular file, not UTF-8: no record
         return []
     out = []
     for line in lines:
@@ -557,7 +715,7 @@ def _read_lines(path: Path) -> list[dict]:
 
 def _same_file(path: Path, f: FinalFile) -> bool:
     try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size != f.size:
+        if not fsio.is_regular(path, follow=False) or path.stat().st_size != f.size:
             return False
         return sha256_file(path) == f.sha256
     except OSError:
@@ -565,16 +723,13 @@ def _same_file(path: Path, f: FinalFile) -> bool:
 
 
 def _inside(root: Path, path: Path) -> bool:
-    try:
-        parent = path.parent.resolve()
-    except OSError:
-        return False
+    parent = Path(os.path.realpath(path.parent))  # never raises on a link loop
     return parent == root or root in parent.parents
 
 
 def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
     tmp = tmp_dir / (path.name + ".partial")
-    with open(tmp, "wb") as fh:
+    with os.fdopen(fsio.create_fresh(tmp), "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -34,9 +35,9 @@ from .execute.shard import (
 )
 from .hashing import sha256_bytes, sha256_file
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
-from .outdir import FinalFile, Mode, OutputDir, checksums_document
+from .outdir import FinalFile, Mode, OutputDir, SourceId, checksums_document
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
-from .source import Origin, Source, read_source
+from .source import Origin, Source, SourceReader, read_source
 from .source.local import LocalOrigin
 from .validate import validate_source
 
@@ -76,6 +77,7 @@ class ConvertResult:
     files_rewritten: int = 0
     warnings: list[str] = field(default_factory=list)
     preview: Preview | None = None
+    rehash: bool = False  # kept shards' data re-read this run
 
     def count(self, outcome: Outcome) -> int:
         return sum(1 for o in self.outcomes if o.outcome is outcome)
@@ -123,6 +125,9 @@ class ConvertResult:
             "bytes_written": self.bytes_written,
             "bytes_kept": self.bytes_kept,
             "redone": {o.shard: o.redo_reason for o in self.outcomes if o.redo_reason},
+            # What keeping a shard proved: never more than was read (`kept_data_reread`).
+            "kept_proven_by": KEPT_PROOF_REHASH if self.rehash else KEPT_PROOF,
+            "kept_data_reread": self.rehash or not self.count(Outcome.KEPT),
             "files_rewritten": self.files_rewritten,
             "seconds": round(self.seconds, 3),
             # Only what this run moved: bytes kept from an earlier run cost no time here.
@@ -132,6 +137,10 @@ class ConvertResult:
             "warnings": self.warnings,
         }
         return out
+
+
+KEPT_PROOF = "size, header bytes and source identity (data not re-read: --rehash re-reads it)"
+KEPT_PROOF_REHASH = "size, header bytes, source identity and every tensor's checksum"
 
 
 class Reporter:
@@ -155,7 +164,7 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
     manifest = load_manifest(opts.manifest)
     found = opts.origin.resolve(opts.source, opts.revision)
     root = found.root
-    out = opts.out.expanduser().resolve()
+    out = Path(os.path.realpath(opts.out.expanduser()))  # a link loop: no exception
     if out == root or root in out.parents:
         raise fail(
             Code.OUTPUT_INSIDE_SOURCE,
@@ -201,15 +210,16 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
 def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     source, manifest, plan = prepare(opts)
     out = OutputDir(opts.out)
-    result = ConvertResult(plan, source, out.root)
+    result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
     sources = _source_files(opts, source)
+    identity = source_id(source, source.reader)
     try:
         if opts.dry_run:
-            result.preview = preview(out, plan, sources, opts.rehash)
+            result.preview = preview(out, plan, sources, opts.rehash, identity, opts.force)
             return result
-        final = final_files(source, plan, manifest)
+        final = final_files(source, plan, manifest, identity.name)
         try:
-            _run(opts, out, plan, sources, final, reporter, result)
+            _run(opts, out, plan, sources, final, reporter, result, identity)
         except BaseException as exc:
             error = _as_fatal(exc, out)  # worded while the state it describes still holds
             out.abandon()
@@ -239,10 +249,36 @@ def _source_files(opts: ConvertOptions, source: Source) -> SourceFiles:
     return opts.executor.source_files(source.root, source.shard_files, planned, source.reader)
 
 
-def preview(out: OutputDir, plan: Plan, sources: SourceFiles, rehash: bool) -> Preview:
+def source_id(source: Source, origin: SourceReader | None) -> SourceId:
+    """Which source this is: where it was read from (machine-local, kept in the state folder
+    and, hashed, in the checksums file) and a name safe to publish (a repo id, or the
+    directory's own name: never a path of this machine)."""
+    repo = getattr(origin, "repo", None)  # a Hub snapshot, pinned to one commit
+    if repo is not None:
+        return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
+    root = source.root.resolve()
+    folder = root.parent.parent.name  # the Hub cache: models--org--name/snapshots/<commit>
+    if root.parent.name == "snapshots" and folder.startswith("models--"):
+        repo_id = folder.removeprefix("models--").replace("--", "/")
+        return SourceId(repo_id, f"hub:{repo_id}@{root.name}")  # as a --download run
+    return SourceId(root.name, str(root))
+
+
+def preview(
+    out: OutputDir,
+    plan: Plan,
+    sources: SourceFiles,
+    rehash: bool,
+    identity: SourceId | None = None,
+    force: bool = False,
+) -> Preview:
     """Which shards a run would keep and which it would write, proven as a run proves them
-    (read-only: no lock, nothing written)."""
-    mode, records = out.previous_records(plan.fingerprint)
+    (read-only: no lock, nothing written). Refuses what the run would refuse."""
+    identity = identity or SourceId("", "")
+    mode, records = out.previous_records(plan.fingerprint, identity)
+    out.check_usable(mode, force)
+    if mode is Mode.OTHER_SOURCE:  # with --force: replaced, as a fresh run
+        mode = Mode.FRESH
     job = Job(sources, out.root, out.tmp, rehash=rehash)
     result = Preview(mode)
     for shard in plan.shards:
@@ -263,8 +299,9 @@ def _run(
     final: list[FinalFile],
     reporter: Reporter,
     result: ConvertResult,
+    identity: SourceId,
 ) -> None:
-    result.mode = out.claim(plan.fingerprint, opts.force)
+    result.mode = out.claim(plan.fingerprint, opts.force, identity)
     for warning in out.warnings:
         result.warnings.append(warning)
         reporter.warn(warning)
@@ -299,7 +336,7 @@ def _run(
         )
     records = [ledger.done[s.name] for s in plan.shards]
     others = [f for f in final if f.name != contract.CHECKSUMS_NAME]
-    checksums = checksums_document(plan.fingerprint, records, others)
+    checksums = checksums_document(plan.fingerprint, records, others, identity)
     final = [
         *others[:-2],
         FinalFile(contract.CHECKSUMS_NAME, len(checksums), sha256_bytes(checksums), data=checksums),
@@ -310,11 +347,15 @@ def _run(
     out.release(finished=True)
 
 
-def final_files(source: Source, plan: Plan, manifest: Manifest) -> list[FinalFile]:
+def final_files(
+    source: Source, plan: Plan, manifest: Manifest, name: str | None = None
+) -> list[FinalFile]:
     """The source's other files, then config.json and the index (always the last two),
     computed before any write."""
     identity = {
-        "path": source.label,  # as given: a repo id, or a path (no machine-local absolute)
+        # Published: a repo id or the source directory's own name, never a path of this
+        # machine (`source_id`).
+        "path": name if name is not None else source.root.name,
         "files": {
             f: {"size": h.file_size, "header_sha256": h.header_sha256}
             for f, h in sorted(source.headers.items())

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from . import contract
 from .console import id_ranges
 from .errors import Code, Problem
-from .manifest import Dims, Manifest, TensorRule, resolve_dims
+from .manifest import Dims, Manifest, TensorRule, check_inventory, resolve_dims
 from .safetensors_format import TensorInfo
 from .source import Source
 
@@ -100,6 +100,7 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
     table, tensor_problems = check_expert_tensors(
         manifest, dims, source_tensors(source), set(moe_ids), converted=False
     )
+    tensor_problems += check_inventory(manifest, config, source_tensors(source))
     return table, problems + tensor_problems
 
 

@@ -406,8 +406,10 @@ def _map_all(value):
 
 
 def _symlink_shard_outside(src: Path) -> None:
+    """A shard may link anywhere (shards spread over disks), but only to a regular file."""
     outside = src.parent / "outside.safetensors"
-    shutil.copyfile(src / VICTIM, outside)
+    outside.unlink(missing_ok=True)
+    os.mkfifo(outside)
     (src / VICTIM).unlink()
     (src / VICTIM).symlink_to(outside)
 
@@ -477,7 +479,7 @@ INDEX_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
         _index_edit(_map_first("a\x00.safetensors")),
         C.WEIGHT_MAP_ENTRY_UNSAFE,
     ),
-    "shard symlink escaping the source": (_symlink_shard_outside, C.WEIGHT_MAP_ENTRY_UNSAFE),
+    "shard symlink to a FIFO outside the source": (_symlink_shard_outside, C.NOT_A_REGULAR_FILE),
     "extra file symlink escaping the source": (_symlink_extra_outside, C.LINK_ESCAPES),
     "shard named in the index missing": (lambda src: (src / VICTIM).unlink(), C.SHARD_MISSING),
     "shard is a directory": (_shard_is_dir, C.NOT_A_REGULAR_FILE),

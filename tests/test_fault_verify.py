@@ -375,7 +375,6 @@ ROWS: dict[str, Row] = {
     # -- files -----------------------------------------------------------------------------
     "a stray file": Row(write("notes.txt"), {Code.FILE_UNRECORDED}),
     "a stray file in a subfolder": Row(write("extra/notes.txt"), {Code.FILE_UNRECORDED}),
-    "a hidden stray file": Row(write(".hidden"), {Code.FILE_UNRECORDED}),
     "a recorded file deleted": Row(
         lambda out: (out / "tokenizer.json").unlink(), {Code.FILE_MISSING}
     ),

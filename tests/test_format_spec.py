@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from kimi_w31.converter.hashing import TENSOR_HASH
 from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.outdir import CHECKSUMS_FORMAT
 from kimi_w31.converter.pipeline import ConvertOptions, convert
-from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, synth_checkpoint
+from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, cli_spec, synth_checkpoint
 from safetensors import safe_open
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
@@ -50,6 +51,7 @@ HOLES_CHECKSUMS = {
     ("files", "*", "sources", "*", 3),  # inode
     ("files", "config.json", "size"),  # config.json holds the source path
     ("files", "config.json", "sha256"),
+    ("source", "sha256"),  # a hash of where the source was read from
 }
 ITEM_SIZE = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}  # the dtypes synth writes
 SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -193,18 +195,7 @@ def example_run_options(src: Path, out: Path) -> tuple[SynthSpec, ConvertOptions
     assert synth_line[:2] == ["kimi-convert", "synth"]
     p = synth.make_context("synth", synth_line[2:]).params
     assert not p["real_dims"], "the worked example is a small checkpoint"
-    layers = p["layers"]
-    spec = SynthSpec(
-        layers=layers,
-        dense_layers=min(1, layers - 1) if p["dense_layers"] is None else p["dense_layers"],
-        moe_every=p["moe_every"],
-        experts=p["experts"],
-        top_k=min(p["top_k"], p["experts"]),
-        shards=p["shards"],
-        k=p["k"] or 128,
-        n=p["n"] or 64,
-        seed=p["seed"],
-    )
+    spec = cli_spec(**{key: p[key] for key in inspect.signature(cli_spec).parameters})
     assert convert_line[0] == "kimi-convert" and convert_line[1] != "synth"
     c = convert_cmd.make_context("convert", convert_line[1:]).params
     assert Path(c["source"]) == Path(p["output"]), "convert reads what synth wrote"
@@ -253,7 +244,7 @@ def _file_of(cell: str, run: dict) -> Path:
 def test_config_block_example(run):
     holes = match(example_json("config-block"), {"kimi_w31": run["config"]["kimi_w31"]})
     assert all(allowed(p, HOLES_BLOCK) for p, _ in holes), holes
-    assert dict(holes) == {("kimi_w31", "source", "path"): str(run["src"].resolve())}
+    assert dict(holes) == {("kimi_w31", "source", "path"): run["src"].resolve().name}
 
 
 def test_quantization_config_example(run):
@@ -421,7 +412,7 @@ def test_block_meanings(run):
     assert re.fullmatch(r"kimi-w31 \S+", block["converter"])
     manifest = load_manifest(block["manifest"])
     assert manifest.name == block["manifest"] and manifest.sha256 == block["manifest_sha256"]
-    assert block["source"]["path"] == str(src.resolve())
+    assert block["source"]["path"] == src.resolve().name  # no path of the converting machine
     for file, entry in block["source"]["files"].items():
         length, _, data = read_shard(src / file)
         assert entry["size"] == len(data)

@@ -14,6 +14,7 @@ import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
@@ -163,13 +164,21 @@ def test_synth_never_mixes_two_checkpoints(tmp_path, content):
     )
 
 
-def test_an_unreadable_source_file_is_named(source_copy, tmp_path):
+@pytest.mark.parametrize(
+    "make, code",
+    [
+        (lambda p: p.mkdir(), Code.NOT_A_REGULAR_FILE),  # not a file, even for root
+        (lambda p: p.symlink_to(p.name), Code.FILE_UNREADABLE),  # a link loop: ELOOP
+    ],
+    ids=["directory", "link-loop"],
+)
+def test_an_unreadable_source_file_is_named(source_copy, tmp_path, make, code):
     (source_copy / "config.json").unlink()
-    (source_copy / "config.json").mkdir()  # cannot be read as a file, even by root
+    make(source_copy / "config.json")
     proc = run_cli(source_copy, tmp_path / "out", *ARGS, "--json")
     assert proc.returncode == 1
     (problem,) = json.loads(proc.stdout)["problems"]
-    assert problem["code"] == Code.FILE_UNREADABLE.value
+    assert problem["code"] == code.value
     assert problem["file"] == str(source_copy / "config.json")
 
 
@@ -187,3 +196,22 @@ def test_another_os_error_names_the_file_and_keeps_its_promise(tmp_path):
     assert error.codes == [Code.IO_ERROR]
     assert error.problems[0].file == str(out.root / "x")
     assert out.state.is_dir()  # "rerun the same command" is true: the run's state is there
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_an_output_path_through_a_file_is_named_not_a_directory(
+    small_source, tmp_path, dry_run, depth
+):
+    """A file where a folder of the output path would be: refused for what it is, by a
+    dry run too, and nothing is created."""
+    (tmp_path / "a-file").write_text("the user's\n")
+    out = tmp_path / "a-file" / Path(*["x"] * depth) / "out" if depth else tmp_path / "a-file"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = run_cli(small_source, out, *ARGS, "--json", *dry_run)
+    assert proc.returncode == 1
+    assert [p["code"] for p in json.loads(proc.stdout)["problems"]] == [
+        Code.OUTPUT_NOT_DIRECTORY.value
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (tmp_path / "a-file").read_text() == "the user's\n"

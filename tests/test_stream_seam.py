@@ -173,7 +173,8 @@ class FolderOrigin:
 
 
 def test_a_new_origin_needs_only_the_remote_protocol(small_source, converted, tmp_path):
-    origin = FolderOrigin(tmp_path / "storage")
+    storage = tmp_path / "dl" / small_source.name  # the output names its source by folder
+    origin = FolderOrigin(storage)
     snapshot = origin.resolve(str(small_source), None).reader
     assert isinstance(snapshot, Remote)  # the protocol is all the executor asks for
     executor = HubExecutor(window=3, delete_source_shards=True)
@@ -192,7 +193,7 @@ def test_a_new_origin_needs_only_the_remote_protocol(small_source, converted, tm
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_file()) == written
     for name in set(written) - {CHECKSUMS_NAME}:  # which records name sources differently
         assert (tmp_path / "out" / name).read_bytes() == (converted / name).read_bytes(), name
-    assert not list((tmp_path / "storage").glob("*.safetensors"))  # each freed once read
+    assert not list(storage.glob("*.safetensors"))  # each freed once read
     block = executor.summary(result.plan)["folder"]
     assert block["folder"] == str(small_source)
     assert block["downloaded_files"] == block["deleted_files"] == len(result.source.shard_files)

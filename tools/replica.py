@@ -12,12 +12,31 @@ from pathlib import Path
 from kimi_w31.converter.pipeline import ConvertOptions, final_files, prepare
 from kimi_w31.converter.plan import OutputTensor, Piece, pack_shards
 from kimi_w31.converter.safetensors_format import tensor_nbytes
-from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, make_config, tensor_specs
+from kimi_w31.converter.synth import (
+    EXTRA_FILES,
+    REAL_ATTN,
+    REAL_HIDDEN,
+    REAL_K,
+    REAL_N,
+    REAL_VISION,
+    SynthSpec,
+    make_config,
+    tensor_specs,
+)
 
 # The pinned dims of the official model, every layer a MoE layer: ~500k tensors, 1.46 TB of
 # routed experts (the real config's dense prefix, if any, changes this by one layer).
 REAL = SynthSpec(
-    layers=93, dense_layers=0, experts=896, hidden=7168, k=3584, n=3072, top_k=16, vocab=163840
+    layers=93,
+    dense_layers=0,
+    experts=896,
+    hidden=REAL_HIDDEN,
+    k=REAL_K,
+    n=REAL_N,
+    top_k=16,
+    vocab=163840,
+    attn=REAL_ATTN,
+    vision=REAL_VISION,
 )
 
 

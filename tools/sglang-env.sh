@@ -9,6 +9,8 @@
 #   wheels); the list below is what importing SGLang's model, MoE and plugin code needs.
 # - triton and torchvision are not installed: the tests put import stand-ins in place
 #   (tests/sglang/stubs.py), which saves ~1 GB and a CUDA-pulling resolve.
+# - uvloop ... python-multipart: what `python -m sglang.launch_server --device cpu` imports
+#   (the whole-model test starts the real server).
 # - Idempotent: a stamp holding this script's hash makes a second run instant.
 set -euo pipefail
 
@@ -45,6 +47,7 @@ pip_quiet() {
     pyzmq tqdm IPython aiohttp "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" \
     "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf einops "openai==2.8.0" \
     partial_json_parser nvidia-ml-py uvicorn fastapi \
+    uvloop setproctitle jsonschema xgrammar soundfile python-multipart \
     "torch==2.13.0" \
     pytest safetensors click click-default-group rich huggingface_hub
 # The project itself, editable, so its entry point is visible to SGLang's plugin loader.

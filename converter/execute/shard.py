@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from .. import faults
+from .. import faults, fsio
 from ..errors import Code, Problem
 from ..hashing import (
     Crc32,
@@ -69,7 +69,7 @@ class SourceFiles:
     def fd(self, file: str) -> int:
         with self._lock:
             if file not in self._fds:
-                fd = os.open(self.root / file, os.O_RDONLY)
+                fd = fsio.open_regular(self.root / file)  # a link to a regular file is fine
                 if os.fstat(fd).st_ino != self.identity[file][3]:
                     os.close(fd)
                     raise SourceChanged(file, "was replaced since the run started")
@@ -187,7 +187,7 @@ def prove(shard: OutputShard, record: ShardRecord, job: Job) -> str | None:
             return "the file is missing"
         if path.stat().st_size != shard.file_size or record.size != shard.file_size:
             return "the file has the wrong size"
-        with open(path, "rb") as fh:
+        with os.fdopen(fsio.open_regular(path, follow=False), "rb") as fh:
             if fh.read(len(shard.header)) != shard.header:
                 return "its header differs"
     except OSError:
@@ -222,7 +222,7 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
     """Write one shard; None if its scales hold NaN (then it is neither kept nor recorded)."""
     sources, hooks = job.sources, job.hooks
     tmp = job.tmp_dir / f"{shard.name}.partial"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = fsio.create_fresh(tmp)  # never through a link planted in the state folder
     hashes: dict[str, Crc32] = {}
     scans: dict[str, ScaleScan] = {}
     try:

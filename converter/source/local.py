@@ -1,13 +1,24 @@
-"""A source on local disk: a directory, or a repo id already in the Hugging Face cache."""
+"""A source on local disk: a directory, or a repo id already in the Hugging Face cache.
+
+Links, one policy: a shard may be a symlink to a regular file anywhere (1.5 TB spread over
+several disks): reading it is harmless, its header is checked like any other and only its
+rewritten tensors are published. Any other file is published only when it is a regular
+file, or a link to what would be published directly: another published file of the source,
+or a blob of the same Hugging Face cache repo (a snapshot is all links into `../../blobs/`).
+Everything else is refused once per file, with a hint (`publish_problem`).
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
+from .. import contract, fsio
 from ..contract import CHECKSUMS_NAME
 from ..errors import Code, Fatal, Problem, fail
 from ..safetensors_format import ShardHeader, read_header
-from . import Resolved, stays_inside
+from . import Resolved
 
 
 def resolve_local(spec: str, revision: str | None = None) -> Path:
@@ -57,43 +68,147 @@ class LocalOrigin:
         return Resolved(resolve_local(spec, revision), self)  # on disk: nothing more to learn
 
     def has_file(self, root: Path, name: str) -> bool:
-        return (root / name).exists()
+        return os.path.lexists(root / name)  # a dangling link is there: reading it says so
 
     def read_header(self, root: Path, file: str) -> ShardHeader:
         path = root / file
-        if not path.exists():
+        if not os.path.lexists(path):
             raise fail(Code.SHARD_MISSING, "shard named in the index is missing", file=file)
-        if not path.is_file():  # a directory, or a FIFO that would block the read forever
-            raise fail(Code.NOT_A_REGULAR_FILE, "shard is not a regular file", file=file)
+        # A shard may be a symlink (shards spread over disks); its target must be a regular
+        # file: a FIFO would block the read forever, a device would never end.
+        if not fsio.is_regular(path):
+            raise fail(
+                Code.SHARD_MISSING if not path.exists() else Code.NOT_A_REGULAR_FILE,
+                "shard is not a regular file",
+                file=file,
+                expected="a regular file (a shard may be a symlink to one, e.g. on another disk)",
+                found=fsio.describe(path),
+            )
         return read_header(path, display_name=file)
 
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
         """Every other file (tokenizer, chat template, custom code, ...), copied unchanged.
 
         Hidden paths are skipped, and so is a checksums file of ours: it describes some other
-        output and would make this one fail its own verify.
+        output and would make this one fail its own verify. What is published must be what
+        `publish_problem` allows: one problem per file refused, all of them at once.
         """
-        extra = sorted(
-            rel
-            for p in root.rglob("*")
-            if p.is_file()
-            and (rel := str(p.relative_to(root))) not in weight_files
-            and not p.name.endswith(".safetensors")
-            and rel != CHECKSUMS_NAME
-            and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        extra, problems = [], []
+        for path in _files(root):
+            rel = path.relative_to(root).as_posix()
+            if rel in weight_files or not published_directly(rel):
+                continue
+            problem = publish_problem(root, rel)
+            if problem is not None:
+                problems.append(problem)
+            else:
+                extra.append(rel)
+        if problems:
+            named = any(p.code is Code.FILE_NAME_INVALID for p in problems)
+            linked = any(p.code is not Code.FILE_NAME_INVALID for p in problems)
+            raise Fatal(problems, hint="; ".join([NAME_HINT] * named + [LINK_HINT] * linked))
+        return sorted(extra)
+
+
+LINK_HINT = (
+    "a checkpoint publishes regular files: replace each link named with a copy of a file "
+    "that belongs with the model (cp -L), or remove it; linked *.safetensors shards are fine"
+)
+NAME_HINT = "rename each file named (or move it out of the source): its name cannot be published"
+
+
+def published_directly(rel: str) -> bool:
+    """Whether a regular file at `rel` in the source is one of the other files copied into the
+    output (not a weight file, not hidden, not a checksums file of ours)."""
+    parts = rel.split("/")
+    return (
+        not rel.endswith(".safetensors")
+        and rel != CHECKSUMS_NAME
+        and not any(part.startswith(".") for part in parts)
+    )
+
+
+def publish_problem(root: Path, rel: str) -> Problem | None:
+    """Why the source's file `rel` may not be published, or None.
+
+    The one rule for links among the other files: never publish through a link what would
+    not be published directly. A link is followed only to a regular file that is itself one
+    of the source's published files (inside the source, not hidden), or, for a Hugging Face
+    cache snapshot, to a blob of the same repo (the cache keeps every file that way). Anything
+    that is not a regular file (FIFO, socket, device, dangling link) is refused too: silently
+    skipping it would drop a file of the model.
+    """
+    path = root / rel
+    name_problem = contract.file_name_problem(rel)
+    if name_problem is not None:
+        return Problem(
+            Code.FILE_NAME_INVALID,
+            f"file name {name_problem}: the output could not be published or verified with it",
+            file=rel,
+            expected="a plain name (UTF-8, no control characters or backslashes)",
+            found=repr(rel),
         )
-        # Extra files are copied into the output: a link to a file elsewhere (a hostile
-        # download pointing at ~/.ssh/...) would publish that file with the converted model.
-        escaping = [rel for rel in extra if not stays_inside(root, root / rel)]
-        if escaping:
-            raise Fatal(
-                [
-                    Problem(
-                        Code.LINK_ESCAPES,
-                        "file is a symlink that points outside the source directory",
-                        file=rel,
-                    )
-                    for rel in escaping
-                ]
-            )
-        return extra
+    if not fsio.is_regular(path):
+        return Problem(
+            Code.NOT_A_REGULAR_FILE,
+            "not a regular file: it cannot be copied into the output",
+            file=rel,
+            expected="a regular file",
+            found=fsio.describe(path),
+        )
+    if not _through_link(root, rel):
+        return None
+    real_root = root.resolve()
+    target = path.resolve()
+    if real_root.parent.name == "snapshots" and target.parent == real_root.parent.parent / "blobs":
+        return None  # the Hub cache: snapshots/<rev>/<file> -> ../../blobs/<sha>
+    inside = real_root in target.parents
+    if inside and published_directly(target.relative_to(real_root).as_posix()):
+        return None
+    where = "into a hidden or unpublished path of the source" if inside else "outside the source"
+    return Problem(
+        Code.LINK_ESCAPES,
+        f"file is a symlink {where}: it would publish a file that is not published directly",
+        file=rel,
+        expected="a regular file, or a link to one of the source's own published files",
+        found=fsio.describe(path),
+    )
+
+
+def _through_link(root: Path, rel: str) -> bool:
+    """Whether `root/rel` is reached through a symlink (the file or a folder on the way)."""
+    path = root
+    for part in rel.split("/"):
+        path = path / part
+        if os.path.islink(path):
+            return True
+    return False
+
+
+def _files(root: Path) -> Iterator[Path]:
+    """Every path under `root` that is not a directory, hidden folders not entered. A folder
+    that is a symlink is entered once (by its real path: a link loop ends), so that the rule
+    for links judges its files instead of their being dropped unseen."""
+    seen: set[str] = set()
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        real = os.path.realpath(folder)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            try:
+                is_dir = entry.is_dir()  # follows a link: a linked folder is entered
+            except OSError:
+                is_dir = False
+            if is_dir:
+                if not entry.name.startswith("."):
+                    stack.append(path)
+            else:
+                yield path

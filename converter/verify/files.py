@@ -11,22 +11,33 @@ from __future__ import annotations
 import json
 import os
 import stat
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
+from .. import contract, fsio
 from ..contract import CHECKSUMS_NAME
 from ..errors import Code, Problem
 from ..hashing import TENSOR_HASH
-from ..outdir import CHECKSUMS_FORMAT, STATE_DIR
+from ..outdir import CHECKSUMS_FORMAT
 
 
-def list_files(root: Path) -> tuple[list[str], list[Problem]]:
-    """Every file under `root` (posix relative paths, sorted), the state folder left out;
-    anything that is not a regular file (symlink, FIFO, socket, device) is a problem."""
-    files, problems = [], []
+def list_files(root: Path) -> tuple[list[str], list[Problem], list[str]]:
+    """Every file of the checkpoint under `root` (posix relative paths, sorted), every problem
+    (anything that is not a regular file: symlink, FIFO, socket, device), and the hidden paths
+    left out, never opened: they are not part of a checkpoint (`contract.not_part_of_checkpoint`:
+    the state folder, `.git/`, `.cache/huggingface/` an upload leaves, `.gitattributes`)."""
+    files, problems, ignored = [], [], []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
-        if here == root and STATE_DIR in dirnames:
-            dirnames.remove(STATE_DIR)
+
+        def kept(name: str, here: Path = here) -> bool:
+            rel = (here / name).relative_to(root).as_posix()
+            if contract.not_part_of_checkpoint(rel):
+                ignored.append(rel)
+                return False
+            return True
+
+        dirnames[:] = [d for d in dirnames if kept(d)]
+        filenames = [f for f in filenames if kept(f)]
         links = [d for d in dirnames if (here / d).is_symlink()]
         dirnames[:] = sorted(d for d in dirnames if d not in links)
         for name in [*filenames, *links]:
@@ -39,48 +50,30 @@ def list_files(root: Path) -> tuple[list[str], list[Problem]]:
                         Code.NOT_A_REGULAR_FILE,
                         "not a regular file (a converted checkpoint holds only regular files)",
                         file=rel,
-                        found=_kind(mode),
+                        found=fsio.kind(mode),
                     )
                 )
             else:
                 files.append(rel)
-    return sorted(files), problems
-
-
-def _kind(mode: int) -> str:
-    for test, what in (
-        (stat.S_ISLNK, "symlink"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISDIR, "directory"),
-    ):
-        if test(mode):
-            return what
-    return "device or other special file"
+    return sorted(files), problems, sorted(ignored)
 
 
 def unsafe_name(root: Path, name: object) -> str | None:
     """Why a file name read from the output cannot be opened safely, or None."""
-    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
-        return "is not a plain file name"
-    parts = PurePosixPath(name).parts
-    if name.startswith("/") or ".." in parts or {".", ""} & set(name.split("/")):
-        return "is not a plain relative path"
-    if STATE_DIR in parts[:1]:
-        return "names the state folder"
-    real_root = root.resolve()
-    target = (root / name).resolve()
-    if real_root not in target.parents:
+    why = contract.file_name_problem(name)
+    if why is not None:
+        return why
+    assert isinstance(name, str)
+    # realpath, not Path.resolve: a link loop must be a finding, not an exception
+    real_root = Path(os.path.realpath(root))
+    if real_root not in Path(os.path.realpath(root / name)).parents:
         return "points outside the output directory"
     return None
 
 
 def is_regular(path: Path) -> bool:
     """A regular file, not through a symlink (never opens it)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
+    return fsio.is_regular(path, follow=False)
 
 
 def load_checksums(root: Path, deep: bool = True) -> tuple[dict[str, dict] | None, list[Problem]]:
@@ -104,7 +97,7 @@ def load_checksums(root: Path, deep: bool = True) -> tuple[dict[str, dict] | Non
     if not is_regular(path):
         return None, [bad("the checksums file is not a regular file")]
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(fsio.read_regular(path, follow=False))
     except (OSError, ValueError, RecursionError) as exc:
         return None, [bad(f"the checksums file is not readable JSON ({exc})")]
     if not isinstance(doc, dict):

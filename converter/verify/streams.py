@@ -7,10 +7,8 @@ checks between chunks, so an interrupted verify ends within a chunk per worker.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import stat
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import Problem
+from ..fsio import open_regular
 from ..hashing import CHUNK_SIZE, Interrupted, ShortRead
 
 T = TypeVar("T")
@@ -118,15 +117,6 @@ def sha256_of(
             if advance is not None:
                 advance(n)
     return h.hexdigest()
-
-
-def open_regular(path: Path) -> int:
-    """Open for reading without ever blocking: a FIFO swapped in for a file fails here."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
-    return fd
 
 
 class OpenFiles:

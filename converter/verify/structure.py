@@ -53,7 +53,8 @@ class Output:
     manifest: Manifest | None = None
     dims: Dims | None = None
     layout: ExpertLayout | None = None
-    files: list[str] = field(default_factory=list)  # regular files, state folder excluded
+    files: list[str] = field(default_factory=list)  # regular files, hidden paths excluded
+    ignored: list[str] = field(default_factory=list)  # hidden paths: not part of a checkpoint
 
     @property
     def block(self) -> dict:
@@ -86,7 +87,7 @@ def check_structure(root: Path, manifest: Manifest | None, report: VerifyReport)
         report.add("index", LEVEL, "shards and index", [_incomplete(root)], "no index")
         return None
     out = Output(root)
-    out.files, file_problems = list_files(root)
+    out.files, file_problems, out.ignored = list_files(root)
     # 330k header entries and nothing that forms a cycle: the cyclic GC would rescan them
     # over and over (~40% of the time at real scale). Paused here only, then restored.
     gc_was_enabled = gc.isenabled()
@@ -305,4 +306,12 @@ def _check_files(out: Output, problems: list[Problem], report: VerifyReport) -> 
             )
         return
     problems += check_recorded(out.root, out.files, table)
-    report.add("files", LEVEL, title, problems, f"{len(out.files)} files")
+    report.add("files", LEVEL, title, problems, f"{len(out.files)} files{_ignored(out)}")
+
+
+def _ignored(out: Output) -> str:
+    if not out.ignored:
+        return ""
+    more = len(out.ignored) - 5
+    shown = ", ".join(out.ignored[:5]) + (f" and {more} more" if more > 0 else "")
+    return f"; ignored (not part of a checkpoint): {shown}"

@@ -166,9 +166,15 @@ def sglang_process(
     *,
     arch: str = "sm120",
     moe_runner_backend: str = "flashinfer_mxfp4",
+    world_rank: int = 0,
+    world_size: int = 1,
     **server_args: Any,
 ) -> Iterator[None]:
-    """Publish server args for `model_path`, create gloo groups, pretend to be `arch`."""
+    """Publish server args for `model_path`, create gloo groups, pretend to be `arch`.
+
+    With `world_size` > 1 this process is rank `world_rank` of a gloo world whose other
+    ranks run the same call in their own processes (MASTER_ADDR/MASTER_PORT set by the
+    caller)."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import (
         destroy_model_parallel,
@@ -197,13 +203,16 @@ def sglang_process(
             **args,
         ),
         role="test",
-        ranks=SpawnRanks(world_rank=0),
+        ranks=SpawnRanks(world_rank=world_rank),
     )
     if parallel_state._WORLD is None:
-        # One gloo group per process, on a port free now (parallel test processes).
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_port())
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+        if world_size == 1:
+            # One gloo group per process, on a port free now (parallel test processes).
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        init_distributed_environment(
+            world_size=world_size, rank=world_rank, local_rank=world_rank, backend="gloo"
+        )
     else:
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
@@ -287,3 +296,21 @@ def process_hf_config():
     from sglang.srt.runtime_context import process_model_config
 
     return process_model_config().hf_config
+
+
+class _CpuStream:
+    """Stands in for torch.cuda.Stream: Kimi-K3's model creates side streams at
+    construction (KimiK3LinearModel.alt_streams) and uses them only in a CUDA forward."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def cpu_cuda_streams() -> Iterator[None]:
+    saved = torch.cuda.Stream
+    torch.cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        torch.cuda.Stream = saved  # type: ignore[misc]

@@ -10,6 +10,7 @@ imported, and after transformers has cached that torchvision is absent.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -23,6 +24,12 @@ class _StubModule(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
+        if (self.__name__, name) == ("triton", "runtime"):
+            return importlib.import_module("triton.runtime")
+        if (self.__name__, name) == ("triton.runtime", "driver"):
+            # A CPU box has no active triton driver: code that probes for one (FLA's
+            # get_available_device) then takes its CPU branch instead of a mock device.
+            raise AttributeError("no triton driver on a CPU box")
         if name[:1].isupper():
             # Class-like names (JITFunction, Config, ...) must work in isinstance().
             value = type(name, (), {"__init__": lambda self, *a, **k: None})

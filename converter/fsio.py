@@ -1,0 +1,159 @@
+"""The filesystem is hostile: the one place that opens, inspects and deletes paths.
+
+Rules every reader and writer of the tool goes through here for:
+- read only regular files, opened without blocking (`O_NONBLOCK`: a FIFO swapped in for a
+  file cannot hang the open) and checked *after* opening (`fstat`), so neither a FIFO nor a
+  link to a device (an endless `/dev/zero`) is ever read;
+- delete only what lies inside a real directory, never through a link: a link is removed
+  as a link, its target untouched (`remove`);
+- describe what a path is in words a user can act on (`describe`), naming a symlink as one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+from pathlib import Path
+
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class NotRegularFile(OSError):
+    """A path that is there but is not a regular file (FIFO, socket, device, directory)."""
+
+    def __init__(self, path: str | os.PathLike[str], kind: str) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file ({kind})", os.fspath(path))
+        self.kind = kind
+
+
+def kind(mode: int) -> str:
+    """What a file mode is, in a word."""
+    for test, what in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return what
+    return "device or other special file"
+
+
+def lkind(path: str | os.PathLike[str]) -> str | None:
+    """What the path itself is (a link is a "symlink"); None if nothing is there."""
+    try:
+        return kind(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):  # or a file where a folder would be
+        return None
+
+
+def describe(path: str | os.PathLike[str]) -> str:
+    """What a path is, following a link and saying so: "symlink to a FIFO (-> /x)"."""
+    own = lkind(path)
+    if own != "symlink":
+        return own or "missing"
+    target = os.readlink(path)
+    try:
+        what = kind(os.stat(path).st_mode)
+    except OSError:
+        what = "nothing (a dangling link)"
+    return f"symlink to {'' if what.startswith('nothing') else 'a '}{what} (-> {target})"
+
+
+def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
+    """A read-only fd of a regular file; never blocks. `follow=False` refuses a link
+    (ELOOP). Raises `NotRegularFile` for anything else that is there."""
+    flags = os.O_RDONLY | _NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket cannot be opened at all
+            with contextlib.suppress(OSError):
+                mode = (os.stat if follow else os.lstat)(path).st_mode
+                if not stat.S_ISREG(mode):
+                    raise NotRegularFile(path, kind(mode)) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFile(path, kind(mode))
+    if _NONBLOCK:  # regular files ignore it, but a caller's reads must not see EAGAIN
+        os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bytes:
+    """The whole content of a regular file (see `open_regular`)."""
+    with os.fdopen(open_regular(path, follow=follow), "rb") as fh:
+        return fh.read()
+
+
+def is_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bool:
+    """Whether the path is a regular file (never opens it)."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode)
+
+
+def is_real_dir(path: str | os.PathLike[str]) -> bool:
+    """A directory, and not a link to one."""
+    return lkind(path) == "directory"
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Remove a path without ever following a link: a link or file is unlinked, a real
+    directory removed with its content (`shutil.rmtree` does not follow links inside it
+    either, on platforms where it can say so). Nothing there: nothing to do."""
+    what = lkind(path)
+    if what is None:
+        return
+    if what == "directory":
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def nearest_existing(path: Path) -> Path:
+    """The path itself, or its closest ancestor that exists (links not followed)."""
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            return p
+    return Path(path.anchor or ".")
+
+
+def append_durably(path: str | os.PathLike[str], data: bytes) -> None:
+    """Append to a record file and fsync it; never through a link (`O_NOFOLLOW`), never to
+    anything but a regular file (a FIFO planted there would block the write)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, kind(mode))
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def create_fresh(path: str | os.PathLike[str], mode: int = 0o644) -> int:
+    """A write fd of a new, empty regular file at `path` (a temporary of ours): whatever lay
+    there is removed as itself first (a planted link goes, its target untouched), and the
+    create is exclusive and does not follow links, so no write can land elsewhere."""
+    remove(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
