@@ -28,7 +28,7 @@ from kimi_w31.converter.execute.hub import (
     estimate,
     fewest_slots,
 )
-from kimi_w31.converter.pipeline import ConvertOptions, convert
+from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare, source_id
 from kimi_w31.converter.source import Resolved, SourceReader
 from kimi_w31.converter.source.hub import HubOrigin
 from kimi_w31.converter.source.local import LocalOrigin
@@ -224,3 +224,10 @@ def test_hub_resolve_returns_the_snapshot_and_the_origin_keeps_nothing(tmp_path)
     assert not list(found.root.glob("*.safetensors"))  # shards wait for the executor
     with pytest.raises(dataclasses.FrozenInstanceError):
         origin.download_dir = None  # type: ignore[misc]
+    # What resolve learnt reaches what follows: the source is named by repo and commit, even
+    # in a --download-dir folder that is no cache snapshot.
+    with FakeHub({"org/r": repo}) as hub:
+        opts = ConvertOptions("org/r", tmp_path / "out", manifest="kimi-k3-any")
+        opts.origin = HubOrigin(download_dir=tmp_path / "dl2", endpoint=hub.endpoint)
+        source, _, _ = prepare(opts)
+    assert source_id(source, source.reader).key == f"hub:org/r@{FakeHub.commit}"
