@@ -65,21 +65,154 @@ def _set(cfg: Any, key: str, value: Any) -> None:
 
 
 def text_config(cfg: Any) -> Any:
-    """The (sub-)config holding the language model's hyper-parameters (VL models nest it)."""
+    """The (sub-)config holding the language model's hyper-parameters (VL models nest it).
+
+    Structural only (where a `quantization_config` or the block may sit); what a field means
+    is `config_value`'s business."""
     inner = get(cfg, "text_config")
     if inner is None or (isinstance(cfg, Mapping) and not isinstance(inner, Mapping)):
         return cfg
     return inner
 
 
+# -- the config as SGLang 0.5.23 reads it ---------------------------------------------------
+#
+# SGLang builds Kimi-K3's text model from `text_config` alone: configs/kimi_k3.py KimiK3Config
+# (model_type "kimi_k3") makes `KimiLinearConfig(**text_config)`, or `KimiLinearConfig()` when
+# there is none; a flat config (model_type "kimi_linear", the text-only form) is a
+# KimiLinearConfig itself. A field missing there takes KimiLinearConfig's default; a top-level
+# copy beside a text_config is never read by the model. These are the defaults of the fields
+# the contract reads (held to SGLang by tests/sglang/test_config_differential.py).
+TEXT_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 32,
+    "first_k_dense_replace": 0,
+    "moe_layer_freq": 1,
+    "num_experts": None,
+    "num_experts_per_token": None,
+    "moe_intermediate_size": None,
+    "routed_expert_hidden_size": None,
+    "hidden_size": 4096,
+    "hidden_act": "silu",
+    "activation_situ_beta": None,
+    "activation_situ_linear_beta": None,
+    "num_nextn_predict_layers": 0,
+}
+# A second key for the same value; the two must agree (`config_problems`). PretrainedConfig
+# applies extra keyword arguments after the class's own: `num_experts_per_tok`, the
+# attribute_map alias of `num_experts_per_token`, wins when given. `n_routed_experts` sizes
+# the experts and the router (models/kimi_k3.py KimiK3MoE, deepseek_v2.py MoEGate), while
+# `num_experts` alone decides whether there are experts at all and which ids the loader maps.
+ALIASES = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok"}
+ALIAS_WINS = {"num_experts_per_token"}
+KIMI_K3_MODEL_TYPE = "kimi_k3"
+KIMI_LINEAR_MODEL_TYPE = "kimi_linear"
+# KimiK3Config answers these from its text_config (read-only properties): a top-level one
+# stops SGLang before it has a config at all.
+KIMI_K3_PROPERTIES = ("hidden_size", "vocab_size")
+
+
+def sglang_text_fields(cfg: Any) -> Any:
+    """The mapping (or config object) SGLang builds the text model from."""
+    if not isinstance(cfg, Mapping):
+        return text_config(cfg)  # a config object: SGLang's own classes already resolved it
+    if cfg.get("model_type") == KIMI_LINEAR_MODEL_TYPE:
+        return cfg  # KimiLinearConfig reads its own top level (a text_config there is inert)
+    if "text_config" in cfg:
+        inner = cfg["text_config"]
+        return {} if inner is None else inner
+    return {} if cfg.get("model_type") == KIMI_K3_MODEL_TYPE else cfg
+
+
 def config_value(cfg: Any, key: str) -> Any:
-    """A hyper-parameter: from `text_config` if it has the key, else from the top level."""
-    inner = text_config(cfg)
-    value = get(inner, key, _ABSENT)
-    return get(cfg, key) if value is _ABSENT else value
+    """What SGLang's Kimi-K3 model makes of config field `key`: from the text model's
+    config alone, its alias when given, else KimiLinearConfig's default."""
+    inner = sglang_text_fields(cfg)
+    if not isinstance(inner, Mapping):
+        return get(inner, key, TEXT_DEFAULTS.get(key))
+    alias = ALIASES.get(key)
+    if key in ALIAS_WINS and alias in inner:
+        return inner[alias]
+    return inner.get(key, TEXT_DEFAULTS.get(key))
 
 
-_ABSENT = object()
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON values (so 8 and 8.0, 1 and true, are not the same field value)."""
+    return type(a) is type(b) and a == b
+
+
+def config_problems(cfg: Any, keys: Any, whole: bool = False) -> list[Problem]:
+    """Every place the config says two things about a field the contract reads (`keys`):
+    an alias that disagrees with its field, or a top-level copy that disagrees with what the
+    model reads. `whole`: also what stops SGLang reading the config at all (said once, by
+    `layer_rule`)."""
+    if not isinstance(cfg, Mapping):
+        return []
+    inner = sglang_text_fields(cfg)
+    if not isinstance(inner, Mapping):
+        if not whole:
+            return []
+        return [
+            Problem(
+                Code.CONFIG_FIELD,
+                "text_config must be an object (SGLang builds the text model from it)",
+                file=CONFIG_NAME,
+                found=type(inner).__name__,
+            )
+        ]
+    problems = [
+        Problem(
+            Code.CONFIG_FIELD,
+            f"config field {key} at the top level of a {KIMI_K3_MODEL_TYPE} config: SGLang "
+            "takes it from text_config only and cannot load this config",
+            file=CONFIG_NAME,
+            found=repr(cfg[key]),
+        )
+        for key in KIMI_K3_PROPERTIES
+        if whole and key in cfg and cfg.get("model_type") == KIMI_K3_MODEL_TYPE
+    ]
+    for key in keys:
+        value = config_value(cfg, key)
+        alias = ALIASES.get(key)
+        if alias in inner and key in inner and not _same(inner[key], inner[alias]):
+            problems.append(_conflict(f"{_where(cfg)}{key}", f"{_where(cfg)}{alias}", inner))
+        if inner is cfg:
+            continue
+        for name in (key, alias):
+            if name in cfg and name is not None and not _same(cfg[name], value):
+                problems.append(
+                    Problem(
+                        Code.CONFIG_CONFLICT,
+                        f"config field {name} at the top level disagrees with what SGLang's "
+                        f"Kimi-K3 model reads (text_config.{key}, or its default); it never "
+                        "reads the top-level copy",
+                        file=CONFIG_NAME,
+                        expected=repr(value),
+                        found=repr(cfg[name]),
+                    )
+                )
+    return problems
+
+
+def _where(cfg: Mapping) -> str:
+    return "" if sglang_text_fields(cfg) is cfg else "text_config."
+
+
+def _conflict(first: str, second: str, inner: Mapping) -> Problem:
+    a, b = first.rsplit(".", 1)[-1], second.rsplit(".", 1)[-1]
+    return Problem(
+        Code.CONFIG_CONFLICT,
+        f"config fields {first} and {second} give one value two ways (SGLang reads both, in "
+        "different places)",
+        file=CONFIG_NAME,
+        expected=f"{a} = {inner[a]!r}",
+        found=f"{b} = {inner[b]!r}",
+    )
+
+
+def is_config_int(value: Any) -> bool:
+    """A config integer is a JSON integer: not 8.0, not true (SGLang would index a range
+    with one, or take `true` for 1)."""
+    return type(value) is int
 
 
 def _holders(cfg: Any) -> list[Any]:
@@ -397,41 +530,88 @@ def source_halves(name: str) -> tuple[str, str] | None:
 
 # -- which layers are MoE layers ------------------------------------------------------------
 
-# SGLang 0.5.23 (models/kimi_k3.py `_is_moe_layer`, configs/kimi_linear.py defaults): layer i
-# of num_hidden_layers is a MoE layer when the model has experts (num_experts set),
-# i >= first_k_dense_replace (default 0) and i % moe_layer_freq == 0 (default 1).
+# SGLang 0.5.23 (models/kimi_k3.py `_is_moe_layer`): layer i of num_hidden_layers is a MoE
+# layer when the model has experts (num_experts set), i >= first_k_dense_replace and
+# i % moe_layer_freq == 0, every field read as `config_value` reads it. Layers from
+# num_hidden_layers on are never built: `load_weights` skips their tensors. The
+# num_nextn_predict_layers layers declared there (MTP) are stored but not served; their
+# experts, where a checkpoint has them, are converted like any MoE layer's.
 MOE_RULE_DEFAULTS = {"first_k_dense_replace": 0, "moe_layer_freq": 1}
+# Fields the rule reads, with the least value each may take.
+MOE_RULE_FIELDS = {
+    "num_hidden_layers": 1,
+    "num_experts": 1,
+    "first_k_dense_replace": 0,
+    "moe_layer_freq": 1,
+    "num_nextn_predict_layers": 0,
+}
 
 
-def moe_layer_ids(cfg: Any) -> tuple[list[int], list[Problem]]:
-    """The MoE layer indices the config describes, and any problem reading the fields."""
-    problems = []
+class LayerRule(NamedTuple):
+    moe: list[int]  # layers SGLang builds as MoE layers: every expert must be there
+    extra: list[int]  # declared layers past num_hidden_layers: experts allowed, not required
 
-    def field(key: str, minimum: int, default: Any = _ABSENT) -> int | None:
-        inner = text_config(cfg)
-        value = get(inner, key, _ABSENT)
-        if value is _ABSENT:
-            value = get(cfg, key, default)
-        if type(value) is not int or value < minimum:
+
+def layer_rule(cfg: Any, bound: int | None = None) -> tuple[LayerRule, list[Problem]]:
+    """The config's MoE layers and declared extra layers, and every problem reading them.
+
+    `bound`: the number of tensors the checkpoint holds. Each expert of each layer has
+    tensors of its own, so (layers x experts) beyond it cannot all be there: refused before
+    anything that size is built (a config may claim 10^10 layers).
+    """
+    problems = config_problems(cfg, MOE_RULE_FIELDS, whole=True)
+    values: dict[str, int] = {}
+    for key, minimum in MOE_RULE_FIELDS.items():
+        value = config_value(cfg, key)
+        if not is_config_int(value) or value < minimum:
             problems.append(
                 Problem(
                     Code.CONFIG_FIELD,
-                    f"config field {key} must be an integer >= {minimum}",
+                    f"config field {key} must be an integer >= {minimum}"
+                    + (" (without it SGLang builds no MoE layer)" if key == "num_experts" else ""),
                     file=CONFIG_NAME,
-                    found=repr(None if value is _ABSENT else value),
+                    found=repr(value),
                 )
             )
-            return None
-        return value
-
-    layers = field("num_hidden_layers", 1)
-    experts = field("num_experts", 1)
-    dense = field("first_k_dense_replace", 0, MOE_RULE_DEFAULTS["first_k_dense_replace"])
-    freq = field("moe_layer_freq", 1, MOE_RULE_DEFAULTS["moe_layer_freq"])
+        else:
+            values[key] = value
+    freq = values.get("moe_layer_freq", 1)
+    first = -(-values.get("first_k_dense_replace", 0) // freq) * freq  # a multiple of freq
+    layers = values.get("num_hidden_layers", 0)
+    count = max(0, -(-(layers - first) // freq))  # len(range(first, layers, freq)), unbuilt
+    experts, extra = values.get("num_experts", 0), values.get("num_nextn_predict_layers", 0)
+    # Judged even when other fields are wrong: callers build nothing from a refused size.
+    too_big = bound_problem(
+        "(MoE layers + num_nextn_predict_layers) x num_experts",
+        (count + extra) * experts,
+        bound,
+        f"({count} + {extra}) x {experts}",
+    ) or bound_problem("num_experts", experts, bound)
+    if too_big is not None:
+        return LayerRule([], []), [*problems, too_big]
     if problems:
-        return [], problems
-    assert layers is not None and experts is not None and dense is not None and freq
-    return [i for i in range(layers) if i >= dense and i % freq == 0], []
+        return LayerRule([], []), problems
+    return LayerRule(list(range(first, layers, freq)), list(range(layers, layers + extra))), []
+
+
+def bound_problem(what: str, value: int, bound: int | None, found: str = "") -> Problem | None:
+    """A CONFIG_BOUND problem if `value` (a count of tensors the config asks for) is above
+    `bound` (the tensors the checkpoint holds), else None."""
+    if bound is None or value <= bound:
+        return None
+    return Problem(
+        Code.CONFIG_BOUND,
+        "config describes more routed experts than the checkpoint has tensors",
+        file=CONFIG_NAME,
+        expected=f"{what} <= {bound}",
+        found=found or str(value),
+    )
+
+
+def moe_layer_ids(cfg: Any, bound: int | None = None) -> tuple[list[int], list[Problem]]:
+    """The MoE layer indices the config describes, and any problem reading the fields."""
+    rule, problems = layer_rule(cfg, bound)
+    return rule.moe, problems
 
 
 # -- file names of a checkpoint ---------------------------------------------------------------

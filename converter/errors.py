@@ -47,6 +47,8 @@ class Code(str, Enum):
     INDEX_WRONG_SHARD = "index-wrong-shard"
     INDEX_TOTAL_SIZE = "index-total-size"
     SHARD_UNREFERENCED = "shard-unreferenced"
+    SHARD_NOT_LOADED = "shard-not-loaded"  # a shard the index names that loaders never open
+    TENSOR_IN_TWO_SHARDS = "tensor-in-two-shards"  # no index: one name in two shards
     # -- safetensors headers (one per rule, as the library's own reader)
     HEADER_TOO_SMALL = "header-too-small"
     HEADER_LENGTH_ZERO = "header-length-zero"
@@ -71,6 +73,8 @@ class Code(str, Enum):
     CONFIG_FIELD = "config-field"
     PINNED_MISMATCH = "pinned-mismatch"
     SITU_MISMATCH = "situ-mismatch"
+    CONFIG_CONFLICT = "config-conflict"  # one field said twice, two ways (alias, top level)
+    CONFIG_BOUND = "config-bound"  # a size beyond what the checkpoint can hold
     # -- routed experts and MoE layers
     EXPERT_NAME = "expert-name"
     EXPERT_ID_RANGE = "expert-id-range"
@@ -260,6 +264,10 @@ EXIT_CODES: dict[Code, int] = {
     Code.PERMISSION_DENIED: EXIT_PROBLEMS,
     Code.OUTPUT_OF_ANOTHER_SOURCE: EXIT_PROBLEMS,
     Code.FILE_NAME_INVALID: EXIT_PROBLEMS,
+    Code.CONFIG_CONFLICT: EXIT_PROBLEMS,
+    Code.CONFIG_BOUND: EXIT_PROBLEMS,
+    Code.SHARD_NOT_LOADED: EXIT_PROBLEMS,
+    Code.TENSOR_IN_TWO_SHARDS: EXIT_PROBLEMS,
     Code.TENSOR_DTYPE_DIFFERS: EXIT_PROBLEMS,
     Code.TENSOR_SHAPE_DIFFERS: EXIT_PROBLEMS,
     Code.FILE_NOT_FROM_SOURCE: EXIT_PROBLEMS,

@@ -265,13 +265,20 @@ class Dims:
 
 
 def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]:
-    """Dimensions from the config, checked against pinned values, the MXFP4 group size and
-    the manifest's SiTU parameters."""
-    problems: list[Problem] = []
+    """Dimensions from the config as SGLang reads it (`contract.config_value`), checked
+    against pinned values, the MXFP4 group size and the manifest's SiTU parameters."""
+    read = {
+        *manifest.dims.values(),
+        *manifest.pinned,
+        "hidden_act",
+        *contract.SITU_CONFIG_KEYS.values(),
+    }
+    # The MoE rule's own fields are judged (once) by `contract.layer_rule`.
+    problems = contract.config_problems(config, sorted(read - set(contract.MOE_RULE_FIELDS)))
     values = {}
     for symbol, key in manifest.dims.items():
         value = contract.config_value(config, key)
-        if type(value) is not int or value <= 0:
+        if not contract.is_config_int(value) or value <= 0:
             problems.append(
                 Problem(
                     Code.CONFIG_FIELD,
@@ -284,7 +291,7 @@ def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]
             values[symbol] = value
     for key, pinned in manifest.pinned.items():
         value = contract.config_value(config, key)
-        if value != pinned:
+        if type(value) is not type(pinned) or value != pinned:
             problems.append(
                 Problem(
                     Code.PINNED_MISMATCH,

@@ -95,10 +95,18 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
                 found=repr(act),
             )
         )
-    moe_ids, rule_problems = contract.moe_layer_ids(config)
+    # Bounded by the source's own tensor count: nothing is built from a config size above it.
+    bound = sum(len(h.tensors) for h in source.headers.values())
+    rule, rule_problems = contract.layer_rule(config, bound)
+    if not any(p.code is Code.CONFIG_BOUND for p in rule_problems):
+        # E as the manifest names it (the rule bounded `num_experts`).
+        too_big = contract.bound_problem(manifest.dims["E"], dims.values.get("E", 0), bound)
+        rule_problems += [too_big] if too_big else []
     problems += rule_problems
+    if any(p.code is Code.CONFIG_BOUND for p in rule_problems):
+        return ExpertTable(dims), problems
     table, tensor_problems = check_expert_tensors(
-        manifest, dims, source_tensors(source), set(moe_ids), converted=False
+        manifest, dims, source_tensors(source), set(rule.moe), converted=False, extra=rule.extra
     )
     tensor_problems += check_inventory(manifest, config, source_tensors(source))
     return table, problems + tensor_problems
@@ -117,10 +125,11 @@ def check_expert_tensors(
     tensors: Iterable[tuple[str, TensorInfo]],
     moe_layers: set[int],
     converted: bool,
+    extra: list[int] | tuple[int, ...] = (),
 ) -> tuple[ExpertTable, list[Problem]]:
     """Check every routed-expert tensor, given as (file, info), against the contract and the
     manifest: name grammar, dtype, shape, id range, partners, every expert of every MoE layer
-    and no expert anywhere else."""
+    and no expert anywhere else (`extra`: declared layers whose experts may be there, whole)."""
     rules = manifest.rules(converted)
     shapes = {key: dims.shape(rule.shape) for key, rule in rules.items()}
     num_experts = dims.values.get("E")
@@ -182,7 +191,7 @@ def check_expert_tensors(
                 )
             )
     problems += _check_layers(
-        table, tails_by_prefix, layer_of, verdicts, rules, num_experts, moe_layers
+        table, tails_by_prefix, layer_of, verdicts, rules, num_experts, moe_layers, set(extra)
     )
     return table, problems
 
@@ -231,8 +240,10 @@ def _check_layers(
     rules: dict,
     num_experts: int | None,
     moe_layers: set[int],
+    extra: set[int],
 ) -> list[Problem]:
-    """Every MoE layer has every expert with every tensor; no expert outside them."""
+    """Every MoE layer has every expert with every tensor; no expert outside them (an
+    extra declared layer's experts, where present, are held to the same)."""
     problems: list[Problem] = []
     complete = num_experts * len(rules) if num_experts is not None else None
     by_layer: dict[int, str] = {}
@@ -259,7 +270,7 @@ def _check_layers(
             )
             continue
         by_layer[layer] = prefix
-        if layer not in moe_layers:
+        if layer not in moe_layers and layer not in extra:
             problems.append(
                 Problem(
                     Code.LAYER_UNEXPECTED,

@@ -248,7 +248,8 @@ def _shards_on_other_disks(src: Path, work: Path) -> None:
 
 
 def _shard_folder_on_other_disk(src: Path, work: Path) -> None:
-    """The index names shards under a folder that is a link to another disk."""
+    """The index names shards under a folder that is a link to another disk (loaders never
+    open them: they list only the top level)."""
     disk = work / "disk"
     disk.mkdir()
     index = json.loads((src / INDEX).read_text())
@@ -275,10 +276,14 @@ LINK_REFUSED = {
         Code.NOT_A_REGULAR_FILE,
     ),
     "a folder links outside the source": (_linked_folder, Code.LINK_ESCAPES),
+    # Loaders open only top-level shards: one under a folder (linked or not) is never served.
+    "the shards' folder links to another disk": (
+        _shard_folder_on_other_disk,
+        Code.SHARD_NOT_LOADED,
+    ),
 }
 LINK_ACCEPTED = {
     "every shard links to another disk": _shards_on_other_disks,
-    "the shards' folder links to another disk": _shard_folder_on_other_disk,
     "an extra file links to a published file": _inside_link,
 }
 

@@ -301,3 +301,89 @@ def test_a_config_already_marked_is_refused_as_a_source():
         source.config = marked
         _, problems = validate_source(source, MANIFEST)
         assert Code.ALREADY_MARKED in {p.code for p in problems}
+
+
+# -- the config as SGLang reads it (held to SGLang itself in tests/sglang/) ---------------------
+
+RULE = {"num_hidden_layers": 4, "num_experts": 4, "first_k_dense_replace": 1}
+
+
+@pytest.mark.parametrize(
+    ("config", "code"),
+    [
+        # The MoE fields only at the top level: SGLang reads text_config alone.
+        ({"model_type": "kimi_k3", **RULE, "text_config": {}}, Code.CONFIG_CONFLICT),
+        # A top-level copy that disagrees with the text config.
+        ({"num_experts": 8, "text_config": RULE}, Code.CONFIG_CONFLICT),
+        # Experts sized by one count and loaded by another.
+        ({"text_config": {**RULE, "n_routed_experts": 8}}, Code.CONFIG_CONFLICT),
+        ({**RULE, "n_routed_experts": 4.0}, Code.CONFIG_CONFLICT),
+        # A config integer is a JSON integer.
+        ({**RULE, "num_hidden_layers": 4.0}, Code.CONFIG_FIELD),
+        ({**RULE, "moe_layer_freq": True}, Code.CONFIG_FIELD),
+        ({**RULE, "first_k_dense_replace": "1"}, Code.CONFIG_FIELD),
+        # A kimi_k3 config without text_config: SGLang's text model has no experts.
+        ({"model_type": "kimi_k3"}, Code.CONFIG_FIELD),
+        ({"text_config": [RULE]}, Code.CONFIG_FIELD),
+        ({"model_type": "kimi_k3", "hidden_size": 64, "text_config": RULE}, Code.CONFIG_FIELD),
+    ],
+)
+def test_config_read_as_sglang_reads_it(config, code):
+    ids, problems = contract.moe_layer_ids(config)
+    assert ids == [] and code in {p.code for p in problems}
+
+
+def test_defaults_and_aliases_are_sglangs():
+    # num_hidden_layers absent from text_config: KimiLinearConfig's 32, not the top level's.
+    cfg = {"text_config": {"num_experts": 2, "num_experts_per_tok": 3}}
+    assert contract.moe_layer_ids(cfg) == (list(range(32)), [])
+    assert contract.config_value(cfg, "num_experts_per_token") == 3
+    assert contract.config_value(cfg, "hidden_act") == "silu"
+    agreeing = {"num_experts": 2, "text_config": {"num_experts": 2, "n_routed_experts": 2}}
+    assert contract.config_problems(agreeing, ["num_experts"]) == []
+
+
+@given(
+    layers=st.integers(1, 10**12),
+    dense=st.integers(0, 10**12),
+    freq=st.integers(1, 10**12),
+    experts=st.integers(1, 10**12),
+    extra=st.integers(0, 10**12),
+    bound=st.integers(1, 10**6),
+)
+def test_layer_sizes_are_bounded_before_anything_is_built(
+    layers, dense, freq, experts, extra, bound
+):
+    cfg = {
+        "num_hidden_layers": layers,
+        "first_k_dense_replace": dense,
+        "moe_layer_freq": freq,
+        "num_experts": experts,
+        "num_nextn_predict_layers": extra,
+    }
+    moe = range(-(-dense // freq) * freq, layers, freq)  # the rule, without building it
+    rule, problems = contract.layer_rule(cfg, bound)
+    if max(experts, (len(moe) + extra) * experts) > bound:
+        assert [p.code for p in problems] == [Code.CONFIG_BOUND] and rule.moe == []
+    else:
+        assert problems == [] and rule.moe == list(moe)
+        assert rule.extra == list(range(layers, layers + extra))
+
+
+def test_declared_mtp_layers_may_hold_whole_experts_only():
+    spec = SynthSpec(layers=3, dense_layers=1, experts=2, k=64, n=32)
+    source, tensors = synth_source(spec)
+    config = make_config(spec)
+    config["text_config"]["num_nextn_predict_layers"] = 1
+    mtp = [
+        (n.replace(".layers.2.", ".layers.3."), d, s) for n, d, s in tensors if ".layers.2." in n
+    ]
+    experts = [t for t in mtp if ".experts." in t[0]]
+    whole = header_only_source(list(tensors) + experts, config, files=2)
+    table, problems = validate_source(whole, MANIFEST)
+    assert problems == [] and 3 in table.layers.values()
+    partial = header_only_source(list(tensors) + experts[:-1], config, files=2)
+    assert Code.EXPERT_PARTNER_MISSING in {p.code for p in validate_source(partial, MANIFEST)[1]}
+    beyond = [(n.replace(".layers.3.", ".layers.4."), d, s) for n, d, s in experts]
+    refused = header_only_source(list(tensors) + beyond, config, files=2)
+    assert Code.LAYER_UNEXPECTED in {p.code for p in validate_source(refused, MANIFEST)[1]}

@@ -135,6 +135,9 @@ class FolderSnapshot:
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
         return LocalOrigin().extra_files(self.remote, weight_files)
 
+    def top_level_names(self, root: Path) -> list[str]:
+        return LocalOrigin().top_level_names(self.remote)
+
     def size(self, file: str) -> int:
         return (self.remote / file).stat().st_size
 

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import faultlib as fl  # noqa: E402  (lives beside the tests that share it)
+import faults_config  # noqa: E402
 import faults_filesystem as ffs  # noqa: E402
 
 OUTCOMES = [fl.CLEAN, fl.RESUMED, fl.CORRECT, fl.CRASH, fl.WRONG]
@@ -62,6 +63,9 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("verifyfifo", fl.verify_fifo_case),
         ("headerbound", fl.header_bound_cases),
         *(("fs-" + name, scenario) for name, scenario in ffs.SCENARIOS),
+        ("config", faults_config.config_cases),
+        ("fileset", faults_config.file_set_cases),
+        ("bounds", faults_config.bound_cases),
     ]
 
 

@@ -2,11 +2,12 @@
 
 `read_source` is the one reading path, whatever the source's origin: a local directory or a
 repo in the Hugging Face cache (`local.py`), or a Hub repo read over HTTP (`hub.py`). The
-origin gives only what differs, the shard headers and the list of other files; the config,
-the index and every cross-check are read here. The index's `weight_map` is untrusted input:
-entries must be plain relative names of `.safetensors` files inside the source (a shard
-there may be a symlink to a regular file anywhere: `local.py` says why). Files are read only
-through `fsio` (regular files, never blocking).
+origin gives only what differs, the shard headers and the lists of files; the config, the
+index, which shards a loader would open, and every cross-check are read here. The index's
+`weight_map` is untrusted input: entries must be plain relative names of `.safetensors`
+files inside the source that a loader opens (a shard there may be a symlink to a regular
+file anywhere: `local.py` says why). Files are read only through `fsio` (regular files,
+never blocking).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .. import fsio
-from ..contract import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from ..contract import CONFIG_NAME, INDEX_NAME
 from ..errors import Code, Fatal, Problem, fail
 from ..safetensors_format import ShardHeader
 
@@ -37,6 +38,8 @@ class SourceReader(Protocol):
     def read_header(self, root: Path, file: str) -> ShardHeader: ...
 
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]: ...
+
+    def top_level_names(self, root: Path) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -108,14 +111,14 @@ def read_source(root: Path, label: str, origin: SourceReader) -> Source:
         if problems:
             raise Fatal(problems)
         shard_files = list(dict.fromkeys(weight_map.values()))
-    elif origin.has_file(root, SINGLE_NAME):
-        shard_files, weight_map = [SINGLE_NAME], {}
     else:
-        raise fail(
-            Code.FILE_MISSING,
-            f"no {INDEX_NAME} or {SINGLE_NAME} in the source directory",
-            file=str(root),
-        )
+        shard_files, weight_map = files_loaded_without_index(origin.top_level_names(root)), {}
+        if not shard_files:
+            raise fail(
+                Code.FILE_MISSING,
+                f"no {INDEX_NAME} and no *.safetensors file in the source directory",
+                file=str(root),
+            )
 
     headers: dict[str, ShardHeader] = {}
     problems = []
@@ -131,10 +134,13 @@ def read_source(root: Path, label: str, origin: SourceReader) -> Source:
                 headers[f] = result
     if problems:
         raise Fatal(problems)
-    if weight_map:
-        problems = check_index_against_headers(weight_map, headers, INDEX_NAME)
-        if problems:
-            raise Fatal(problems)
+    problems = (
+        check_index_against_headers(weight_map, headers, INDEX_NAME)
+        if weight_map
+        else check_each_tensor_once(headers)
+    )
+    if problems:
+        raise Fatal(problems)
     del weight_map  # the headers say the same from here on (single file: the header is the map)
     extra = origin.extra_files(root, set(shard_files) | {INDEX_NAME, CONFIG_NAME})
     return Source(root, label, config, shard_files, headers, extra, index_metadata, origin)
@@ -148,6 +154,56 @@ def _read_or_fail(origin: SourceReader, root: Path):
             return exc
 
     return read
+
+
+# -- which files a loader opens ------------------------------------------------------------
+#
+# SGLang 0.5.23 (model_loader/loader.py `_prepare_weights`, weight_utils.py
+# `filter_duplicate_safetensors_files`) globs `<dir>/*.safetensors` (the top level only;
+# `*` skips names starting with "."), then keeps the files the index names when there is
+# one, or all of them when there is none, except that exactly {…consolidated.safetensors,
+# …model.safetensors} loads the second only. The output serves exactly those files' tensors:
+# an index entry the glob cannot list (a subfolder, "./x", a hidden name) is refused, and
+# without an index every top-level shard is converted. Held to SGLang by
+# tests/sglang/test_file_set_differential.py.
+WEIGHT_SUFFIX = ".safetensors"
+
+
+def globbed(name: str) -> bool:
+    """Whether SGLang's top-level `*.safetensors` glob lists a file of this name."""
+    return name.endswith(WEIGHT_SUFFIX) and not name.startswith(".") and "/" not in name
+
+
+def files_loaded_without_index(names: list[str]) -> list[str]:
+    """The top-level files (given by name) a loader opens when the source has no index."""
+    files = sorted(n for n in names if globbed(n))
+    if (
+        len(files) == 2
+        and files[0].endswith("consolidated" + WEIGHT_SUFFIX)
+        and files[1].endswith("model" + WEIGHT_SUFFIX)
+    ):
+        return files[1:]
+    return files
+
+
+def check_each_tensor_once(headers: dict[str, ShardHeader]) -> list[Problem]:
+    """Without an index nothing says which shard owns a tensor: a name in two is refused."""
+    owner: dict[str, str] = {}
+    problems = []
+    for shard, header in headers.items():
+        for tensor in header.tensors:
+            first = owner.setdefault(tensor, shard)
+            if first != shard:
+                problems.append(
+                    Problem(
+                        Code.TENSOR_IN_TWO_SHARDS,
+                        "tensor is in two shards and there is no index to say which one serves",
+                        file=shard,
+                        tensor=tensor,
+                        expected=f"only in {first}",
+                    )
+                )
+    return problems
 
 
 def read_index(path: Path) -> tuple[dict, dict]:
@@ -184,7 +240,7 @@ def check_weight_map(root: Path, weight_map: dict, index_name: str) -> list[Prob
     except TypeError:  # a list or object as a value: the slow loop words it
         names = None
     if names is not None and not any(check_shard_name(root, n) for n in names):
-        return []
+        return _not_loaded(names, index_name)
     verdicts: dict[str, str | None] = {}
     problems = []
     for tensor, shard in weight_map.items():
@@ -201,7 +257,27 @@ def check_weight_map(root: Path, weight_map: dict, index_name: str) -> list[Prob
                     found=repr(shard),
                 )
             )
-    return problems
+    safe = {k for k, why in verdicts.items() if why is None}
+    return problems + _not_loaded(safe, index_name)
+
+
+def _not_loaded(names: set[str], index_name: str) -> list[Problem]:
+    """Safe entries the loader's glob cannot list: their tensors would never be served.
+    One problem for all of them: one cause (shards kept in a folder), said once."""
+    hidden = sorted(name for name in names if not globbed(name))
+    if not hidden:
+        return []
+    shown = ", ".join(repr(name) for name in hidden[:3]) + (" ..." if len(hidden) > 3 else "")
+    return [
+        Problem(
+            Code.SHARD_NOT_LOADED,
+            f"index names {len(hidden)} shard(s) that loaders never open: they load only "
+            "top-level *.safetensors files, so these tensors would not be served",
+            file=index_name,
+            expected="top-level file names (move the shards, or links to them, to the top)",
+            found=shown,
+        )
+    ]
 
 
 def check_index_against_headers(

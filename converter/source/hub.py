@@ -441,6 +441,9 @@ class HubSnapshot:
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
         return [f for f in self.small_files if f not in weight_files]
 
+    def top_level_names(self, root: Path) -> list[str]:
+        return sorted(f for f in self.repo.files if "/" not in f)
+
     # -- Remote ------------------------------------------------------------------------------
     def size(self, file: str) -> int:
         return self.repo.files[file].size

@@ -86,6 +86,15 @@ class LocalOrigin:
             )
         return read_header(path, display_name=file)
 
+    def top_level_names(self, root: Path) -> list[str]:
+        """Every name directly in the source directory (what a loader's glob sees)."""
+        try:
+            return sorted(os.listdir(root))
+        except OSError as exc:
+            raise fail(
+                Code.FILE_UNREADABLE, f"cannot list ({exc.strerror})", file=str(root)
+            ) from None
+
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
         """Every other file (tokenizer, chat template, custom code, ...), copied unchanged.
 

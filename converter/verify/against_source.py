@@ -2,6 +2,7 @@
 
 Everything is derived from the data contract and compared directly; the checksums file is
 not used (it may be missing):
+- which source shards a loader opens, derived apart from the converter (`served.py`);
 - every tensor and file against the source's bytes (`source_bytes.py`);
 - `config.json`: `contract.unwrap_config(output config)` equals the source config;
 - the `kimi_w31` block's informational fields: `dims` against the dimensions the manifest
@@ -20,9 +21,11 @@ import json
 from .. import contract
 from ..errors import Code, Fatal, Problem
 from ..manifest import resolve_dims
+from ..safetensors_format import ShardHeader
 from ..source import Source, read_source
 from ..source.local import LocalOrigin, resolve_local
 from .report import VerifyReport
+from .served import served_headers
 from .source_bytes import compare_with_source
 from .structure import Output
 
@@ -36,9 +39,13 @@ def check_against_source(
     source = _read(out, spec, report)
     if source is None:
         return None
-    changed = _check_block(out, source, report)
+    # The shards a loader opens, found here and not taken from the converter's reader.
+    served, served_problems = served_headers(source.root)
+    changed = _check_block(out, source, served, report)
     _check_config(out, source, report)
-    compare_with_source(out, source, changed, workers, progress_mode, report)
+    compare_with_source(
+        out, source, (served, served_problems), changed, workers, progress_mode, report
+    )
     return source
 
 
@@ -60,10 +67,12 @@ def _read(out: Output, spec: str, report: VerifyReport) -> Source | None:
 # -- the block's informational fields ----------------------------------------------------------
 
 
-def _check_block(out: Output, source: Source, report: VerifyReport) -> set[str]:
+def _check_block(
+    out: Output, source: Source, served: dict[str, ShardHeader], report: VerifyReport
+) -> set[str]:
     """dims, source identity, manifest hash; returns the source files changed since."""
     block, problems, notes = out.block, [], []
-    changed, identity = _identity(block.get("source"), source)
+    changed, identity = _identity(block.get("source"), served)
     problems += identity
     if "dims" in block and out.manifest is not None:
         dims, _ = resolve_dims(out.manifest, source.config)  # problems: the config check's
@@ -91,7 +100,7 @@ def _check_block(out: Output, source: Source, report: VerifyReport) -> set[str]:
             )
     else:
         notes.append("no manifest hash recorded")
-    detail = f"{len(source.headers)} source shards" + "".join(f"; {n}" for n in notes)
+    detail = f"{len(served)} source shards" + "".join(f"; {n}" for n in notes)
     report.add("source-block", LEVEL, "kimi_w31 block vs source", problems, detail)
     return changed
 
@@ -106,7 +115,7 @@ def _mismatch(key: str, what: str, expected: object, found: object) -> Problem:
     )
 
 
-def _identity(recorded: object, source: Source) -> tuple[set[str], list[Problem]]:
+def _identity(recorded: object, served: dict[str, ShardHeader]) -> tuple[set[str], list[Problem]]:
     """The source shards the block records against the ones there now."""
     if recorded is None:
         return set(), []
@@ -120,8 +129,8 @@ def _identity(recorded: object, source: Source) -> tuple[set[str], list[Problem]
             )
         ]
     changed, problems = set(), []
-    for name in sorted(files.keys() | source.headers.keys()):
-        entry, header = files.get(name), source.headers.get(name)
+    for name in sorted(files.keys() | served.keys()):
+        entry, header = files.get(name), served.get(name)
         now = (
             None
             if header is None

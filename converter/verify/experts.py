@@ -78,14 +78,23 @@ def check_experts(
     config: dict, manifest: Manifest, dims: Dims, headers: dict[str, ShardHeader]
 ) -> tuple[ExpertLayout, list[Problem]]:
     """Compare the routed-expert tensors of `headers` with what the config says must exist."""
-    moe_ids, problems = contract.moe_layer_ids(config)
+    # Bounded by the output's own tensor count: a config may claim 10^10 layers.
+    bound = sum(len(h.tensors) for h in headers.values())
+    rule, problems = contract.layer_rule(config, bound)
+    if not any(p.code is Code.CONFIG_BOUND for p in problems):
+        # E as the manifest names it (the rule bounded `num_experts`).
+        too_big = contract.bound_problem(manifest.dims["E"], dims.values.get("E", 0), bound)
+        problems += [too_big] if too_big else []
+    if any(p.code is Code.CONFIG_BOUND for p in problems):
+        return ExpertLayout(None), problems
+    moe_ids = rule.moe
     rule_known = not problems  # without the MoE rule no layer can be judged unexpected
     layout = ExpertLayout(dims.values.get("E"))
     expected = _Expected.of(layout.experts, manifest, dims)
     groups, files = _group(headers), _Files(headers)
     for prefix, group in groups.items():
         problems += _judge_names(prefix, group, expected, files)
-    problems += _assign_layers(groups, set(moe_ids), layout, rule_known)
+    problems += _assign_layers(groups, set(moe_ids), set(rule.extra), layout, rule_known)
     missing = [i for i in moe_ids if i not in layout.prefixes]
     if missing:
         problems.append(
@@ -181,10 +190,14 @@ class _Files:
 
 
 def _assign_layers(
-    groups: dict[str, _Group], moe_ids: set[int], layout: ExpertLayout, rule_known: bool = True
+    groups: dict[str, _Group],
+    moe_ids: set[int],
+    extra: set[int],
+    layout: ExpertLayout,
+    rule_known: bool = True,
 ) -> list[Problem]:
     """Each prefix holding routed experts to its layer: exactly one prefix per MoE layer,
-    none anywhere else."""
+    none anywhere else (a declared extra layer may have one: held to the same)."""
     problems = []
     for prefix in sorted(p for p, g in groups.items() if g.valid or g.out_of_range):
         layer = contract.layer_of(prefix)
@@ -206,7 +219,7 @@ def _assign_layers(
                     expected=f"only {layout.prefixes[layer]}experts.*",
                 )
             )
-        elif layer not in moe_ids and rule_known:
+        elif layer not in moe_ids and layer not in extra and rule_known:
             problems.append(
                 Problem(
                     Code.LAYER_UNEXPECTED,
@@ -216,7 +229,7 @@ def _assign_layers(
                     tensor=where,
                 )
             )
-        elif layer in moe_ids:
+        elif layer in moe_ids or layer in extra:
             layout.prefixes[layer] = prefix
     return problems
 

@@ -16,7 +16,7 @@ from .. import contract
 from ..console import Progress
 from ..errors import Code, Problem
 from ..hashing import CHUNK_SIZE, ShortRead
-from ..safetensors_format import TensorInfo
+from ..safetensors_format import ShardHeader, TensorInfo
 from ..source import Source
 from .derive import Expected, expected_tensors
 from .files import is_regular
@@ -39,15 +39,18 @@ class _ShardJob:
 def compare_with_source(
     out: Output,
     source: Source,
+    served: tuple[dict[str, ShardHeader], list[Problem]],
     changed: set[str],
     workers: int,
     progress_mode: str,
     report: VerifyReport,
 ) -> None:
-    """Two checks: every tensor, then every other file; `changed` names the source shards
-    that changed since the conversion (a difference there is blamed on the source)."""
-    expected = expected_tensors(source.headers)
+    """Two checks: every tensor, then every other file. `served`: the header of every source
+    shard a loader opens, and why some cannot be (`served.py`); `changed`: the shards that
+    changed since the conversion (a difference there is blamed on the source)."""
+    expected = expected_tensors(served[0])
     problems, jobs = _match_tensors(out, expected)
+    problems = served[1] + problems
     del expected
     files, file_problems = _match_files(out, source)
     total = sum(job.nbytes for job in jobs) + sum(size for _, size in files)
