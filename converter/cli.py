@@ -286,7 +286,9 @@ def _origin_and_executor(
 @click.option(
     "--check-scales",
     is_flag=True,
-    help="Also scan every E8M0 scale byte for 0xFF (NaN) while copying.",
+    help="Also scan U8 '*.weight_scale' tensors outside the routed experts for 0xFF (NaN) "
+    "E8M0 bytes. Routed-expert U8 scales and F8_E8M0 tensors are always scanned while "
+    "copying (nearly free); F32/BF16 scales never are.",
 )
 @console.progress_option
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary (errors only).")

@@ -511,6 +511,21 @@ def parse_expert_name(name: str) -> ExpertName | None:
     return ExpertName(split[0], *parsed) if parsed else None
 
 
+E8M0_DTYPE = "F8_E8M0"  # safetensors' own E8M0 dtype
+
+
+def is_e8m0_scale(name: str, dtype: str, every_u8_scale: bool = False) -> bool:
+    """Whether a tensor holds E8M0 scale bytes, where 0xFF (NaN) is not a valid scale: the
+    routed experts' U8 `weight_scale` tensors (MXFP4 group scales), any tensor of
+    safetensors' E8M0 dtype and, with `every_u8_scale`, every other U8 `*.weight_scale`.
+    Never a scale of another dtype (F32, BF16 scales are real numbers)."""
+    if dtype == E8M0_DTYPE:
+        return True
+    if dtype != "U8" or not name.endswith(".weight_scale"):
+        return False
+    return every_u8_scale or parse_expert_name(name) is not None
+
+
 def layer_of(prefix: str) -> int | None:
     """The layer index in an expert prefix (the first `layers.<i>.` component, as SGLang's
     loader reads it); None if there is none or it is not a plain decimal."""

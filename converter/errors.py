@@ -67,6 +67,9 @@ class Code(str, Enum):
     HEADER_GAP = "header-gap"
     FILE_TRUNCATED = "file-truncated"
     FILE_TRAILING_BYTES = "file-trailing-bytes"
+    HEADER_OVERFLOW = "header-overflow"
+    HEADER_SUB_BYTE = "header-sub-byte"
+    HEADER_LIBRARY_REFUSES = "header-library-refuses"
     # -- the config
     NO_QUANTIZATION_CONFIG = "no-quantization-config"
     ALREADY_MARKED = "already-marked"
@@ -211,6 +214,9 @@ EXIT_CODES: dict[Code, int] = {
     Code.HEADER_GAP: EXIT_PROBLEMS,
     Code.FILE_TRUNCATED: EXIT_PROBLEMS,
     Code.FILE_TRAILING_BYTES: EXIT_PROBLEMS,
+    Code.HEADER_OVERFLOW: EXIT_PROBLEMS,
+    Code.HEADER_SUB_BYTE: EXIT_PROBLEMS,
+    Code.HEADER_LIBRARY_REFUSES: EXIT_PROBLEMS,
     Code.NO_QUANTIZATION_CONFIG: EXIT_PROBLEMS,
     Code.ALREADY_MARKED: EXIT_PROBLEMS,
     Code.CONFIG_FIELD: EXIT_PROBLEMS,

@@ -84,7 +84,10 @@ class ShortRead(Exception):
 
 
 class ScaleScan:
-    """Counts E8M0 0xFF bytes (NaN scales) and remembers the first one's byte position."""
+    """Counts E8M0 0xFF bytes (NaN scales) and remembers the first one's byte position.
+
+    Convert runs one beside the CRC-32 of every E8M0 scale tensor it copies (on the hasher
+    thread: no extra read), verify --checksums likewise."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -93,11 +96,12 @@ class ScaleScan:
 
     def update(self, view) -> None:
         data = bytes(view)
-        found = data.count(0xFF)
-        if found:
+        # find (memchr) first: ~6x faster than count, and a clean chunk needs nothing more.
+        at = data.find(b"\xff")
+        if at >= 0:
             if self.first is None:
-                self.first = self._seen + data.index(0xFF)
-            self.count += found
+                self.first = self._seen + at
+            self.count += data.count(0xFF, at)
         self._seen += len(data)
 
 

@@ -1,17 +1,29 @@
 """The safetensors file format: parse headers strictly, build headers for writing.
 
-Reading follows the library's own rules, with one error per reason (like safetensors'
-`SafeTensorError`): 8-byte little-endian header length, a header of at most 100 MB that is
-UTF-8 JSON with no duplicate keys, known dtypes, byte sizes that agree with shapes, and
-offsets that tile the data section exactly (sorted, contiguous, no gap, no overlap, no
-trailing bytes). Only the header is read; tensor data never is.
+A header is valid only if the safetensors library (its Rust reader, what every loader uses)
+accepts it and reads every name, dtype, shape and offset as we do. Reading restates the
+library's rules, with one error per reason (like safetensors' `SafeTensorError`): 8-byte
+little-endian header length, a header of at most 100 MB that is UTF-8 JSON as serde_json
+reads it (no NaN/Infinity, no lone surrogate escapes, integers that fit a usize and are not
+written "-0"), no duplicate keys, the library's dtypes, element counts and bit sizes that do
+not overflow a usize, sub-byte dtypes that fill whole bytes, byte sizes that agree with
+shapes, and offsets that tile the data section exactly (sorted, contiguous, no gap, no
+overlap, no trailing bytes). Only the header is read; tensor data never is.
+
+Restated rather than calling the library on every header: the library parses a full-scale
+checkpoint's headers in about a third of the JSON-decoding floor, which planning cannot
+afford; tests/test_header_differential.py holds this restatement to the installed library
+over generated hostile headers, both ways. Where a whole file is at hand anyway,
+`library_problem` asks the library itself.
 
 The safetensors library has no streaming writer, so `build_header` produces the header
-bytes for a list of tensors whose data the executor then streams in order.
+bytes for a list of tensors whose data the executor then streams in order; a header it
+would write that the reader refuses is an error, never a file.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -28,29 +40,49 @@ from .hashing import sha256_bytes
 MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGN = 8
 
-# Bits per element of every dtype safetensors knows (F4/F6 pack below one byte).
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E8M0": 8,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "I64": 64,
-    "U64": 64,
-    "F64": 64,
-    "C64": 64,
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
+# Every dtype of the library's `Dtype` enum: bits per element (F4/F6 pack below one byte)
+# and the first release that reads it. Only those the installed library reads are valid.
+_DTYPES: dict[str, tuple[int, tuple[int, ...]]] = {
+    "BOOL": (8, (0,)),
+    "U8": (8, (0,)),
+    "I8": (8, (0,)),
+    "I16": (16, (0,)),
+    "U16": (16, (0,)),
+    "F16": (16, (0,)),
+    "BF16": (16, (0,)),
+    "I32": (32, (0,)),
+    "U32": (32, (0,)),
+    "F32": (32, (0,)),
+    "I64": (64, (0,)),
+    "U64": (64, (0,)),
+    "F64": (64, (0,)),
+    "F8_E5M2": (8, (0, 4, 1)),
+    "F8_E4M3": (8, (0, 4, 1)),
+    "F4": (4, (0, 6)),
+    "F6_E2M3": (6, (0, 6)),
+    "F6_E3M2": (6, (0, 6)),
+    "F8_E8M0": (8, (0, 6)),
+    "C64": (64, (0, 7)),
+    "F8_E4M3FNUZ": (8, (0, 8)),
+    "F8_E5M2FNUZ": (8, (0, 8)),
 }
+
+
+def _library_version() -> tuple[int, ...]:
+    try:
+        text = importlib.metadata.version("safetensors")
+    except importlib.metadata.PackageNotFoundError:  # no library to judge: its newest rules
+        return (1 << 30,)
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+LIBRARY_VERSION = _library_version()
+DTYPE_BITS: dict[str, int] = {
+    dtype: bits for dtype, (bits, since) in _DTYPES.items() if since <= LIBRARY_VERSION
+}
+# The library's shapes, offsets and sizes are usize: 64 bits here, as on every platform
+# a checkpoint of this size is loaded on.
+USIZE_MAX = (1 << (8 * struct.calcsize("N"))) - 1
 
 
 class TensorInfo(NamedTuple):
@@ -89,6 +121,24 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     return (bits + 7) // 8
 
 
+def dims_problem(dtype: str, shape: Sequence[int]) -> tuple[Code, str] | None:
+    """The library's size arithmetic (`Metadata::validate`), None where it holds: the
+    element count is folded left to right in a usize (so [2^40, 2^40, 0] overflows while
+    [0, 2^40, 2^40] does not), times the dtype's bits, and no step may overflow; the bits
+    must fill whole bytes (sub-byte dtypes)."""
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > USIZE_MAX or dim > USIZE_MAX:
+            return Code.HEADER_OVERFLOW, "element count overflows a usize (2^64 - 1)"
+    bits = count * DTYPE_BITS[dtype]
+    if bits > USIZE_MAX:
+        return Code.HEADER_OVERFLOW, "size in bits overflows a usize (2^64 - 1)"
+    if bits % 8:
+        return Code.HEADER_SUB_BYTE, f"{count} elements of {dtype} do not fill whole bytes"
+    return None
+
+
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     # json keeps the last of duplicate keys silently; a header with two meanings is rejected.
     seen = dict(pairs)
@@ -102,6 +152,51 @@ class _DuplicateKey(ValueError):
     def __init__(self, key: str) -> None:
         super().__init__(key)
         self.key = key
+
+
+class _NotUsize:
+    """A JSON integer Python reads as an int but serde_json does not read as a usize: "-0"
+    (a float to serde_json) or one beyond 2^64 - 1. Neither int nor str: every check
+    refuses it."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __repr__(self) -> str:
+        return self.token
+
+
+def _json_int(token: str) -> int | _NotUsize:
+    value = int(token)  # ValueError beyond Python's digit limit: not JSON to us either
+    if token == "-0" or value > USIZE_MAX:
+        return _NotUsize(token)
+    return value
+
+
+def _no_constant(token: str) -> None:
+    raise ValueError(f"{token} is not JSON")  # Python's json reads NaN/Infinity; serde_json not
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: object) -> str | None:
+    """The first string (key or value) holding a lone UTF-16 surrogate from a \\u escape:
+    Python's json decodes one to a code point no UTF-8 can hold; serde_json refuses it."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return item
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
@@ -135,6 +230,10 @@ def _parse_common_header(
     visible, and no dict is built per entry. An entry is accepted only with exactly the keys
     dtype, shape, data_offsets in that order, so it cannot hold a duplicate.
     """
+    # \u escapes (surrogates) and "-0" need the strict reader's checks. One-character
+    # searches first: memchr-fast, where a two-character one crawls over a header's zeros.
+    if ("\\" in text and "\\u" in text) or ("-" in text and "-0" in text):
+        return None
     try:
         pairs = json.loads(text, object_pairs_hook=tuple)
     except (ValueError, RecursionError):
@@ -174,7 +273,13 @@ def _parse_common_header(
         elif not all(type(d) is int and d >= 0 for d in shape):
             return None
         bits = bits_of.get(dtype)
-        if bits is None or end - begin != (bits * prod(shape) + 7) // 8:
+        if bits is None:
+            return None
+        # Exact bits: a sub-byte count that does not fill whole bytes never matches. With
+        # at least one element, offsets within the file bound every step of the library's
+        # fold; with none, a zero can hide an overflow before it.
+        count = prod(shape)
+        if bits * count != 8 * (end - begin) or (not count and dims_problem(dtype, shape)):
             return None
         shape_t = tuple(shape)
         shape_t = shapes.setdefault(shape_t, shape_t)  # a handful of shapes, shared
@@ -192,7 +297,12 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
         problems.append(Problem(code, what, file=file, tensor=tensor, **kw))
 
     try:
-        doc = json.loads(text, object_pairs_hook=_reject_duplicates)
+        doc = json.loads(
+            text,
+            object_pairs_hook=_reject_duplicates,
+            parse_int=_json_int,
+            parse_constant=_no_constant,
+        )
     except _DuplicateKey as exc:
         raise fail(
             Code.HEADER_DUPLICATE_KEY, f"header has duplicate key {exc.key!r}", file=file
@@ -201,6 +311,15 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
         raise fail(Code.HEADER_NOT_JSON, f"header is not valid JSON ({exc})", file=file) from None
     if not isinstance(doc, dict):
         raise fail(Code.HEADER_NOT_JSON, "header is not a JSON object", file=file)
+    if "\\u" in text:
+        lone = _lone_surrogate(doc)
+        if lone is not None:
+            raise fail(
+                Code.HEADER_NOT_JSON,
+                "header has a string with a lone UTF-16 surrogate escape (not valid Unicode)",
+                file=file,
+                found=ascii(lone),
+            )
 
     metadata: dict[str, str] = {}
     raw_meta = doc.pop("__metadata__", None)
@@ -250,6 +369,10 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
                 name,
                 found=repr(offsets),
             )
+            continue
+        dims = dims_problem(dtype, shape)
+        if dims is not None:
+            bad(dims[0], dims[1], name, found=f"{dtype}{shape}")
             continue
         want = tensor_nbytes(dtype, shape)
         if end - begin != want:
@@ -327,6 +450,45 @@ def read_header(path: str | os.PathLike[str], display_name: str | None = None) -
     return parse_header_bytes(name, raw, file_size)
 
 
+def library_reading(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor's (dtype, shape) as the safetensors library reads the file (it reads
+    the header only). Raises whatever the library raises for a file it refuses."""
+    from safetensors import safe_open  # here: reading headers never needs it
+
+    with safe_open(os.fspath(path), framework="numpy") as fh:
+        reading = {}
+        for name in fh.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            view = fh.get_slice(name)
+            reading[name] = (view.get_dtype(), tuple(view.get_shape()))
+    return reading
+
+
+def library_problem(path: str | os.PathLike[str], header: ShardHeader) -> Problem | None:
+    """None if the library opens the file and reads every name, dtype and shape as
+    `header` (our reader's) does; else the Problem. The consumer's own verdict, for where
+    the whole file is at hand anyway (verify's data levels)."""
+    try:
+        reading = library_reading(path)
+    except Exception as exc:  # SafetensorError, OSError, ...: each one a refusal
+        return Problem(
+            Code.HEADER_LIBRARY_REFUSES,
+            f"the safetensors library cannot open this file ({type(exc).__name__}: {exc})",
+            file=header.file,
+        )
+    ours = {name: (t.dtype, t.shape) for name, t in header.tensors.items()}
+    if reading == ours:
+        return None
+    name = min(reading.keys() ^ ours.keys() or {n for n in ours if reading[n] != ours[n]})
+    return Problem(
+        Code.HEADER_LIBRARY_REFUSES,
+        "the safetensors library reads this tensor differently from the strict reader",
+        file=header.file,
+        tensor=name,
+        expected=repr(ours.get(name)),
+        found=repr(reading.get(name)),
+    )
+
+
 def read_header_bytes(path: str | os.PathLike[str], name: str) -> tuple[bytes, int]:
     """The header bytes (after the length prefix) and the file size, with the length checks."""
     try:
@@ -382,7 +544,8 @@ class HeaderEntry:
 def build_header(entries: Sequence[HeaderEntry], metadata: dict[str, str] | None = None) -> bytes:
     """Length prefix + JSON header, space-padded so the data section starts 8-byte aligned.
 
-    Tensors are laid out in the order given, contiguously from offset 0.
+    Tensors are laid out in the order given, contiguously from offset 0. A header the reader
+    (and so the library) would refuse is a `Fatal` with the reader's codes, never bytes.
     """
     fast = _fast_header_body(entries, metadata)
     if fast is not None:
@@ -398,9 +561,13 @@ def build_header(entries: Sequence[HeaderEntry], metadata: dict[str, str] | None
         offset += e.nbytes
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % HEADER_ALIGN)
+    # The general path is rare (escaped names, metadata) and its headers are small: read
+    # back with the one reader, so what we write obeys what we accept.
+    parse_header_bytes(WRITTEN_HEADER, body, 8 + len(body) + offset)
     return struct.pack("<Q", len(body)) + body
 
 
+WRITTEN_HEADER = "a planned shard header"
 _PLAIN_TEXT = re.compile(r"[A-Za-z0-9_.\-:/]*")
 
 
@@ -408,7 +575,8 @@ def _fast_header_body(
     entries: Sequence[HeaderEntry], metadata: dict[str, str] | None
 ) -> bytes | None:
     """The same bytes `json.dumps` would give, formatted directly (5x faster at 500k tensors);
-    None when a name would need JSON escaping, so the general path handles it."""
+    None when a name would need JSON escaping or a (dtype, shape) breaks a reader rule, so
+    the general path handles it. Plain names need no other check."""
     if metadata:
         return None
     # One regex pass over all names at once (the class has no separator, so joining is safe).
@@ -422,8 +590,13 @@ def _fast_header_body(
     for e in entries:
         middle = middles.get((e.dtype, e.shape))
         if middle is None:
-            if not _PLAIN_TEXT.fullmatch(e.dtype):
-                return None
+            bits = DTYPE_BITS.get(e.dtype)
+            if (
+                bits is None
+                or bits * math.prod(e.shape) != 8 * e.nbytes
+                or dims_problem(e.dtype, e.shape)
+            ):
+                return None  # the general path reads it back and says what is wrong
             shape = ",".join(map(str, e.shape))
             middle = f'":{{"dtype":"{e.dtype}","shape":[{shape}],"data_offsets":['
             middles[(e.dtype, e.shape)] = middle

@@ -15,6 +15,7 @@ from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.manifest import Dims, load_manifest
 from kimi_w31.converter.plan import OutputTensor, Piece, pack_shards, plan_conversion
 from kimi_w31.converter.safetensors_format import (
+    DTYPE_BITS,
     HeaderEntry,
     build_header,
     parse_header_bytes,
@@ -116,6 +117,64 @@ def test_file_size_must_match_the_header(extra, code):
     with pytest.raises(Fatal) as exc:
         parse_header_bytes("f", body, 8 + len(body) + 2 + extra)
     assert exc.value.codes == [code]
+
+
+U8_1 = '"dtype":"U8","shape":[1],"data_offsets":[0,1]'
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "code"),
+    [
+        # the library's size arithmetic: a left fold in a usize, then bits, then whole bytes
+        ('{"a":{"dtype":"U8","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}', 0,
+         Code.HEADER_OVERFLOW),
+        ('{"a":{"dtype":"F64","shape":[1152921504606846976],"data_offsets":[0,0]}}', 0,
+         Code.HEADER_OVERFLOW),
+        ('{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}', 2, Code.HEADER_SUB_BYTE),
+        ('{"a":{"dtype":"F6_E2M3","shape":[3],"data_offsets":[0,3]}}', 3, Code.HEADER_SUB_BYTE),
+        # integers serde_json does not read as a usize, though Python's json reads an int
+        ('{"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}}', 0, Code.HEADER_SHAPE),
+        ('{"a":{"dtype":"U8","shape":[0],"data_offsets":[-0,0]}}', 0, Code.HEADER_OFFSETS),
+        ('{"a":{"dtype":"U8","shape":[0,18446744073709551616],"data_offsets":[0,0]}}', 0,
+         Code.HEADER_SHAPE),
+        ('{"__metadata__":{"k":18446744073709551617}}', 0, Code.HEADER_METADATA),
+        # JSON Python's json reads and serde_json does not
+        ('{"a\\ud800":{' + U8_1 + "}}", 1, Code.HEADER_NOT_JSON),
+        ('{"a\\udc00\\ud800":{' + U8_1 + "}}", 1, Code.HEADER_NOT_JSON),
+        ('{"a":{' + U8_1 + '},"__metadata__":{"k":NaN}}', 1, Code.HEADER_NOT_JSON),
+        ('{"a":{"dtype":"U8","shape":[Infinity],"data_offsets":[0,1]}}', 1,
+         Code.HEADER_NOT_JSON),
+    ],
+)  # fmt: skip
+def test_library_rules_one_code_per_reason(tmp_path, header, data, code):
+    """Headers the safetensors library refuses that Python's json alone would pass: ours
+    refuses each with its own code, and the library refuses it too."""
+    from safetensors import safe_open
+
+    raw = header.encode()
+    with pytest.raises(Fatal) as exc:
+        parse_header_bytes("f.safetensors", raw, 8 + len(raw) + data)
+    assert exc.value.codes[0] == code
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data))
+    with pytest.raises(Exception), safe_open(str(path), framework="numpy"):  # noqa: B017
+        pass
+
+
+@pytest.mark.parametrize(
+    ("entry", "code"),
+    [
+        (HeaderEntry("x", "F4", (3,), 2), Code.HEADER_SUB_BYTE),
+        (HeaderEntry("x", "U8", (1 << 40, 1 << 40, 0), 0), Code.HEADER_OVERFLOW),
+        (HeaderEntry("x\ud800", "U8", (1,), 1), Code.HEADER_NOT_JSON),
+        (HeaderEntry("x", "U9", (1,), 1), Code.HEADER_DTYPE),
+        (HeaderEntry("x", "U8", (2,), 1), Code.HEADER_SIZE_MISMATCH),
+    ],
+)
+def test_build_header_never_writes_what_the_reader_refuses(entry, code):
+    with pytest.raises(Fatal) as exc:
+        build_header([HeaderEntry("ok", "U8", (1,), 1), entry])
+    assert exc.value.codes[0] == code
 
 
 def test_build_header_round_trips():
@@ -316,3 +375,22 @@ def test_a_tensor_whose_own_header_entry_passes_the_limit_is_refused():
     with pytest.raises(Fatal) as exc:
         pack_shards([huge], 1 << 40)
     assert exc.value.codes == [Code.OUTPUT_HEADER_TOO_LARGE]
+
+
+@given(
+    prefix=st.sampled_from(["language_model.model.layers.1.mlp.", "model.layers.0.mlp.", ""]),
+    part=st.sampled_from(["experts.3.w1.", "experts.0.w31.", "shared_experts.", "experts.x."]),
+    suffix=st.sampled_from(["weight_scale", "weight_packed", "weight", "input_scale"]),
+    dtype=st.sampled_from(sorted(DTYPE_BITS)),
+    every=st.booleans(),
+)
+def test_e8m0_scales_are_judged_by_dtype(prefix, part, suffix, dtype, every):
+    """A tensor is scanned for 0xFF only where its bytes are E8M0: safetensors' E8M0 dtype,
+    or a U8 routed-expert weight_scale (any U8 weight_scale with --check-scales); a scale
+    of any other dtype (F32, BF16, ...) never is, whatever its name."""
+    from kimi_w31.converter import contract
+
+    name = prefix + part + suffix
+    expert = contract.parse_expert_name(name) is not None
+    want = dtype == "F8_E8M0" or (dtype == "U8" and suffix == "weight_scale" and (expert or every))
+    assert contract.is_e8m0_scale(name, dtype, every) == want

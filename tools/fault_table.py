@@ -31,10 +31,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 import faultlib as fl  # noqa: E402  (lives beside the tests that share it)
 import faults_config  # noqa: E402
 import faults_filesystem as ffs  # noqa: E402
+import faults_library  # noqa: E402
 
 OUTCOMES = [fl.CLEAN, fl.RESUMED, fl.CORRECT, fl.CRASH, fl.WRONG]
 PROPERTY_FILES = [
     "tests/test_fault_headers.py",
+    "tests/test_header_differential.py",
     "tests/test_fault_index.py",
     "tests/test_fault_planner.py",
     "tests/test_contract.py",
@@ -66,6 +68,7 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("config", faults_config.config_cases),
         ("fileset", faults_config.file_set_cases),
         ("bounds", faults_config.bound_cases),
+        ("library", faults_library.library_cases),
     ]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from .. import faults, fsio
+from .. import contract, faults, fsio
 from ..errors import Code, Problem
 from ..hashing import (
     Crc32,
@@ -122,14 +122,14 @@ class Job:
     tmp_dir: Path
     stop: threading.Event = field(default_factory=threading.Event)
     hooks: Hooks = field(default_factory=Hooks)
-    check_scales: bool = False
+    check_scales: bool = False  # also non-expert U8 `*.weight_scale` (E8M0 experts: always)
     rehash: bool = False  # prove kept shards by re-hashing their data too
 
 
 class Outcome(Enum):
     WRITTEN = "written"
     KEPT = "kept"
-    REJECTED = "rejected"  # NaN scales with --check-scales: neither kept nor recorded
+    REJECTED = "rejected"  # NaN (0xFF) E8M0 scales: neither kept nor recorded
 
 
 @dataclass
@@ -236,7 +236,7 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
         for tensor in shard.tensors:
             h = hashes[tensor.name] = Crc32()
             targets: tuple = (h,)
-            if job.check_scales and tensor.name.endswith("weight_scale"):
+            if contract.is_e8m0_scale(tensor.name, tensor.dtype, job.check_scales):
                 scans[tensor.name] = ScaleScan()
                 targets = (h, scans[tensor.name])
             ranges = [(sources.fd(p.file), p.offset, p.length, p.file) for p in tensor.pieces]
@@ -278,7 +278,7 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
         os.close(fd)
     nan = [_nan_problem(name, shard.name, scan) for name, scan in scans.items() if scan.count]
     if nan:
-        # Not marked done: a rerun with --check-scales must find the NaN scales again.
+        # Not marked done: a rerun must find the NaN scales again.
         tmp.unlink(missing_ok=True)
         for problem in nan:
             if hooks.on_scale_nan:

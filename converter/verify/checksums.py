@@ -1,9 +1,10 @@
 """Level 2, `--checksums`: every byte of the output against what the conversion recorded.
 
-Per shard: size, the header's sha256 (length prefix + JSON, `shard_header_sha256`), and the
-CRC-32 of every tensor; E8M0 scale tensors are also scanned for 0xFF (NaN) bytes, counted
-with the first position. Every other recorded file: size and sha256. Files are read in
-parallel (`workers`), each through one bounded buffer.
+Per shard: size, the header's sha256 (length prefix + JSON, `shard_header_sha256`), the
+safetensors library's own reading of the file (`library_problem`), and the CRC-32 of every
+tensor; E8M0 scale tensors (`contract.is_e8m0_scale`, the ones convert scans) are also
+scanned for 0xFF (NaN) bytes, counted with the first position. Every other recorded file:
+size and sha256. Files are read in parallel (`workers`), each through one bounded buffer.
 
 What this proves: the output is what the conversion wrote, against accidents (bad disks,
 torn or partial copies). It is not tamper-proof: the checksums live next to the data, and
@@ -21,14 +22,13 @@ from .. import contract
 from ..console import Progress, human
 from ..errors import Code, Problem
 from ..hashing import CHUNK_SIZE, Crc32, ScaleScan, ShortRead, hash_ranges, shard_header_sha256
-from ..safetensors_format import ShardHeader
+from ..safetensors_format import ShardHeader, library_problem
 from .files import is_regular, load_checksums
 from .report import VerifyReport
 from .streams import open_regular, run_jobs, sha256_of
 from .structure import Output
 
 LEVEL = "checksums"
-SCALE_DTYPES = ("U8", "F8_E8M0")
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,11 @@ def _check_shard(out: Output, job: _Job, stop: threading.Event, advance) -> list
                 file=name,
             )
         )
+    # The whole file is read here anyway: the library's own verdict on it costs a header
+    # parse (the strict reader restates the library's rules; this is the consumer itself).
+    refused = library_problem(out.root / name, header)
+    if refused is not None:
+        problems.append(refused)
     advance(header.data_start)
     recorded = record["tensors"]
     crcs, scans = _hash_tensors(out, header, stop, advance)
@@ -205,7 +210,7 @@ def _hash_tensors(
         for info in header.tensors.values():
             crcs[info.name] = Crc32()
             targets: tuple = (crcs[info.name],)
-            if info.name.endswith(".weight_scale") and info.dtype in SCALE_DTYPES:
+            if contract.is_e8m0_scale(info.name, info.dtype):
                 scans[info.name] = ScaleScan()
                 targets = (crcs[info.name], scans[info.name])
             jobs.append((targets, [(fd, info.begin, info.nbytes, header.file)]))

@@ -205,17 +205,21 @@ def _compare_expert(
     where = f"{prefix}experts.{expert}.*"
     try:
         gate, up, down = (
-            _load(source.root, src_files, n) for n in _pairs(prefix, expert, SOURCE_PROJS)
+            _load(source.root, src_files, n, "source") for n in _pairs(prefix, expert, SOURCE_PROJS)
         )
         k = gate[0].shape[1] * 2
         x = rng.standard_normal((TOKENS, k), dtype=np.float32)
         want = ref.expert_forward(x, ref.dequant_expert(gate, up, down), src.beta, src.linear_beta)
         del gate, up, down  # one side in memory at a time
-        w31, down = (_load(out.root, out_files, n) for n in _pairs(prefix, expert, OUTPUT_PROJS))
+        w31, down = (
+            _load(out.root, out_files, n, "output") for n in _pairs(prefix, expert, OUTPUT_PROJS)
+        )
         weights = ref.dequant_converted_expert(w31, down, conv.order or ("up", "gate"))
         del w31, down
         got = ref.expert_forward(x, weights, conv.beta, conv.linear_beta)
         del weights
+    except Finding as exc:  # a NaN scale, a file the library refuses: reported, never raised
+        return math.nan, exc.problem
     except (TypeError, ValueError, OSError, KeyError) as exc:
         return math.nan, Problem(
             Code.NUMERICS_UNAVAILABLE, f"cannot compute this expert ({exc})", tensor=where
@@ -239,15 +243,43 @@ def _pairs(prefix: str, expert: int, projs: tuple[str, ...]) -> list[tuple[str, 
     return list(zip(names[::2], names[1::2], strict=True))
 
 
+class Finding(Exception):
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.render())
+        self.problem = problem
+
+
 def _load(
-    root: Path, files: dict[str, str], pair: tuple[str, str]
+    root: Path, files: dict[str, str], pair: tuple[str, str], side: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     arrays = []
     for name in pair:
-        with safe_open(str(root / files[name]), framework="numpy") as fh:
-            arrays.append(fh.get_tensor(name))
+        try:
+            with safe_open(str(root / files[name]), framework="numpy") as fh:
+                arrays.append(fh.get_tensor(name))
+        except SafetensorError as exc:  # loaders cannot read it: the library's own verdict
+            raise Finding(
+                Problem(
+                    Code.HEADER_LIBRARY_REFUSES,
+                    f"the safetensors library cannot read the {side}'s tensor ({exc})",
+                    file=files[name],
+                    tensor=name,
+                )
+            ) from None
+    scale = arrays[1].reshape(-1)
+    nan = np.flatnonzero(scale == 0xFF) if scale.dtype == np.uint8 else ()
+    if len(nan):  # E8M0 NaN: both sides would compute NaN and compare equal
+        raise Finding(
+            Problem(
+                Code.SCALE_NAN,
+                f"{len(nan)} E8M0 scale byte(s) are 0xFF (NaN) in the {side}; first at byte "
+                f"{nan[0]} of the tensor",
+                file=files[pair[1]],
+                tensor=pair[1],
+            )
+        )
     return arrays[0], arrays[1]
 
 
