@@ -220,12 +220,10 @@ def _origin_and_executor(
         from .execute.hub import DEFAULT_WINDOW, HubExecutor
         from .source.hub import HubOrigin
 
-        origin = HubOrigin(
+        opts.origin = HubOrigin(
             download_dir=download_dir.expanduser().resolve() if download_dir else None
         )
-        opts.origin = origin
         opts.executor = HubExecutor(
-            origin,
             window=max_source_window or DEFAULT_WINDOW,
             delete_source_shards=delete_source_shards,
             workers=workers or default_workers(),

@@ -37,7 +37,7 @@ from .hashing import sha256_bytes, sha256_file
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
 from .outdir import FinalFile, Mode, OutputDir, SourceId, checksums_document
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
-from .source import Origin, Source, read_source
+from .source import Origin, Source, SourceReader, read_source
 from .source.local import LocalOrigin
 from .validate import validate_source
 
@@ -162,7 +162,8 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
             found=str(opts.max_shard_size),
         )
     manifest = load_manifest(opts.manifest)
-    root = opts.origin.resolve(opts.source, opts.revision)
+    found = opts.origin.resolve(opts.source, opts.revision)
+    root = found.root
     out = Path(os.path.realpath(opts.out.expanduser()))  # a link loop: no exception
     if out == root or root in out.parents:
         raise fail(
@@ -173,7 +174,7 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
             found=str(root),
         )
     with gc_paused():
-        source = read_source(root, opts.source, opts.origin)
+        source = read_source(root, opts.source, found.reader)
         table, problems = validate_source(source, manifest)
         if problems:
             hint = None
@@ -211,7 +212,7 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     out = OutputDir(opts.out)
     result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
     sources = _source_files(opts, source)
-    identity = source_id(source, opts.origin)
+    identity = source_id(source, source.reader)
     try:
         if opts.dry_run:
             result.preview = preview(out, plan, sources, opts.rehash, identity, opts.force)
@@ -245,14 +246,14 @@ def _as_fatal(exc: BaseException, out: OutputDir) -> Fatal | None:
 
 def _source_files(opts: ConvertOptions, source: Source) -> SourceFiles:
     planned = {f: h.header_sha256 for f, h in source.headers.items()}
-    return opts.executor.source_files(source.root, source.shard_files, planned)
+    return opts.executor.source_files(source.root, source.shard_files, planned, source.reader)
 
 
-def source_id(source: Source, origin: Origin) -> SourceId:
+def source_id(source: Source, origin: SourceReader | None) -> SourceId:
     """Which source this is: where it was read from (machine-local, kept in the state folder
     and, hashed, in the checksums file) and a name safe to publish (a repo id, or the
     directory's own name: never a path of this machine)."""
-    repo = getattr(origin, "repo", None)  # a Hub origin, pinned to one commit
+    repo = getattr(origin, "repo", None)  # a Hub snapshot, pinned to one commit
     if repo is not None:
         return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
     root = source.root.resolve()

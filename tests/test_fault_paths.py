@@ -357,7 +357,7 @@ def test_a_source_is_where_it_is_read_from_however_it_is_spelled(
         }[how]
 
     def identity(how: str):
-        root = LocalOrigin().resolve(spelled(how), None)
+        root = LocalOrigin().resolve(spelled(how), None).root
         from kimi_w31.converter.source import read_source
 
         return source_id(read_source(root, spelled(how), LocalOrigin()), LocalOrigin())

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard, Plan
+from ..source import SourceReader
 from .shard import Job, ShardOutcome, SourceFiles
 
 OnDone = Callable[[ShardOutcome], None]
@@ -55,9 +56,14 @@ class Executor(Protocol):
         """Called once the output directory is this run's, before its free-space check."""
 
     def source_files(
-        self, root: Path, shard_files: list[str], header_sha256: dict[str, str]
+        self,
+        root: Path,
+        shard_files: list[str],
+        header_sha256: dict[str, str],
+        reader: SourceReader | None = None,
     ) -> SourceFiles:
-        """The source shards as the run reads them; by default already on disk."""
+        """The source shards as the run reads them (`reader`: how the source was read, where
+        its shards come from); by default already on disk."""
         return SourceFiles(root, shard_files, header_sha256)
 
     def plan_rows(self, plan: Plan) -> list[tuple[str, str]]:

@@ -1,4 +1,8 @@
-"""The Hub executor (`--download`): shards written as their source files arrive.
+"""The streaming executor (`--download`): shards written as their source files arrive.
+
+It asks of the origin only what `Remote` declares (sizes, content ids, fetch, delete, where
+downloads go and how its partial downloads are named): the Hub is one such origin
+(`source/hub.py`); another is one more file that implements `Remote` beside `Origin`.
 
 Source shards are fetched in the order the plan first needs them, at most
 `--max-source-window` of them live at once (downloading, or present with output shards still
@@ -11,10 +15,11 @@ Resume: records of a Hub run name source shards by content (size and the Hub's E
 sha256 of an LFS file), not by inode, so an output shard whose source shards were deleted is
 still proven and nothing it needed is downloaded again.
 
-Partial downloads: a download cut short by Ctrl-C or a kill leaves huggingface_hub's
-temporary file behind, which no later download reuses. Each one this run starts is recorded
-in the output's state folder as it appears (`_DownloadWatch`), and every recorded one is
-removed when the run ends, however it ends, and at the start of the next run (after a kill).
+Partial downloads: a download cut short by Ctrl-C or a kill leaves the client's temporary
+file behind (huggingface_hub's, for the Hub), which no later download reuses. Each one this
+run starts is recorded in the output's state folder as it appears (`_DownloadWatch`), and
+every recorded one is removed when the run ends, however it ends, and at the start of the
+next run (after a kill).
 Files nobody recorded, another process's among them, are never touched.
 """
 
@@ -29,20 +34,13 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from ..errors import Code, fail
 from ..hashing import Interrupted
 from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard, Plan
-from ..source.hub import (
-    PARTIAL_NAME,
-    DownloadBar,
-    HubOrigin,
-    HubRepo,
-    PartialCreated,
-    open_partials,
-    remove_partial,
-)
+from ..source import SourceReader
 from . import DownloadProgress, Executor, OnDone
 from .shard import (
     Job,
@@ -62,6 +60,78 @@ _METER_INTERVAL = 0.5  # s between disk samples, so bytes still arriving are see
 _STOP_GRACE = 2.0  # s a stopping run gives downloads to end at their next chunk
 
 
+# -- the seam: what the executor asks of a remote origin -----------------------------------------
+
+
+class CreatedHook(Protocol):
+    """Calls back the moment the client has created a partial download (see `_DownloadWatch`)."""
+
+    def install(self) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+class Partials(Protocol):
+    """The client's partial downloads: the temporary files a cut-short download leaves."""
+
+    def open(self) -> list[Path]:
+        """Those this process holds open under the storage: proof that this run made them."""
+        ...
+
+    def owns(self, path: Path) -> bool:
+        """Whether `path` is a partial download of this storage."""
+        ...
+
+    def remove(self, path: Path) -> int | None:
+        """Remove a recorded one; the bytes freed, None if there was nothing to remove."""
+        ...
+
+    def on_created(self, callback: Callable[[Path | None], None]) -> CreatedHook: ...
+
+
+@runtime_checkable
+class Remote(Protocol):
+    """A resolved source whose shards are fetched during the run."""
+
+    kind: str  # the key of this executor's block in the summary
+    storage: Path  # what holds the downloads: measured for peak disk, checked for space
+    partials: Partials
+
+    def size(self, file: str) -> int: ...
+
+    def content_id(self, file: str) -> list:
+        """What a record keeps of a source shard instead of its inode (it may be deleted)."""
+        ...
+
+    def other_bytes(self) -> int:
+        """The non-weight files, already downloaded while resolving."""
+        ...
+
+    def rows(self) -> list[tuple[str, str]]:
+        """Which source, for the dry run's table."""
+        ...
+
+    def summary(self) -> dict:
+        """Which source, for the summary."""
+        ...
+
+    def fetch(
+        self,
+        file: str,
+        on_open: Callable[[], None],
+        on_bytes: Callable[[int], None],
+        stop: Callable[[], bool],
+    ) -> None:
+        """Download one shard (a no-op if complete). `on_open` once its temporary file exists,
+        `on_bytes` per increment; `stop()` true: end at the next chunk (raise Interrupted)."""
+        ...
+
+    def delete(self, root: Path, file: str) -> None: ...
+
+
+# -- the window: one model, replayed for the estimate and driven by the run ---------------------
+
+
 def download_order(shards: list[OutputShard], file_order: list[str]) -> list[str]:
     """Source shards in the order the output shards first need them."""
     rank = {f: i for i, f in enumerate(file_order)}
@@ -70,6 +140,61 @@ def download_order(shards: list[OutputShard], file_order: list[str]) -> list[str
         for f in sorted(shard.source_files, key=lambda f: rank.get(f, len(rank))):
             order.setdefault(f)
     return list(order)
+
+
+class Window:
+    """Source shards in download order, the output shards each one feeds, and which are live
+    (taken and still needed). The run and the estimate move it through the same steps:
+    `take` a source shard, it `arrive`s (the output shards it completes are ready), each
+    ready shard is `finish`ed (the source shards it was the last reader of are freed)."""
+
+    def __init__(self, shards: list[OutputShard], file_order: list[str]) -> None:
+        self.order = download_order(shards, file_order)
+        self.queue = list(reversed(self.order))  # popped from the end: next first
+        self.feeds: dict[str, set[str]] = {f: set() for f in self.order}
+        for s in shards:
+            for f in s.source_files:
+                self.feeds[f].add(s.name)
+        self._needs = {s.name: set(s.source_files) for s in shards}
+        self._arrived: set[str] = set()
+        self.live: set[str] = set()
+
+    def take(self) -> str:
+        f = self.queue.pop()
+        self.live.add(f)
+        return f
+
+    def arrive(self, file: str) -> list[str]:
+        """Output shards whose every source shard is now present (each returned once)."""
+        self._arrived.add(file)
+        needs, arrived = self._needs, self._arrived
+        ready = [n for n in sorted(self.feeds[file]) if n in needs and needs[n] <= arrived]
+        for n in ready:
+            del self._needs[n]
+        return ready
+
+    def finish(self, shard: str, files: list[str]) -> list[str]:
+        """Source shards `shard` was the last reader of: no longer live."""
+        freed = []
+        for f in files:
+            self.feeds[f].discard(shard)
+            if not self.feeds[f]:
+                self.live.discard(f)
+                freed.append(f)
+        return freed
+
+
+def fewest_slots(shards: list[OutputShard], file_order: list[str]) -> int:
+    """Fewest live source shards with which in-order streaming never stalls: the window
+    replayed one source shard at a time, each output shard finished as soon as it is ready."""
+    window, files = Window(shards, file_order), {s.name: s.source_files for s in shards}
+    most = 0
+    while window.queue:
+        f = window.take()
+        most = max(most, len(window.live))
+        for name in window.arrive(f):
+            window.finish(name, files[name])
+    return most
 
 
 @dataclass
@@ -90,35 +215,12 @@ def estimate(
     window: int,
     delete: bool,
 ) -> DiskEstimate:
-    """Window feasibility and the peak-disk bound, from the plan alone.
-
-    Sequential in-order streaming with eager deletion: just after source shard k arrives,
-    the live set is the shards still pinned by unfinished output shards, plus k. Its
-    largest size over k is the fewest window slots that never stall.
-    """
+    """Window feasibility and the peak-disk bound, from the plan alone."""
     output_bytes = sum(s.file_size for s in shards)
-    order = download_order(shards, file_order)
-    consumers: dict[str, set[str]] = {f: set() for f in order}
-    for s in shards:
-        for f in s.source_files:
-            consumers[f].add(s.name)
-    live: set[str] = set()
-    arrived: set[str] = set()
-    need = {s.name: set(s.source_files) for s in shards}
-    min_window = 0
-    for f in order:
-        live.add(f)
-        arrived.add(f)
-        min_window = max(min_window, len(live))
-        for name in sorted(consumers[f]):
-            if name in need and need[name] <= arrived:
-                for g in need.pop(name):
-                    consumers[g].discard(name)
-        live = {g for g in live if consumers[g]}
-    needed = sorted((sizes[f] for f in order), reverse=True)
+    needed = sorted((sizes[f] for f in download_order(shards, file_order)), reverse=True)
     source_part = sum(needed[: max(window, 1)]) if delete else sum(needed)
     return DiskEstimate(
-        min_window,
+        fewest_slots(shards, file_order),
         window,
         output_bytes + small_bytes + source_part,
         output_bytes,
@@ -127,20 +229,25 @@ def estimate(
     )
 
 
-class HubSourceFiles(SourceFiles):
-    """Source shards that arrive (and may leave) during the run.
+# -- the source files of a streamed run ----------------------------------------------------------
+
+
+class StreamedSources(SourceFiles):
+    """Source shards that arrive (and may leave) during the run, from `remote`.
 
     `identity` is recorded when a shard lands, so a file changed under us is still caught;
     `fingerprint` (what records keep) names content instead.
     """
 
     def __init__(
-        self, root: Path, repo: HubRepo, files: list[str], header_sha256: dict[str, str]
+        self, root: Path, remote: Remote, files: list[str], header_sha256: dict[str, str]
     ) -> None:
         # No file is there yet: identities are taken as shards arrive. A downloaded shard
         # must still carry the very header the plan was made from.
         super().__init__(root, [], header_sha256=header_sha256)
-        self.content = {f: repo.files[f] for f in files}
+        self.remote = remote
+        self.order = list(files)  # index order
+        self.content = {f: remote.content_id(f) for f in files}
 
     def arrived(self, file: str) -> None:
         with self._lock:
@@ -154,7 +261,11 @@ class HubSourceFiles(SourceFiles):
             self.identity.pop(file, None)
 
     def fingerprint(self, files: list[str]) -> dict[str, list]:
-        return {f: [self.content[f].size, self.content[f].etag] for f in files}
+        return {f: list(self.content[f]) for f in files}
+
+    def estimate(self, shards: list[OutputShard], window: int, delete: bool) -> DiskEstimate:
+        sizes = {f: self.remote.size(f) for f in self.order}
+        return estimate(shards, self.order, sizes, self.remote.other_bytes(), window, delete)
 
 
 def _in_daemon_thread(fn: Callable[..., None], *args: object) -> Future:
@@ -192,36 +303,32 @@ class _DownloadWatch:
     """While the run lasts: records each partial download this process opens as it appears,
     and samples disk use.
 
-    `scan` runs the moment huggingface_hub has created a temporary file (`PartialCreated`),
+    `scan` runs the moment the client has created a temporary file (`Partials.on_created`),
     so a run killed at any time leaves no unrecorded partial download, bar one killed within
     microseconds of creating it (empty then). The polling, and `scan` when a download's
     progress bar is made (after the file is created, before a byte is written to it), are
     the fallback should the client stop naming the file there.
     """
 
-    def __init__(self, storage: Path, journal: OutputDir, measure: Callable[[], None]) -> None:
-        self.storage = Path(os.path.realpath(storage))  # as the kernel names open files
+    def __init__(self, partials: Partials, journal: OutputDir, measure: Callable[[], None]) -> None:
+        self.partials = partials
         self.journal = journal
         self.measure = measure
         self.noted: set[Path] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="download-watch", daemon=True)
-        self._created = PartialCreated(self.scan)
+        self._created = partials.on_created(self.scan)
 
     def scan(self, created: Path | None = None) -> None:
         """Record new partial downloads: `created` (one this process has just made), or
         those this process holds open."""
         with self._lock:
-            found = [created] if created is not None else open_partials(self.storage)
+            found = [created] if created is not None else self.partials.open()
             for path in found:
-                if path not in self.noted and self._holds(path):
+                if path not in self.noted and self.partials.owns(path):
                     self.journal.note_partial(path)
                     self.noted.add(path)
-
-    def _holds(self, path: Path) -> bool:
-        """A partial download of this run's storage (a name the client gave, in its folder)."""
-        return PARTIAL_NAME.fullmatch(path.name) is not None and path.is_relative_to(self.storage)
 
     def _loop(self) -> None:
         sampled = 0.0
@@ -246,47 +353,82 @@ class _DownloadWatch:
             self.scan()  # one last look: a download may have opened its file since
 
 
+# -- the executor --------------------------------------------------------------------------------
+
+
 @dataclass
-class HubExecutor(Executor):
-    origin: HubOrigin
-    window: int = DEFAULT_WINDOW
-    delete_source_shards: bool = False
-    workers: int = 1
-    file_order: list[str] = field(default_factory=list)  # source shards in index order
-    download_progress: DownloadProgress = field(default_factory=DownloadProgress)
+class Tally:
+    """What the downloads did, for the summary (updated from download threads)."""
+
     peak_disk_measured: int = 0
     downloaded: list[str] = field(default_factory=list)  # source shards fetched in full
     deleted: list[str] = field(default_factory=list)
     downloaded_bytes: int = 0
     deleted_bytes: int = 0
     partials_removed: int = 0  # partial downloads of this or earlier runs, removed
-    journal: OutputDir | None = None  # the claimed output (it records partial downloads)
     partial_bytes_removed: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)  # the meter, the counters
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def measure(self, *roots: Path) -> None:
+        """Disk use of downloads + output right now; called at every high-water point."""
+        now = _tree_bytes(*roots)
+        with self.lock:
+            self.peak_disk_measured = max(self.peak_disk_measured, now)
+
+    def remove_partials(self, partials: Partials, journal: OutputDir) -> None:
+        """Remove every partial download the journal records (none was another's), then
+        forget them: at the start of a run (a killed run's) and at its end (this run's)."""
+        for path in journal.partials():
+            freed = partials.remove(path)
+            if freed is not None:  # None: renamed into place when it completed
+                self.partials_removed += 1
+                self.partial_bytes_removed += freed
+        journal.forget_partials()
+
+    def delete(self, sources: StreamedSources, file: str) -> None:
+        sources.remote.delete(sources.root, file)
+        self.deleted.append(file)
+        self.deleted_bytes += sources.remote.size(file)
+
+
+@dataclass
+class HubExecutor(Executor):
+    """Streams shards from a `Remote` (the Hub's, with `--download`) through a bounded window.
+
+    The pipeline tells it, in this order, the source (`source_files`) and the claimed output
+    (`claimed`); `run` then gets the same source back in `job.sources`.
+    """
+
+    window: int = DEFAULT_WINDOW
+    delete_source_shards: bool = False
+    workers: int = 1
+    download_progress: DownloadProgress = field(default_factory=DownloadProgress)
+    tally: Tally = field(default_factory=Tally)
+    # What the pipeline tells it, in this order (a dry run stops after the first).
+    _sources: StreamedSources | None = field(default=None, init=False, repr=False)
+    # The claimed output: it records partial downloads.
+    _journal: OutputDir | None = field(default=None, init=False, repr=False)
 
     def source_files(
-        self, root: Path, shard_files: list[str], header_sha256: dict[str, str]
-    ) -> HubSourceFiles:
-        assert self.origin.repo is not None
-        self.file_order = list(shard_files)
-        return HubSourceFiles(root, self.origin.repo, shard_files, header_sha256)
-
-    def estimate(self, shards: list[OutputShard]) -> DiskEstimate:
-        repo = self.origin.repo
-        assert repo is not None
-        sizes = {f: repo.files[f].size for f in self.file_order}
-        small = sum(repo.files[f].size for f in self.origin.small_files)
-        return estimate(
-            shards, self.file_order, sizes, small, self.window, self.delete_source_shards
-        )
+        self,
+        root: Path,
+        shard_files: list[str],
+        header_sha256: dict[str, str],
+        reader: SourceReader | None = None,
+    ) -> StreamedSources:
+        if not isinstance(reader, Remote):  # a wiring error: no user input leads here
+            raise TypeError("streaming needs a source read from a remote origin")
+        self._sources = StreamedSources(root, reader, shard_files, header_sha256)
+        return self._sources
 
     # -- what the CLI shows: the dry run's rows, the --json block --------------------------
     def plan_rows(self, plan: Plan) -> list[tuple[str, str]]:
         from ..console import human
 
-        est = self.estimate(plan.shards)
-        repo = self.origin.repo
-        assert repo is not None
+        sources = self._sources
+        if sources is None:  # told no source: nothing to say (the protocol's default)
+            return []
+        est = sources.estimate(plan.shards, self.window, self.delete_source_shards)
         window = f"{est.window} shards (at least {est.min_window} needed)"
         if est.window < est.min_window:
             window = (
@@ -294,12 +436,10 @@ class HubExecutor(Executor):
                 "is refused)"
             )
         rows = [
-            ("Hub repo", f"{repo.repo_id} (revision {self.origin.revision or 'main'})"),
-            ("commit", repo.commit),
-            ("downloads to", str(self.origin.storage)),
+            *sources.remote.rows(),
             (
                 "source bytes (download)",
-                f"{human(est.source_bytes)} in {len(self.file_order)} "
+                f"{human(est.source_bytes)} in {len(sources.order)} "
                 f"shards, {human(est.small_bytes)} other files",
             ),
             ("source window", window),
@@ -314,15 +454,13 @@ class HubExecutor(Executor):
         return rows
 
     def summary(self, plan: Plan) -> dict:
-        est = self.estimate(plan.shards)
-        repo = self.origin.repo
-        assert repo is not None
+        sources, t = self._sources, self.tally
+        if sources is None:  # told no source: nothing to say (the protocol's default)
+            return {}
+        est = sources.estimate(plan.shards, self.window, self.delete_source_shards)
         return {
-            "hub": {
-                "repo": repo.repo_id,
-                "revision": self.origin.revision,
-                "commit": repo.commit,
-                "download_dir": str(self.origin.storage),
+            sources.remote.kind: {
+                **sources.remote.summary(),
                 "source_bytes": est.source_bytes,
                 "small_files_bytes": est.small_bytes,
                 "output_bytes": est.output_bytes,
@@ -330,31 +468,29 @@ class HubExecutor(Executor):
                 "min_window": est.min_window,
                 "delete_source_shards": self.delete_source_shards,
                 "peak_disk_bound": est.peak_bound,
-                "peak_disk_measured": self.peak_disk_measured or None,
-                "downloaded_files": len(self.downloaded),
-                "downloaded_bytes": self.downloaded_bytes,
-                "deleted_files": len(self.deleted),
-                "deleted_bytes": self.deleted_bytes,
-                "partial_downloads_removed": self.partials_removed,
-                "partial_bytes_removed": self.partial_bytes_removed,
+                "peak_disk_measured": t.peak_disk_measured or None,
+                "downloaded_files": len(t.downloaded),
+                "downloaded_bytes": t.downloaded_bytes,
+                "deleted_files": len(t.deleted),
+                "deleted_bytes": t.deleted_bytes,
+                "partial_downloads_removed": t.partials_removed,
+                "partial_bytes_removed": t.partial_bytes_removed,
             }
         }
 
     def claimed(self, out: OutputDir) -> None:
         """The output is ours: free what an earlier run killed mid-download left (recorded
         in its state folder) before the free-space check counts it."""
-        self.journal = out
-        self._remove_partials(out)
+        self._journal = out
+        if self._sources is not None:
+            self.tally.remove_partials(self._sources.remote.partials, out)
 
     def run(
         self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
     ) -> list[ShardOutcome]:
-        sources = job.sources
-        assert isinstance(sources, HubSourceFiles)
-        assert self.origin.storage is not None
-        root = sources.root
-        journal = self.journal
-        assert journal is not None, "claimed() comes first"
+        sources, journal = job.sources, self._journal
+        if not isinstance(sources, StreamedSources) or journal is None:  # a wiring error
+            raise TypeError("run() takes the sources of source_files(), after claimed()")
         results: list[ShardOutcome] = []
         # 1. What is already done: proven as a local run proves it, before any download.
         pending, reasons = [], {}
@@ -369,177 +505,40 @@ class HubExecutor(Executor):
                 ledger.forget(shard.name)
                 pending.append(shard)
                 reasons[shard.name] = reason if record is not None else None
+        # 2. The window: refused before any download if too small or if it cannot fit.
         self._check_window(pending, sources)
-        order = download_order(pending, self.file_order)
-        consumers: dict[str, set[str]] = {f: set() for f in order}
-        for s in pending:
-            for f in s.source_files:
-                consumers[f].add(s.name)
-        by_name = {s.name: s for s in pending}
+        window = Window(pending, sources.order)
         if self.delete_source_shards:  # present but needed by nothing left: free it now
-            for f in self.file_order:
-                if f not in consumers and os.path.lexists(root / f):
-                    self._delete(root, f)
-        self._check_space(job.out_dir, pending, order, root)
-        missing = {f for f in order if not (root / f).exists()}
-        self.download_progress.download_start(
-            sum(sources.content[f].size for f in missing), len(missing)
-        )
-        watch = _DownloadWatch(self.origin.storage, journal, lambda: self._measure(job.out_dir))
-        watch.start()
-
-        arrived: set[str] = set()
-        submitted: set[str] = set()
-        queue = list(order)
-        live: set[str] = set()
-        downloads: dict[Future, str] = {}
-        writes: dict[Future, OutputShard] = {}
-        pool = ThreadPoolExecutor(max_workers=max(1, self.workers), thread_name_prefix="shard")
-
-        def start_downloads() -> None:
-            while (
-                queue
-                and len(live) < self.window
-                and len(downloads) < _MAX_DOWNLOADS
-                and not job.stop.is_set()
-            ):
-                f = queue.pop(0)
-                live.add(f)
-                fut = _in_daemon_thread(self._get_source, root, f, f in missing, job.stop, watch)
-                downloads[fut] = f
-
-        def on_arrival(f: str) -> None:
-            sources.arrived(f)
-            arrived.add(f)
-            self._measure(job.out_dir)  # a whole source shard more on disk
-            for name in sorted(consumers[f]):
-                shard = by_name[name]
-                if name not in submitted and set(shard.source_files) <= arrived:
-                    submitted.add(name)
-                    writes[pool.submit(write, shard, job, reasons.get(name))] = shard
-
-        def on_written(shard: OutputShard, result: ShardOutcome) -> None:
-            commit(result, ledger)
-            results.append(result)
-            on_done(result)
-            self._measure(job.out_dir)  # the high-water mark: before any source is freed
-            for f in shard.source_files:
-                consumers[f].discard(shard.name)
-                if not consumers[f]:
-                    live.discard(f)
-                    if self.delete_source_shards and result.outcome is Outcome.WRITTEN:
-                        sources.drop(f)
-                        self._delete(root, f)
-
-        try:
-            start_downloads()
-            while downloads or writes:
-                done, _ = wait([*downloads, *writes], return_when=FIRST_COMPLETED)
-                for fut in done:
-                    if fut in downloads:
-                        f = downloads.pop(fut)
-                        fut.result()
-                        on_arrival(f)
-                    else:
-                        shard = writes.pop(fut)
-                        on_written(shard, fut.result())
-                start_downloads()
-                if not downloads and not writes and queue:  # pragma: no cover - see estimate
-                    raise RuntimeError("download schedule stalled: window too small")
-        except BaseException:
-            # Writes stop at their next chunk, downloads at their next chunk of data (the
-            # client then removes its temporary file itself); `finally` waits a little for
-            # them, then removes whatever partial downloads are left.
-            job.stop.set()
-            for fut in writes:
-                fut.cancel()
-            wait(list(writes))
-            errors = [f.exception() for f in writes if not f.cancelled()]
-            real = [e for e in errors if e is not None and not isinstance(e, Interrupted)]
-            if real and not isinstance(real[0], KeyboardInterrupt):
-                raise real[0] from None
-            raise
-        finally:
-            pool.shutdown(wait=True)
-            if downloads:  # a download blocked on the network is not waited for
-                wait(list(downloads), timeout=_STOP_GRACE)
-            watch.stop()
-            self._remove_partials(journal)
-            self._measure(job.out_dir)
-            self.download_progress.download_stop()
+            for f in sources.order:
+                if f not in window.feeds and os.path.lexists(sources.root / f):
+                    self.tally.delete(sources, f)
+        self._check_space(job.out_dir, pending, window.order, sources)
+        # 3. Stream.
+        stream = _Stream(self, pending, window, sources, job, ledger, journal, reasons, on_done)
+        results += stream.run()
         return results
 
-    def _check_window(self, pending: list[OutputShard], sources: HubSourceFiles) -> None:
+    def _check_window(self, pending: list[OutputShard], sources: StreamedSources) -> None:
         """Refuse, before any download, a window the pending shards' layout cannot run in."""
-        sizes = {f: sources.content[f].size for f in self.file_order}
-        est = estimate(pending, self.file_order, sizes, 0, self.window, self.delete_source_shards)
-        if pending and self.window < est.min_window:
+        need = fewest_slots(pending, sources.order)
+        if pending and self.window < need:
             raise fail(
                 Code.WINDOW_TOO_SMALL,
                 "--max-source-window is too small for this checkpoint's layout",
-                expected=f"at least {est.min_window}",
+                expected=f"at least {need}",
                 found=str(self.window),
-                hint=f"rerun with --max-source-window {est.min_window}: downloaded in "
+                hint=f"rerun with --max-source-window {need}: downloaded in "
                 "the order the output needs them, that many source shards must be "
                 "present at once (--dry-run shows it before any download)",
             )
 
-    def _get_source(
-        self, root: Path, file: str, expected: bool, stop: threading.Event, watch: _DownloadWatch
-    ) -> None:
-        """Download one source shard (a no-op if present); progress and partials reported."""
-        if stop.is_set():
-            raise Interrupted()
-        reported = 0
-
-        def on_bytes(n: int) -> None:
-            nonlocal reported
-            reported += n
-            self.download_progress.download_advance(n)
-
-        present = (root / file).exists()
-        bar = DownloadBar.bound(on_open=watch.scan, on_bytes=on_bytes, stop=stop.is_set)
-        self.origin.fetch(file, bar)
-        assert self.origin.repo is not None
-        size = self.origin.repo.files[file].size
-        with self._lock:
-            if not present:
-                self.downloaded.append(file)
-                self.downloaded_bytes += size
-        if expected:
-            self.download_progress.download_file_done(file, max(size - reported, 0))
-
-    def _delete(self, root: Path, file: str) -> None:
-        self.origin.delete(root, file)
-        self.deleted.append(file)
-        assert self.origin.repo is not None
-        self.deleted_bytes += self.origin.repo.files[file].size
-
-    def _remove_partials(self, journal: OutputDir) -> None:
-        """Remove every partial download the journal records (none was another's), then
-        forget them: at the start of a run (a killed run's) and at its end (this run's)."""
-        for path in journal.partials():
-            freed = remove_partial(path)
-            if freed is not None:  # None: renamed into place when it completed
-                self.partials_removed += 1
-                self.partial_bytes_removed += freed
-        journal.forget_partials()
-
-    def _measure(self, out_dir: Path) -> None:
-        """Disk use of downloads + output right now; called at every high-water point."""
-        assert self.origin.storage is not None
-        now = _tree_bytes(self.origin.storage, out_dir)
-        with self._lock:
-            self.peak_disk_measured = max(self.peak_disk_measured, now)
-
     def _check_space(
-        self, out_dir: Path, pending: list[OutputShard], order: list[str], root: Path
+        self, out_dir: Path, pending: list[OutputShard], order: list[str], sources: StreamedSources
     ) -> None:
         """The source window must fit beside the output (the output itself is checked too)."""
-        repo, storage = self.origin.repo, self.origin.storage
-        assert repo is not None and storage is not None
+        storage, root = sources.remote.storage, sources.root
         absent = sorted(
-            (repo.files[f].size for f in order if not os.path.lexists(root / f)), reverse=True
+            (sources.remote.size(f) for f in order if not os.path.lexists(root / f)), reverse=True
         )
         need = sum(absent[: self.window]) if self.delete_source_shards else sum(absent)
         free = shutil.disk_usage(storage).free
@@ -555,3 +554,133 @@ class HubExecutor(Executor):
                 hint="pass --delete-source-shards and a "
                 "smaller --max-source-window, or free space; --dry-run shows the peak",
             )
+
+
+class _Stream:
+    """One run's moving parts: the window, the downloads and the writes in flight.
+
+    Downloads start while the window has room; an output shard is written once its last
+    source shard arrives; a source shard is freed (deleted, with --delete-source-shards)
+    once its last reader is written.
+    """
+
+    def __init__(
+        self,
+        ex: HubExecutor,
+        pending: list[OutputShard],
+        window: Window,
+        sources: StreamedSources,
+        job: Job,
+        ledger: Ledger,
+        journal: OutputDir,
+        reasons: dict[str, str | None],
+        on_done: OnDone,
+    ) -> None:
+        self.ex, self.window, self.sources, self.job = ex, window, sources, job
+        self.ledger, self.journal, self.reasons, self.on_done = ledger, journal, reasons, on_done
+        self.remote, self.tally = sources.remote, ex.tally
+        self.by_name = {s.name: s for s in pending}
+        self.missing = {f for f in window.order if not (sources.root / f).exists()}
+        self.results: list[ShardOutcome] = []
+        self.downloads: dict[Future, str] = {}
+        self.writes: dict[Future, OutputShard] = {}
+        self.watch = _DownloadWatch(self.remote.partials, journal, self.measure)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, ex.workers), thread_name_prefix="shard")
+
+    def measure(self) -> None:
+        self.tally.measure(self.remote.storage, self.job.out_dir)
+
+    def run(self) -> list[ShardOutcome]:
+        progress = self.ex.download_progress
+        progress.download_start(sum(self.remote.size(f) for f in self.missing), len(self.missing))
+        self.watch.start()
+        try:
+            self._start_downloads()
+            while self.downloads or self.writes:
+                done, _ = wait([*self.downloads, *self.writes], return_when=FIRST_COMPLETED)
+                for fut in done:
+                    if fut in self.downloads:
+                        f = self.downloads.pop(fut)
+                        fut.result()
+                        self._arrived(f)
+                    else:
+                        shard = self.writes.pop(fut)
+                        self._written(shard, fut.result())
+                self._start_downloads()
+                if not self.downloads and not self.writes and self.window.queue:  # pragma: no cover
+                    raise RuntimeError("download schedule stalled: window too small")
+        except BaseException:
+            self._stop_writes()
+            raise
+        finally:
+            self.pool.shutdown(wait=True)
+            if self.downloads:  # a download blocked on the network is not waited for
+                wait(list(self.downloads), timeout=_STOP_GRACE)
+            self.watch.stop()
+            self.tally.remove_partials(self.remote.partials, self.journal)
+            self.measure()
+            progress.download_stop()
+        return self.results
+
+    def _stop_writes(self) -> None:
+        """Writes stop at their next chunk, downloads at their next chunk of data (the client
+        then removes its temporary file itself); the caller's `finally` waits a little for
+        them, then removes whatever partial downloads are left. A write's own error wins."""
+        self.job.stop.set()
+        for fut in self.writes:
+            fut.cancel()
+        wait(list(self.writes))
+        errors = [f.exception() for f in self.writes if not f.cancelled()]
+        real = [e for e in errors if e is not None and not isinstance(e, Interrupted)]
+        if real and not isinstance(real[0], KeyboardInterrupt):
+            raise real[0] from None
+
+    def _start_downloads(self) -> None:
+        window, stop = self.window, self.job.stop
+        while (
+            window.queue
+            and len(window.live) < self.ex.window
+            and len(self.downloads) < _MAX_DOWNLOADS
+            and not stop.is_set()
+        ):
+            f = window.take()
+            self.downloads[_in_daemon_thread(self._fetch, f)] = f
+
+    def _fetch(self, file: str) -> None:
+        """Download one source shard (a no-op if present); progress and partials reported."""
+        stop, progress = self.job.stop, self.ex.download_progress
+        if stop.is_set():
+            raise Interrupted()
+        reported = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal reported
+            reported += n
+            progress.download_advance(n)
+
+        present = (self.sources.root / file).exists()
+        self.remote.fetch(file, self.watch.scan, on_bytes, stop.is_set)
+        size = self.remote.size(file)
+        with self.tally.lock:
+            if not present:
+                self.tally.downloaded.append(file)
+                self.tally.downloaded_bytes += size
+        if file in self.missing:
+            progress.download_file_done(file, max(size - reported, 0))
+
+    def _arrived(self, file: str) -> None:
+        self.sources.arrived(file)
+        self.measure()  # a whole source shard more on disk
+        for name in self.window.arrive(file):
+            shard = self.by_name[name]
+            self.writes[self.pool.submit(write, shard, self.job, self.reasons.get(name))] = shard
+
+    def _written(self, shard: OutputShard, result: ShardOutcome) -> None:
+        commit(result, self.ledger)
+        self.results.append(result)
+        self.on_done(result)
+        self.measure()  # the high-water mark: before any source is freed
+        for f in self.window.finish(shard.name, shard.source_files):
+            if self.ex.delete_source_shards and result.outcome is Outcome.WRITTEN:
+                self.sources.drop(f)
+                self.tally.delete(self.sources, f)

@@ -168,12 +168,13 @@ def write(shard: OutputShard, job: Job, reason: str | None = None) -> ShardOutco
 
 
 def commit(result: ShardOutcome, ledger: Ledger) -> None:
-    """Record an outcome (driver side): a written shard's record, a rejected shard forgotten."""
-    if result.outcome is Outcome.WRITTEN:
-        assert result.record is not None
-        ledger.record(result.record)
-    elif result.outcome is Outcome.REJECTED:
-        ledger.forget(result.shard)
+    """Record an outcome (driver side): a written shard's record, a rejected shard forgotten.
+    (`write` gives every written outcome its record; a kept one is on record already.)"""
+    match result:
+        case ShardOutcome(outcome=Outcome.WRITTEN, record=ShardRecord() as record):
+            ledger.record(record)
+        case ShardOutcome(outcome=Outcome.REJECTED):
+            ledger.forget(result.shard)
 
 
 def prove(shard: OutputShard, record: ShardRecord, job: Job) -> str | None:

@@ -28,12 +28,10 @@ from ..errors import Code, Fatal, Problem, fail
 from ..safetensors_format import ShardHeader
 
 
-class Origin(Protocol):
-    """Where a source's files come from (local disk, the Hub)."""
+class SourceReader(Protocol):
+    """How a found source's files are read: its file list and shard headers."""
 
     header_workers: int  # headers read at once (1 on disk; network reads overlap)
-
-    def resolve(self, spec: str, revision: str | None) -> Path: ...
 
     def has_file(self, root: Path, name: str) -> bool: ...
 
@@ -42,6 +40,21 @@ class Origin(Protocol):
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]: ...
 
     def top_level_names(self, root: Path) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A source found: the folder its files are (or arrive) in, and how they are read."""
+
+    root: Path
+    reader: SourceReader
+
+
+class Origin(Protocol):
+    """Where a source comes from (local disk, the Hub): `resolve` finds it and returns all
+    that was learnt on the way; the origin itself keeps nothing."""
+
+    def resolve(self, spec: str, revision: str | None) -> Resolved: ...
 
 
 @dataclass
@@ -53,6 +66,7 @@ class Source:
     headers: dict[str, ShardHeader] = field(default_factory=dict)
     extra_files: list[str] = field(default_factory=list)  # copied unchanged
     index_metadata: dict = field(default_factory=dict)
+    reader: SourceReader | None = None  # how it was read (None: made by hand, headers only)
 
     @property
     def weight_map(self) -> Mapping[str, str]:
@@ -83,7 +97,7 @@ class HeaderWeightMap(Mapping[str, str]):
         return sum(len(h.tensors) for h in self._headers.values())
 
 
-def read_source(root: Path, label: str, origin: Origin) -> Source:
+def read_source(root: Path, label: str, origin: SourceReader) -> Source:
     """Config, index and every shard header, all cross-checked; every problem before failing."""
     config = read_json(root / CONFIG_NAME)
     if not isinstance(config, dict):
@@ -129,10 +143,10 @@ def read_source(root: Path, label: str, origin: Origin) -> Source:
         raise Fatal(problems)
     del weight_map  # the headers say the same from here on (single file: the header is the map)
     extra = origin.extra_files(root, set(shard_files) | {INDEX_NAME, CONFIG_NAME})
-    return Source(root, label, config, shard_files, headers, extra, index_metadata)
+    return Source(root, label, config, shard_files, headers, extra, index_metadata, origin)
 
 
-def _read_or_fail(origin: Origin, root: Path):
+def _read_or_fail(origin: SourceReader, root: Path):
     def read(file: str) -> ShardHeader | Fatal:
         try:
             return origin.read_header(root, file)

@@ -25,13 +25,14 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from ..errors import Code, Fatal, fail
 from ..hashing import Interrupted
 from ..safetensors_format import ShardHeader, check_header_length, parse_header_bytes
+from . import Resolved
 
 HEADER_PROBE = 100_000  # one request covers the header of almost every shard
 RESUME_HINT = (
@@ -316,29 +317,24 @@ def _accepts(fn: Callable, name: str) -> bool:
         return False
 
 
-@dataclass
+@dataclass(frozen=True)
 class HubOrigin:
-    """Files of one pinned Hub commit: small files at once, shards when asked for."""
+    """Where a Hub repo is read from and where its files go; `resolve` pins one commit."""
 
     download_dir: Path | None = None  # None: the Hugging Face cache
     endpoint: str | None = None  # None: HF_ENDPOINT or the public Hub
     token: str | bool | None = None  # None: HF_TOKEN or the stored login
-    repo: HubRepo | None = None
-    small_files: list[str] = field(default_factory=list)
-    storage: Path | None = None  # what holds the downloads (for the disk meter)
-    revision: str | None = None  # as asked for (the commit it was pinned to is in `repo`)
-    header_workers: int = 8
 
-    def resolve(self, spec: str, revision: str | None) -> Path:
+    def resolve(self, spec: str, revision: str | None) -> Resolved:
+        """Pin the revision, download the small files; the snapshot read from then on."""
         if Path(spec).expanduser().exists() or spec.count("/") != 1 or spec.startswith("."):
             raise fail(
                 Code.USAGE,
                 "--download needs a Hugging Face repo id (org/name)",
                 file=spec,
             )
-        self.revision = revision
-        self.repo = open_repo(spec, revision, self.endpoint, self.token)
-        files = self.repo.files
+        repo = open_repo(spec, revision, self.endpoint, self.token)
+        files = repo.files
         if CONFIG_NAME not in files:
             raise fail(Code.FILE_MISSING, "the repository has no config.json", file=spec)
         if INDEX_NAME not in files and SINGLE_NAME not in files:
@@ -346,66 +342,40 @@ class HubOrigin:
                 Code.FILE_MISSING, f"the repository has no {INDEX_NAME} or {SINGLE_NAME}", file=spec
             )
         # The same selection a local read makes: every non-weight file is copied.
-        self.small_files = sorted(
+        small_files = sorted(
             f
             for f in files
             if not f.endswith(".safetensors")
             and f != CHECKSUMS_NAME
             and not any(part.startswith(".") for part in Path(f).parts)
         )
-        root = None
-        for f in self.small_files:
-            path = self.fetch(f, DownloadBar)  # quiet: the shards' bytes are what is shown
-            if f == CONFIG_NAME:
-                root = Path(os.path.abspath(path.parent))  # HF_HUB_CACHE may be relative
-        assert root is not None
+        # Quiet: the shards' bytes are what is shown. config.json is among them (checked above).
+        paths = {f: self.download(repo, f, DownloadBar) for f in small_files}
+        root = Path(os.path.abspath(paths[CONFIG_NAME].parent))  # HF_HUB_CACHE may be relative
+        storage = root
         if self.download_dir is None:  # cache layout: <repo folder>/snapshots/<commit>/
-            self.storage = root.parent.parent
+            storage = root.parent.parent
             # Downloads were pinned to the commit; record the ref the user asked for, as
             # huggingface_hub does, so `kimi-convert org/name` later finds it offline.
             ref = revision or "main"
-            if ref != self.repo.commit:
-                ref_path = self.storage / "refs" / ref
+            if ref != repo.commit:
+                ref_path = storage / "refs" / ref
                 ref_path.parent.mkdir(parents=True, exist_ok=True)
-                ref_path.write_text(self.repo.commit)
-        else:
-            self.storage = root
-        return root
+                ref_path.write_text(repo.commit)
+        return Resolved(root, HubSnapshot(self, repo, revision, storage, small_files))
 
-    def has_file(self, root: Path, name: str) -> bool:
-        assert self.repo is not None
-        return name in self.repo.files
-
-    def read_header(self, root: Path, file: str) -> ShardHeader:
-        assert self.repo is not None
-        if file not in self.repo.files:
-            raise fail(
-                Code.SHARD_MISSING,
-                "shard named in the index is missing from the repository",
-                file=file,
-            )
-        return read_remote_header(self.repo, file, self.endpoint, self.token)
-
-    def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
-        return [f for f in self.small_files if f not in weight_files]
-
-    def top_level_names(self, root: Path) -> list[str]:
-        assert self.repo is not None
-        return sorted(f for f in self.repo.files if "/" not in f)
-
-    def fetch(self, file: str, tqdm_class: type | None = None) -> Path:
+    def download(self, repo: HubRepo, file: str, tqdm_class: type | None = None) -> Path:
         """Download one file of the pinned commit (a no-op if it is already complete)."""
         from huggingface_hub import hf_hub_download
 
-        assert self.repo is not None
         kwargs = {}
         if tqdm_class is not None and _accepts(hf_hub_download, "tqdm_class"):
             kwargs["tqdm_class"] = tqdm_class
         try:
             path = hf_hub_download(
-                self.repo.repo_id,
+                repo.repo_id,
                 file,
-                revision=self.repo.commit,
+                revision=repo.commit,
                 endpoint=self.endpoint,
                 token=self.token,
                 local_dir=self.download_dir,
@@ -417,13 +387,107 @@ class HubOrigin:
             raise hub_error(exc, "download", file) from None
         return Path(path)
 
+
+@dataclass(frozen=True)
+class HubPartials:
+    """huggingface_hub's partial downloads under one storage folder (`Partials`)."""
+
+    storage: Path  # real path: the kernel names open files so
+
+    def open(self) -> list[Path]:
+        return open_partials(self.storage)
+
+    def owns(self, path: Path) -> bool:
+        """A partial download of this storage (a name the client gives, in its folder)."""
+        return PARTIAL_NAME.fullmatch(path.name) is not None and path.is_relative_to(self.storage)
+
+    def remove(self, path: Path) -> int | None:
+        return remove_partial(path)
+
+    def on_created(self, callback: Callable[[Path | None], None]) -> PartialCreated:
+        return PartialCreated(callback)
+
+
+@dataclass(frozen=True)
+class HubSnapshot:
+    """One pinned commit of a Hub repo: what `read_source` reads (headers over HTTP, the file
+    list), and the `Remote` the streaming executor fetches shards from."""
+
+    origin: HubOrigin
+    repo: HubRepo
+    revision: str | None  # as asked for (the commit it was pinned to is in `repo`)
+    storage: Path  # what holds the downloads (for the disk meter)
+    small_files: list[str]
+    header_workers: int = 8
+    kind: str = "hub"
+
+    @property
+    def partials(self) -> HubPartials:
+        return HubPartials(Path(os.path.realpath(self.storage)))  # as the kernel names files
+
+    # -- SourceReader ------------------------------------------------------------------------
+    def has_file(self, root: Path, name: str) -> bool:
+        return name in self.repo.files
+
+    def read_header(self, root: Path, file: str) -> ShardHeader:
+        if file not in self.repo.files:
+            raise fail(
+                Code.SHARD_MISSING,
+                "shard named in the index is missing from the repository",
+                file=file,
+            )
+        return read_remote_header(self.repo, file, self.origin.endpoint, self.origin.token)
+
+    def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
+        return [f for f in self.small_files if f not in weight_files]
+
+    def top_level_names(self, root: Path) -> list[str]:
+        return sorted(f for f in self.repo.files if "/" not in f)
+
+    # -- Remote ------------------------------------------------------------------------------
+    def size(self, file: str) -> int:
+        return self.repo.files[file].size
+
+    def content_id(self, file: str) -> list:
+        """What a record keeps of a source shard: size and the Hub's content id."""
+        return [self.repo.files[file].size, self.repo.files[file].etag]
+
+    def other_bytes(self) -> int:
+        return sum(self.repo.files[f].size for f in self.small_files)
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("Hub repo", f"{self.repo.repo_id} (revision {self.revision or 'main'})"),
+            ("commit", self.repo.commit),
+            ("downloads to", str(self.storage)),
+        ]
+
+    def summary(self) -> dict:
+        return {
+            "repo": self.repo.repo_id,
+            "revision": self.revision,
+            "commit": self.repo.commit,
+            "download_dir": str(self.storage),
+        }
+
+    def fetch(
+        self,
+        file: str,
+        on_open: Callable[[], None],
+        on_bytes: Callable[[int], None],
+        stop: Callable[[], bool],
+    ) -> None:
+        bar = DownloadBar.bound(on_open=on_open, on_bytes=on_bytes, stop=stop)
+        self.origin.download(self.repo, file, bar)
+
     def delete(self, root: Path, file: str) -> None:
         """Remove a source shard: the file, and in the cache its blob too."""
+        download_dir = self.origin.download_dir
         path = root / file
         target = path.resolve() if path.is_symlink() else None
         path.unlink(missing_ok=True)
-        if target is not None and self.download_dir is None:
+        if target is not None and download_dir is None:
             target.unlink(missing_ok=True)  # the blob: the bytes that take the space
-        if self.download_dir is not None:  # huggingface_hub's per-file download record
-            meta = self.download_dir / ".cache" / "huggingface" / "download" / f"{file}.metadata"
+        if download_dir is not None:  # huggingface_hub's per-file download record
+            meta = download_dir / ".cache" / "huggingface" / "download" / f"{file}.metadata"
             meta.unlink(missing_ok=True)

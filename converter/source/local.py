@@ -18,6 +18,7 @@ from .. import contract, fsio
 from ..contract import CHECKSUMS_NAME
 from ..errors import Code, Fatal, Problem, fail
 from ..safetensors_format import ShardHeader, read_header
+from . import Resolved
 
 
 def resolve_local(spec: str, revision: str | None = None) -> Path:
@@ -63,8 +64,8 @@ class LocalOrigin:
 
     header_workers = 1
 
-    def resolve(self, spec: str, revision: str | None) -> Path:
-        return resolve_local(spec, revision)
+    def resolve(self, spec: str, revision: str | None) -> Resolved:
+        return Resolved(resolve_local(spec, revision), self)  # on disk: nothing more to learn
 
     def has_file(self, root: Path, name: str) -> bool:
         return os.path.lexists(root / name)  # a dangling link is there: reading it says so
