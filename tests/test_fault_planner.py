@@ -10,7 +10,7 @@ import faultlib as fl
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import parse_expert_name
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.plan import plan_conversion
 from kimi_w31.converter.safetensors_format import (
@@ -122,7 +122,11 @@ def test_planner_is_exact_or_refuses(case) -> None:
     if problems:
         assert all(isinstance(p.code, Code) for p in problems)
         return
-    plan = plan_conversion(source, table, max_shard)
+    try:
+        plan = plan_conversion(source, table, max_shard)
+    except Fatal as exc:  # a header the planner will not write (e.g. F4 not filling a byte)
+        assert exc.problems and all(isinstance(p.code, Code) for p in exc.problems)
+        return
     src = {t.name: (f, t) for f, h in source.headers.items() for t in h.tensors.values()}
     outputs = {t.name: t for s in plan.shards for t in s.tensors}
     assert len(outputs) == sum(len(s.tensors) for s in plan.shards)  # each name once
