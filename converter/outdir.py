@@ -6,6 +6,8 @@ finished shard), a journal of every other file the run writes, and the temporari
 complete output holds the shards, the source's other files, `kimi_w31.checksums.json`
 (the ledger of record: every file and every tensor checksum, and each shard's source
 identity), `config.json` and, written last, the index; the state folder is then removed.
+A run holds the directory as a `Session`, from `OutputDir.claim` to the end of its `with`
+block: every step it takes there goes through it, and leaving it releases the lock.
 
 Rules that keep the promise "never a wrong, stale or incomplete output that looks complete":
 - the index is removed before anything in the directory changes, and written last;
@@ -717,9 +719,10 @@ class Session:
         self.ledger = ledger  # finished shards, of this run or an earlier one
         self.source = source
         self.shards = shards  # in plan order: the checksums file lists them so
-        self.warnings = out.warnings
+        self.warnings = out.warnings  # what the claim found worth saying (a stale lock)
         self.root = out.root
         self.tmp = out.tmp  # the temporaries, renamed into place when complete
+        # Bound methods, not wrappers: `begin_writes` is on the shard path.
         self.begin_writes = out.begin_writes  # before the first change: the index goes
         self.resume_hint = out.resume_hint
         self.finished = False
