@@ -237,6 +237,16 @@ class OutputDir:
             return Mode.OTHER_SOURCE, {}
         return Mode.FRESH, {}
 
+    def resume_decision(
+        self, fingerprint: str, source: SourceId, force: bool
+    ) -> tuple[Mode, dict[str, ShardRecord]]:
+        """What a run of this plan does here (a run and `--dry-run` alike): the mode and the
+        records of shards to prove before keeping them; refuses what it must refuse. The
+        conversion of another source is replaced (with --force only), as a fresh run."""
+        mode, records = self.previous_records(fingerprint, source)
+        self.check_usable(mode, force)
+        return (Mode.FRESH, records) if mode is Mode.OTHER_SOURCE else (mode, records)
+
     def owner(self) -> str | None:
         """Whose conversion the directory holds, in words (None if it holds none we know)."""
         head, _ = Ledger.read_all(self.ledger_path)
@@ -335,7 +345,7 @@ class OutputDir:
         """Take the lock, then make the directory this run's (or refuse). Returns the mode;
         `self.ledger` holds the records of shards an earlier run finished."""
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
-        self.check_usable(self.previous_records(fingerprint, source)[0], force)
+        self.resume_decision(fingerprint, source, force)
         self._make_dir(self.root)
         if fsio.lkind(self.state) is None:
             self._make_dir(self.state)
@@ -347,10 +357,7 @@ class OutputDir:
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
         faults.fault_point("lock.acquired")
-        mode, records = self.previous_records(fingerprint, source)
-        self.check_usable(mode, force)
-        if mode is Mode.OTHER_SOURCE:  # with --force: replace it
-            mode = Mode.FRESH
+        mode, records = self.resume_decision(fingerprint, source, force)
         if mode is Mode.FRESH:
             self._make_room(force)
         ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)

@@ -257,10 +257,7 @@ def preview(
     """Which shards a run would keep and which it would write, proven as a run proves them
     (read-only: no lock, nothing written). Refuses what the run would refuse."""
     identity = identity or SourceId("", "")
-    mode, records = out.previous_records(plan.fingerprint, identity)
-    out.check_usable(mode, force)
-    if mode is Mode.OTHER_SOURCE:  # with --force: replaced, as a fresh run
-        mode = Mode.FRESH
+    mode, records = out.resume_decision(plan.fingerprint, identity, force)
     job = Job(sources, out.root, out.tmp, rehash=rehash)
     result = Preview(mode)
     for shard in plan.shards:
