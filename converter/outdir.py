@@ -6,6 +6,8 @@ finished shard), a journal of every other file the run writes, and the temporari
 complete output holds the shards, the source's other files, `kimi_w31.checksums.json`
 (the ledger of record: every file and every tensor checksum, and each shard's source
 identity), `config.json` and, written last, the index; the state folder is then removed.
+A run holds the directory as a `Session`, from `OutputDir.claim` to the end of its `with`
+block: every step it takes there goes through it, and leaving it releases the lock.
 
 Rules that keep the promise "never a wrong, stale or incomplete output that looks complete":
 - the index is removed before anything in the directory changes, and written last;
@@ -24,15 +26,16 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
+from typing import NoReturn
 
 from . import contract, faults, fsio
 from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
 from .errors import Code, Fatal, Problem, fail
-from .hashing import CHUNK_SIZE, TENSOR_HASH, sha256_file, shard_header_sha256
+from .hashing import CHUNK_SIZE, TENSOR_HASH, sha256_bytes, sha256_file, shard_header_sha256
 from .lock import OutputLock
 
 STATE_DIR = ".kimi_w31"
@@ -178,6 +181,24 @@ class FinalFile:
     copy_from: Path | None = None
 
 
+@dataclass(frozen=True)
+class FinalFiles:
+    """The files a conversion has besides its shards and its checksums file, by role."""
+
+    extras: list[FinalFile]  # the source's other files, copied unchanged
+    config: FinalFile
+    index: FinalFile  # written last: a directory with an index is a complete conversion
+
+    def __iter__(self) -> Iterator[FinalFile]:
+        """In the order the checksums file lists them."""
+        return iter([*self.extras, self.config, self.index])
+
+    def with_checksums(self, checksums: FinalFile) -> list[FinalFile]:
+        """In the order they are written: the record of every file before the two that
+        make the directory read as a conversion (the config, then the index)."""
+        return [*self.extras, checksums, self.config, self.index]
+
+
 class OutputDir:
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root.expanduser()))  # a link loop: no exception
@@ -215,6 +236,16 @@ class OutputDir:
                 return Mode.RECHECK, _records_of(recorded)
             return Mode.OTHER_SOURCE, {}
         return Mode.FRESH, {}
+
+    def resume_decision(
+        self, fingerprint: str, source: SourceId, force: bool
+    ) -> tuple[Mode, dict[str, ShardRecord]]:
+        """What a run of this plan does here (a run and `--dry-run` alike): the mode and the
+        records of shards to prove before keeping them; refuses what it must refuse. The
+        conversion of another source is replaced (with --force only), as a fresh run."""
+        mode, records = self.previous_records(fingerprint, source)
+        self.check_usable(mode, force)
+        return (Mode.FRESH, records) if mode is Mode.OTHER_SOURCE else (mode, records)
 
     def owner(self) -> str | None:
         """Whose conversion the directory holds, in words (None if it holds none we know)."""
@@ -288,12 +319,33 @@ class OutputDir:
             )
 
     # -- claiming --------------------------------------------------------------------------
-    def claim(self, fingerprint: str, force: bool, source: SourceId | None = None) -> Mode:
+    def claim(
+        self,
+        fingerprint: str,
+        force: bool,
+        source: SourceId | None = None,
+        shards: Mapping[str, int] | None = None,
+        prepare: Callable[[OutputDir], None] | None = None,
+    ) -> Session:
+        """Take the lock, make the directory this run's (or refuse), let `prepare` (the
+        executor) free what it may, then check there is room for the `shards` (name -> size,
+        in plan order) not finished yet. A failure here abandons the claim (`_give_up`)."""
+        source = source or SourceId("", "")
+        try:
+            mode, ledger = self._claim(fingerprint, force, source)
+            if prepare is not None:
+                prepare(self)
+            shards = shards or {}
+            self.check_free_space(sum(n for s, n in shards.items() if s not in ledger.done))
+        except BaseException as exc:
+            self._give_up(exc)
+        return Session(self, mode, ledger, source, list(shards))
+
+    def _claim(self, fingerprint: str, force: bool, source: SourceId) -> tuple[Mode, Ledger]:
         """Take the lock, then make the directory this run's (or refuse). Returns the mode;
         `self.ledger` holds the records of shards an earlier run finished."""
-        source = source or SourceId("", "")
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
-        self.check_usable(self.previous_records(fingerprint, source)[0], force)
+        self.resume_decision(fingerprint, source, force)
         self._make_dir(self.root)
         if fsio.lkind(self.state) is None:
             self._make_dir(self.state)
@@ -305,21 +357,18 @@ class OutputDir:
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
         faults.fault_point("lock.acquired")
-        mode, records = self.previous_records(fingerprint, source)
-        self.check_usable(mode, force)
-        if mode is Mode.OTHER_SOURCE:  # with --force: replace it
-            mode = Mode.FRESH
+        mode, records = self.resume_decision(fingerprint, source, force)
         if mode is Mode.FRESH:
             self._make_room(force)
-        self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
+        ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
         if mode is Mode.RESUME:
-            self.ledger.load()
+            ledger.load()
         else:
-            self.ledger.start(records.values())
+            ledger.start(records.values())
         fsio.remove(self.tmp)  # temporaries of a crashed run (a link: only the link)
         self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
-        return mode
+        return mode, ledger
 
     def _make_room(self, force: bool) -> None:
         """A fresh run: the directory must be empty, or hold only files we recorded writing
@@ -639,6 +688,15 @@ class OutputDir:
         if finished and fsio.is_real_dir(self.state):  # never through a link
             shutil.rmtree(self.state, ignore_errors=True)
 
+    def _give_up(self, exc: BaseException) -> NoReturn:
+        """After a failure: word it while the state it describes still holds, then
+        `abandon`, then raise it."""
+        error = self.io_error(exc) if isinstance(exc, OSError) else None
+        self.abandon()
+        if error is not None:
+            raise error from None
+        raise exc
+
     def abandon(self) -> None:
         """After a failure before anything was written: release, and remove only the folders
         this run created (an empty state folder must not look like a run in progress)."""
@@ -651,6 +709,52 @@ class OutputDir:
                 if path != self.state:
                     with contextlib.suppress(OSError):
                         path.rmdir()  # only if empty
+
+
+class Session:
+    """One run's hold on its output directory, made by `OutputDir.claim` and left by the end
+    of a `with` block: what the claim found, the ledger the shards are committed to, and
+    the finalization. Leaving releases the lock on every path: after `finalize` it also
+    removes the state folder; after a failure it words the error while the state it
+    describes still holds, then removes only the folders this run made."""
+
+    def __init__(
+        self, out: OutputDir, mode: Mode, ledger: Ledger, source: SourceId, shards: list[str]
+    ) -> None:
+        self.output = out  # what an executor records its partial downloads in
+        self.mode = mode
+        self.ledger = ledger  # finished shards, of this run or an earlier one
+        self.source = source
+        self.shards = shards  # in plan order: the checksums file lists them so
+        self.warnings = out.warnings  # what the claim found worth saying (a stale lock)
+        self.root = out.root
+        self.tmp = out.tmp  # the temporaries, renamed into place when complete
+        # Bound methods, not wrappers: `begin_writes` is on the shard path.
+        self.begin_writes = out.begin_writes  # before the first change: the index goes
+        self.resume_hint = out.resume_hint
+        self.finished = False
+
+    def finalize(self, files: FinalFiles) -> int:
+        """The checksums file of every shard (all in the ledger by now) and of `files`, then
+        every final file made what it must be, the index last (`OutputDir.finalize`).
+        Returns how many were (re)written."""
+        records = [self.ledger.done[name] for name in self.shards]
+        data = checksums_document(self.ledger.fingerprint, records, list(files), self.source)
+        checksums = FinalFile(CHECKSUMS_NAME, len(data), sha256_bytes(data), data=data)
+        rewritten = self.output.finalize(files.with_checksums(checksums))
+        self.finished = True
+        return rewritten
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            self.output._give_up(exc)
+        try:
+            self.output.release(finished=self.finished)
+        except BaseException as late:
+            self.output._give_up(late)
 
 
 def checksums_document(

@@ -35,7 +35,7 @@ from .execute.shard import (
 )
 from .hashing import sha256_bytes, sha256_file
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
-from .outdir import FinalFile, Mode, OutputDir, SourceId, checksums_document
+from .outdir import FinalFile, FinalFiles, Mode, OutputDir, Session, SourceId
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
 from .source import Origin, Source, SourceReader, read_source
 from .source.local import LocalOrigin
@@ -218,30 +218,13 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
             result.preview = preview(out, plan, sources, opts.rehash, identity, opts.force)
             return result
         final = final_files(source, plan, manifest, identity.name)
-        try:
-            _run(opts, out, plan, sources, final, reporter, result, identity)
-        except BaseException as exc:
-            error = _as_fatal(exc, out)  # worded while the state it describes still holds
-            out.abandon()
-            if error is not None:
-                raise error from None
-            raise
+        sizes = {s.name: s.file_size for s in plan.shards}
+        # The lock is released however the block is left (`Session`).
+        with out.claim(plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed) as run:
+            _run(opts, run, plan, sources, final, reporter, result)
     finally:
         sources.close()
     return result
-
-
-def _as_fatal(exc: BaseException, out: OutputDir) -> Fatal | None:
-    if isinstance(exc, SourceChanged):
-        return fail(
-            Code.SOURCE_CHANGED,
-            f"source file {exc.detail}",
-            file=exc.file,
-            hint=out.resume_hint("make sure nothing writes to the source"),
-        )
-    if isinstance(exc, OSError):  # disk full, permissions, I/O errors: say which file
-        return out.io_error(exc)
-    return None
 
 
 def _source_files(opts: ConvertOptions, source: Source) -> SourceFiles:
@@ -275,10 +258,7 @@ def preview(
     """Which shards a run would keep and which it would write, proven as a run proves them
     (read-only: no lock, nothing written). Refuses what the run would refuse."""
     identity = identity or SourceId("", "")
-    mode, records = out.previous_records(plan.fingerprint, identity)
-    out.check_usable(mode, force)
-    if mode is Mode.OTHER_SOURCE:  # with --force: replaced, as a fresh run
-        mode = Mode.FRESH
+    mode, records = out.resume_decision(plan.fingerprint, identity, force)
     job = Job(sources, out.root, out.tmp, rehash=rehash)
     result = Preview(mode)
     for shard in plan.shards:
@@ -293,22 +273,17 @@ def preview(
 
 def _run(
     opts: ConvertOptions,
-    out: OutputDir,
+    run: Session,
     plan: Plan,
     sources: SourceFiles,
-    final: list[FinalFile],
+    final: FinalFiles,
     reporter: Reporter,
     result: ConvertResult,
-    identity: SourceId,
 ) -> None:
-    result.mode = out.claim(plan.fingerprint, opts.force, identity)
-    for warning in out.warnings:
+    result.mode = run.mode
+    for warning in run.warnings:
         result.warnings.append(warning)
         reporter.warn(warning)
-    ledger = out.ledger
-    assert ledger is not None
-    opts.executor.claimed(out)
-    out.check_free_space(sum(s.file_size for s in plan.shards if s.name not in ledger.done))
     scale_problems: list[Problem] = []
     lock = threading.Lock()
 
@@ -318,15 +293,22 @@ def _run(
         reporter.shard_done(outcome)
 
     hooks = Hooks(
-        on_bytes=reporter.advance, on_scale_nan=scale_problems.append, before_write=out.begin_writes
+        on_bytes=reporter.advance, on_scale_nan=scale_problems.append, before_write=run.begin_writes
     )
     job = Job(
-        sources, out.root, out.tmp, hooks=hooks, check_scales=opts.check_scales, rehash=opts.rehash
+        sources, run.root, run.tmp, hooks=hooks, check_scales=opts.check_scales, rehash=opts.rehash
     )
     reporter.start(plan.output_bytes, len(plan.shards))
     started = time.perf_counter()
     try:
-        opts.executor.run(plan.shards, job, ledger, on_done)
+        opts.executor.run(plan.shards, job, run.ledger, on_done)
+    except SourceChanged as exc:  # worded while the state it describes still holds
+        raise fail(
+            Code.SOURCE_CHANGED,
+            f"source file {exc.detail}",
+            file=exc.file,
+            hint=run.resume_hint("make sure nothing writes to the source"),
+        ) from None
     finally:
         reporter.stop()
     if scale_problems:
@@ -334,24 +316,14 @@ def _run(
             scale_problems,
             hint="the source has NaN scales; nothing was finalized (no index written)",
         )
-    records = [ledger.done[s.name] for s in plan.shards]
-    others = [f for f in final if f.name != contract.CHECKSUMS_NAME]
-    checksums = checksums_document(plan.fingerprint, records, others, identity)
-    final = [
-        *others[:-2],
-        FinalFile(contract.CHECKSUMS_NAME, len(checksums), sha256_bytes(checksums), data=checksums),
-        *others[-2:],
-    ]
-    result.files_rewritten = out.finalize(final)
+    result.files_rewritten = run.finalize(final)
     result.seconds = time.perf_counter() - started
-    out.release(finished=True)
 
 
 def final_files(
     source: Source, plan: Plan, manifest: Manifest, name: str | None = None
-) -> list[FinalFile]:
-    """The source's other files, then config.json and the index (always the last two),
-    computed before any write."""
+) -> FinalFiles:
+    """The source's other files, config.json and the index, computed before any write."""
     identity = {
         # Published: a repo id or the source directory's own name, never a path of this
         # machine (`source_id`).
@@ -375,7 +347,7 @@ def final_files(
     )
     config = contract.converted_config(source.config, block)
     index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map()}
-    files = [
+    extras = [
         FinalFile(
             rel,
             (source.root / rel).stat().st_size,
@@ -384,10 +356,13 @@ def final_files(
         )
         for rel in source.extra_files
     ]
-    for name, doc in (
-        (contract.CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False)),
-        (contract.INDEX_NAME, json.dumps(index, indent=2)),
-    ):
-        data = (doc + "\n").encode()
-        files.append(FinalFile(name, len(data), sha256_bytes(data), data=data))
-    return files
+    return FinalFiles(
+        extras,
+        config=_json_file(contract.CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False)),
+        index=_json_file(contract.INDEX_NAME, json.dumps(index, indent=2)),
+    )
+
+
+def _json_file(name: str, doc: str) -> FinalFile:
+    data = (doc + "\n").encode()
+    return FinalFile(name, len(data), sha256_bytes(data), data=data)
