@@ -48,7 +48,7 @@ setup() {
     for d in converter adapter manifests; do cp -r "$d" "$PKG/kimi_w31/$d" || return 1; done
     printf 'Metadata-Version: 2.1\nName: kimi-w31\nVersion: 0.1.0\n' \
         > "$PKG/kimi_w31-0.1.0.dist-info/METADATA"
-    printf '[sglang.srt.plugins]\nkimi_w31 = kimi_w31.adapter.plugin:register\n' \
+    printf '[sglang.srt.plugins]\nkimi_w31 = kimi_w31.adapter.sglang.plugin:register\n' \
         > "$PKG/kimi_w31-0.1.0.dist-info/entry_points.txt"
 }
 

@@ -23,8 +23,8 @@ COMMANDS = {
     "convert": "kimi_w31.converter.cli:convert_cmd",
     "verify": "kimi_w31.converter.verify.command:verify",
     "synth": "kimi_w31.converter.cli:synth",
-    "serve": "kimi_w31.adapter.launch:serve",
-    "prebuild": "kimi_w31.adapter.launch:prebuild_command",
+    "serve": "kimi_w31.adapter.sglang.launch:serve",
+    "prebuild": "kimi_w31.adapter.sglang.launch:prebuild_command",
 }
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 
 import pytest
-from kimi_w31.adapter.engage import (
+from kimi_w31.adapter.sglang.engage import (
     Decision,
     MoeFacts,
     UnsupportedCombinationError,

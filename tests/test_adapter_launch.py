@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kimi_w31.adapter import launch
-from kimi_w31.adapter.launch import ServeError, check_stack, plan_serve, serve
+from kimi_w31.adapter.sglang import launch
+from kimi_w31.adapter.sglang.launch import ServeError, check_stack, plan_serve, serve
 from kimi_w31.converter import contract
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
@@ -214,8 +214,8 @@ def test_importing_the_converter_and_launch_never_imports_sglang():
     import sys
 
     code = (
-        "import sys, kimi_w31.converter, kimi_w31.converter.cli, kimi_w31.adapter.launch, "
-        "kimi_w31.adapter.plugin, kimi_w31.adapter.hooks; "
+        "import sys, kimi_w31.converter, kimi_w31.converter.cli, kimi_w31.adapter.sglang.launch, "
+        "kimi_w31.adapter.sglang.plugin, kimi_w31.adapter.sglang.hooks; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('sglang', 'flashinfer')]; "
         "assert not bad, bad"
     )

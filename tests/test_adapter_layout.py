@@ -8,7 +8,6 @@ import types
 from pathlib import Path
 
 import pytest
-from kimi_w31.adapter import launch
 from kimi_w31.adapter.layout import (
     OPT_IN_ENV,
     LayoutError,
@@ -18,6 +17,7 @@ from kimi_w31.adapter.layout import (
     opt_in_unconverted,
     unwrap_quantization_config,
 )
+from kimi_w31.adapter.sglang import launch
 from kimi_w31.converter import contract
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
@@ -145,7 +145,7 @@ def test_a_converted_synthetic_checkpoint_passes_the_adapters_checks(converted: 
 
 def test_the_plugin_refuses_a_wrapper_without_a_block():
     pytest.importorskip("torch", reason="the plugin's hooks module imports torch")
-    from kimi_w31.adapter import hooks
+    from kimi_w31.adapter.sglang import hooks
 
     config = converted_cfg()
     del config["kimi_w31"]

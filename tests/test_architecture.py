@@ -89,6 +89,52 @@ def test_the_converter_never_imports_the_adapter():
     assert bad == []
 
 
+# Each serving engine's folder under the adapter, and the top-level packages that are that
+# engine: a module outside every engine folder is engine-neutral and imports none of them.
+ENGINES = {"kimi_w31.adapter.sglang": ("sglang",)}
+
+
+def _engine_of(module: str) -> str | None:
+    return next((e for e in ENGINES if module == e or module.startswith(e + ".")), None)
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """Every module named by a non-relative import, package modules or not."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_engine_neutral_adapter_modules_never_import_an_engine():
+    bad = []
+    for name, path in MODULES.items():
+        if not name.startswith("kimi_w31.adapter") or _engine_of(name):
+            continue
+        for target in GRAPH[name]:
+            if _engine_of(target):
+                bad.append(f"{name} -> {target}")
+        for target in _absolute_imports(path):
+            for engine, tops in ENGINES.items():
+                if target.split(".")[0] in tops:
+                    bad.append(f"{name} -> {target} (that is {engine})")
+    assert bad == []
+
+
+def test_one_engine_folder_never_imports_another():
+    bad = [
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        if _engine_of(m)
+        for t in ts
+        if _engine_of(t) not in (None, _engine_of(m))
+    ]
+    assert bad == []
+
+
 def test_imports_inside_a_package_are_relative():
     bad = []
     for name, path in MODULES.items():
@@ -103,3 +149,8 @@ def test_the_graph_is_read_at_all():
     # A parser that saw nothing would pass the tests above: it must see known edges.
     assert "kimi_w31.converter.contract" in GRAPH["kimi_w31.adapter.layout"]
     assert "kimi_w31.converter.outdir" in GRAPH["kimi_w31.converter.execute.shard"]
+    # ...and the engine rule must see an engine's imports where they are.
+    assert "kimi_w31.adapter.flashinfer_moe" in GRAPH["kimi_w31.adapter.sglang.moe_method"]
+    sglang_bound = MODULES["kimi_w31.adapter.sglang.moe_method"]
+    assert any(t.split(".")[0] == "sglang" for t in _absolute_imports(sglang_bound))
+    assert any(_engine_of(m) for m in MODULES) and not _engine_of("kimi_w31.adapter.layout")

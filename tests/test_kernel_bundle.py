@@ -227,7 +227,7 @@ def test_serve_points_every_process_at_the_bundle(tmp_path) -> None:
 def test_a_bundle_does_not_skip_the_checks_of_a_converted_checkpoint(tmp_path, monkeypatch):
     """--kernels adds a variable for the server; the structure verify still runs first."""
     from click.testing import CliRunner
-    from kimi_w31.adapter import launch
+    from kimi_w31.adapter.sglang import launch
     from test_adapter_launch import ckpt
 
     verified = []

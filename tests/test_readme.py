@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from kimi_w31.adapter.launch import plan_serve, serve
+from kimi_w31.adapter.sglang.launch import plan_serve, serve
 from kimi_w31.converter import contract
 from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.synth import SynthSpec, make_config

@@ -535,7 +535,7 @@ def test_help_teaches(converted):
 
 
 def test_serve_preflight_shape(converted, output_copy):
-    """`adapter/launch.py` calls verify(root) and reads .ok and checks[*].ok/.problems."""
+    """`adapter/sglang/launch.py` calls verify(root) and reads .ok and checks[*].ok/.problems."""
     report = verify(converted)
     assert report.ok and all(hasattr(c, "problems") for c in report.checks)
     (output_copy / "model.safetensors.index.json").unlink()

@@ -69,7 +69,7 @@ def test_converter_wraps_the_config_for_fail_closed(pair):
 def test_converted_checkpoint_serves_the_sources_moe(plugins, pair, monkeypatch, arch):
     import flashinfer
     import flashinfer.fused_moe
-    from kimi_w31.adapter.moe_method import KimiW31SituMoEMethod
+    from kimi_w31.adapter.sglang.moe_method import KimiW31SituMoEMethod
 
     kernel = RefCutlassFusedMoe()
     ident = lambda t, *a, **k: t.clone()  # noqa: E731  (CUDA-only swizzles)

@@ -18,7 +18,7 @@ def _method(**kw):
 
 @pytest.mark.parametrize("arch", ["sm90", "sm120"])
 def test_converted_k3_on_sm90_sm120_gets_the_situ_method(plugins, converted_dir, arch):
-    from kimi_w31.adapter.moe_method import KimiW31SituMoEMethod
+    from kimi_w31.adapter.sglang.moe_method import KimiW31SituMoEMethod
     from sglang.srt.layers.moe.utils import MoeRunnerBackend
 
     with sglang_process(converted_dir, arch=arch):
@@ -53,7 +53,7 @@ def test_everything_else_keeps_sglangs_method(plugins, converted_dir, arch, back
 
 
 def test_unconverted_checkpoint_is_untouched_but_warned(plugins, source_dir, caplog, monkeypatch):
-    from kimi_w31.adapter import hooks
+    from kimi_w31.adapter.sglang import hooks
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
     monkeypatch.delenv(OPT_IN_ENV, raising=False)
@@ -73,7 +73,7 @@ def test_unconverted_checkpoint_with_opt_in_gets_the_situ_method(
 ):
     import torch
     from harness import EXPERT_PREFIX, FakeK3Text, load_with_real_loader, process_hf_config
-    from kimi_w31.adapter.moe_method import KimiW31SituMoEMethod
+    from kimi_w31.adapter.sglang.moe_method import KimiW31SituMoEMethod
 
     monkeypatch.setenv(OPT_IN_ENV, "1")
     with sglang_process(source_dir, arch=arch):
@@ -118,7 +118,7 @@ def test_humming_needs_flashinfers_humming_entry_points(plugins, converted_dir, 
 
 
 def test_forced_k3_ar_fusion_fails_at_construction(plugins, converted_dir, monkeypatch):
-    from kimi_w31.adapter.engage import UnsupportedCombinationError
+    from kimi_w31.adapter.sglang.engage import UnsupportedCombinationError
 
     monkeypatch.setenv("SGLANG_K3_AR_FUSION", "1")
     with (

@@ -67,7 +67,7 @@ def _load(path, tensors, *, arch, backend, inter=N, experts=E, setup=None):
 
 
 def _expect_refusal(path, tensors, want, **kw) -> None:
-    from kimi_w31.adapter.hooks import W31LoadError
+    from kimi_w31.adapter.sglang.hooks import W31LoadError
 
     with pytest.raises(W31LoadError) as err:
         _load(path, tensors, **kw)

@@ -31,7 +31,7 @@ def _build_and_load(tensors: dict, *, inter: int = N, experts: int = E, setup=No
 
 @pytest.mark.parametrize("arch", ["sm90", "sm120"])
 def test_up_first_w13_is_the_checkpoint_w31(plugins, converted_dir, converted_tensors, arch):
-    from kimi_w31.adapter.moe_method import KimiW31SituMoEMethod
+    from kimi_w31.adapter.sglang.moe_method import KimiW31SituMoEMethod
 
     with sglang_process(converted_dir, arch=arch):
         moes = _build_and_load(converted_tensors)
@@ -52,7 +52,7 @@ def test_stock_methods_load_converted_exactly_like_the_source(
 ):
     """marlin (SGLang's method, default [gate; up] order): converted == source, buffer
     for buffer."""
-    from kimi_w31.adapter.moe_method import KimiW31SituMoEMethod
+    from kimi_w31.adapter.sglang.moe_method import KimiW31SituMoEMethod
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
     def load(path, tensors):
@@ -137,7 +137,7 @@ def test_4d_scales_and_extra_tuple_elements(plugins, converted_dir, converted_te
 
 
 def test_converted_config_with_a_layer_missing_w31_fails(plugins, converted_dir, converted_tensors):
-    from kimi_w31.adapter.hooks import W31LoadError
+    from kimi_w31.adapter.sglang.hooks import W31LoadError
 
     holed = {
         k: v
@@ -153,7 +153,7 @@ def test_converted_config_with_a_layer_missing_w31_fails(plugins, converted_dir,
 def test_converted_config_with_unfused_w1_w3_fails(
     plugins, converted_dir, converted_tensors, source_tensors
 ):
-    from kimi_w31.adapter.hooks import W31LoadError
+    from kimi_w31.adapter.sglang.hooks import W31LoadError
 
     mixed = dict(converted_tensors)
     p = P.format(L=0, E=0)

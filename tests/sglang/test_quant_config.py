@@ -44,7 +44,7 @@ def test_converted_checkpoint_gets_the_sources_quantization(plugins, source_dir,
 def test_wrapped_config_builds_the_base_method(plugins, source_dir, converted_dir):
     """A config that still carries the wrapper (e.g. handed over by other code) resolves to
     the original method's config object through the registered `kimi_w31` name."""
-    from kimi_w31.adapter.quant_config import KimiW31Config
+    from kimi_w31.adapter.sglang.quant_config import KimiW31Config
     from sglang.srt.layers.quantization import get_quantization_config
 
     wrapper = json.loads((converted_dir / "config.json").read_text())["quantization_config"]

@@ -12,7 +12,7 @@ import random
 
 import harness  # noqa: F401  (the import stand-ins)
 import pytest
-from kimi_w31.adapter import launch
+from kimi_w31.adapter.sglang import launch
 
 pytestmark = pytest.mark.sglang
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .layout import OPT_IN_ENV
+from ..layout import OPT_IN_ENV
 
 ADAPTER_ARCHS = ("sm90", "sm120")
 BACKEND = "flashinfer_mxfp4"

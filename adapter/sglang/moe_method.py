@@ -23,7 +23,7 @@ from sglang.srt.layers.moe.topk import TopKOutputChecker
 from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from sglang.srt.runtime_context import get_parallel
 
-from . import flashinfer_moe as fm
+from .. import flashinfer_moe as fm
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import click
 
-from ..converter import contract
-from ..converter.console import human, parse_size, progress_option
-from ..converter.errors import Code
-from .layout import OPT_IN_ENV, find_block, text_config
+from ...converter import contract
+from ...converter.console import human, parse_size, progress_option
+from ...converter.errors import Code
+from ..layout import OPT_IN_ENV, find_block, text_config
 
 SGLANG_PIN = "0.5.23"
 FLASHINFER_MIN = (0, 7, 0)
@@ -463,7 +463,7 @@ def plan_serve(
 
 def verify_structure(root: Path) -> list[str]:
     """`kimi-convert verify`'s structure level (headers, index, block): rendered problems."""
-    from ..converter.verify import verify
+    from ...converter.verify import verify
 
     report = verify(root)
     return [p.render() for c in report.checks if c.ok is False for p in c.problems] or (
@@ -606,8 +606,8 @@ def serve(
 def kernel_bundle_env(kernels: Path) -> dict[str, str]:
     """The variable that points every server process at a kernel bundle; its manifest must
     parse (the stack match is checked by the plugin, in the processes that serve)."""
-    from .bundle import MANIFEST, BundleError, Manifest
-    from .kernels import ENV_BUNDLE
+    from ..bundle import MANIFEST, BundleError, Manifest
+    from ..kernels import ENV_BUNDLE
 
     where = kernels / MANIFEST
     try:
@@ -629,9 +629,9 @@ def run_prebuild(
     plan_only: bool = False,
 ) -> None:
     """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
-    from ..converter import console
-    from .flashinfer_moe import SituUnsupportedError
-    from .prebuild import PrebuildError, prebuild
+    from ...converter import console
+    from ..flashinfer_moe import SituUnsupportedError
+    from ..prebuild import PrebuildError, prebuild
 
     shown: dict[str, console.Progress] = {}
 

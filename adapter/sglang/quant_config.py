@@ -21,7 +21,7 @@ from sglang.srt.layers.quantization import (
 )
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 
-from .layout import WRAPPER_METHOD, unwrap_one
+from ..layout import WRAPPER_METHOD, unwrap_one
 
 # Keys SGLang adds to the checkpoint's dict before from_config (weight_utils.get_quant_config).
 _RUNTIME_KEYS = ("packed_modules_mapping", "hf_config", "requantization_method")

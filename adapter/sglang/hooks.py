@@ -11,11 +11,10 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ..converter.errors import Code
-from . import flashinfer_moe as fm
-from .completeness import PROJECTIONS, ExpertLedger, incomplete_report, kind_of, missing_parts
-from .engage import Decision, MoeFacts, decide, unconverted_warning
-from .layout import (
+from ...converter.errors import Code
+from .. import flashinfer_moe as fm
+from ..completeness import PROJECTIONS, ExpertLedger, incomplete_report, kind_of, missing_parts
+from ..layout import (
     LayoutError,
     W31Layout,
     find_block,
@@ -24,7 +23,8 @@ from .layout import (
     text_config,
     unwrap_quantization_config,
 )
-from .split import SplitStats, split_w31_items
+from ..split import SplitStats, split_w31_items
+from .engage import Decision, MoeFacts, decide, unconverted_warning
 
 logger = logging.getLogger("kimi_w31.adapter")
 
