@@ -1,6 +1,8 @@
 """When the adapter's SiTU MoE method replaces SGLang's: a pure decision over plain facts.
 
-Kept free of SGLang so the whole matrix is cheap to test; `hooks.py` gathers the facts.
+Kept free of SGLang imports so the whole matrix is cheap to test; `hooks.py` gathers the
+facts. It sits with the SGLang-bound modules all the same: every fact and every way out it
+names is one of SGLang's flags, so another engine would decide with its own table.
 """
 
 from __future__ import annotations
