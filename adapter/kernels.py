@@ -280,19 +280,22 @@ def _balanced(weights: Sequence[float], cap: float) -> list[int]:
         acc += w
         size += 1
     sizes.append(size)
-    # Balancing may leave the last chunk over the cap: then plain first-fit by the cap.
+    # Balancing may leave a chunk over the cap, or (a heavy item late) cut more chunks than
+    # filling up to the cap would: then plain first-fit by the cap, which is the fewest.
+    fit: list[int] = []
+    acc = 0.0
+    for w in weights:
+        if not fit or acc + w > cap + 1e-9:
+            fit.append(0)
+            acc = 0.0
+        fit[-1] += 1
+        acc += w
     chunks, i = [], 0
     for n in sizes:
         chunks.append(weights[i : i + n])
         i += n
-    if any(len(c) > 1 and sum(c) > cap + 1e-9 for c in chunks):
-        sizes, acc = [], 0.0
-        for w in weights:
-            if not sizes or acc + w > cap + 1e-9:
-                sizes.append(0)
-                acc = 0.0
-            sizes[-1] += 1
-            acc += w
+    if len(sizes) > len(fit) or any(len(c) > 1 and sum(c) > cap + 1e-9 for c in chunks):
+        sizes = fit
     return sizes
 
 

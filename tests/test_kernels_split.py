@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from kimi_w31.adapter import kernels as K
 
@@ -52,6 +52,12 @@ def _first_fit(weights, cap):
 @given(
     shapes=st.lists(tiles, min_size=1, max_size=12),
     max_weight=st.sampled_from([5.0, 10.0, 12.0, 15.0, 20.0, 30.0, 60.0, 1000.0]),
+)
+# A heavy instantiation last: balancing to an even target cut 3 parts where filling up to the
+# bound gives 2.
+@example(
+    shapes=[(64, 16, 128), (64, 16, 128), (64, 32, 512), (64, 256, 512), (256, 256, 512)],
+    max_weight=20.0,
 )
 def test_split_keeps_every_instantiation_once_in_order(shapes, max_weight) -> None:
     insts = [instance(m, n, k, i) for i, (m, n, k) in enumerate(shapes)]
