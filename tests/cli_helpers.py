@@ -14,9 +14,10 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import click
+if TYPE_CHECKING:
+    import click
 
 ENTRY = [sys.executable, "-m", "kimi_w31"]  # the console entry point, as installed
 # What the `kimi-convert` console script runs, for a run that needs Python run first.
@@ -106,6 +107,7 @@ def run_cli(
     through click's runner, `invoke` passed on to it."""
     argv = [str(a) for a in args]
     if inprocess:
+        assert prelude is None and preexec_fn is None and cwd is None, "a subprocess's options"
         from click.testing import CliRunner
 
         from kimi_w31.cli import main
@@ -131,7 +133,9 @@ def run_cli(
     return result
 
 
-def start_cli(args: Iterable[object], *, stop_at: str, env: Mapping[str, str | None] | None = None):
+def start_cli(
+    args: Iterable[object], *, stop_at: str, env: Mapping[str, str | None] | None = None
+) -> subprocess.Popen:
     """The CLI in a subprocess held stopped (SIGSTOP) at fault point `stop_at`: for a test
     that must act while the run is in flight (signal it, race it). Returns the Popen once it
     has stopped; resume it with SIGCONT and `communicate()`."""
