@@ -9,7 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.adapter.sglang import launch
@@ -166,8 +166,10 @@ def test_cli_print_shows_the_command(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "check_stack", lambda: [])
     monkeypatch.setattr(launch, "verify_structure", lambda root: [])
     root = ckpt(tmp_path)
-    result = CliRunner().invoke(serve, [str(root), "--tp", "2", "--print", "--", "--port", "1"])
-    assert result.exit_code == 0, result.output
+    result = run_cli(
+        [str(root), "--tp", "2", "--print", "--", "--port", "1"], inprocess=True, command=serve
+    )
+    assert result.returncode == 0, result.output
     argv = shlex.split(result.output.strip())
     assert argv[1:] == [
         "-m",
@@ -186,24 +188,26 @@ def test_cli_print_shows_the_command(tmp_path, monkeypatch):
 def test_cli_refuses_on_failed_checks(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "check_stack", lambda: ["sglang is not installed"])
     monkeypatch.setattr(launch, "verify_structure", lambda root: ["index: missing shard"])
-    result = CliRunner().invoke(serve, [str(ckpt(tmp_path)), "--print"])
-    assert result.exit_code != 0
+    result = run_cli([str(ckpt(tmp_path)), "--print"], inprocess=True, command=serve)
+    assert result.returncode != 0
     assert "sglang is not installed" in result.output and "verify: index" in result.output
 
 
 def test_cli_runs_the_real_structure_verify(tmp_path, monkeypatch):
     """A config alone is not a checkpoint: the converter's verify must complain."""
     monkeypatch.setattr(launch, "check_stack", lambda: [])
-    result = CliRunner().invoke(serve, [str(ckpt(tmp_path)), "--print"])
-    assert result.exit_code != 0 and "verify:" in result.output
+    result = run_cli([str(ckpt(tmp_path)), "--print"], inprocess=True, command=serve)
+    assert result.returncode != 0 and "verify:" in result.output
 
 
 def test_cli_execs_sglang(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "check_stack", lambda: [])
     calls = []
     monkeypatch.setattr(launch.os, "execvpe", lambda f, argv, env: calls.append((argv, env)))
-    result = CliRunner().invoke(serve, [str(ckpt(tmp_path, converted=False)), "--unconverted"])
-    assert result.exit_code == 0, result.output
+    result = run_cli(
+        [str(ckpt(tmp_path, converted=False)), "--unconverted"], inprocess=True, command=serve
+    )
+    assert result.returncode == 0, result.output
     ((argv, env),) = calls
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     assert env["KIMI_W31_SERVE_UNCONVERTED"] == "1"
@@ -400,11 +404,14 @@ def test_gpu_memory_option_parses_sizes(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "check_stack", lambda: [])
     monkeypatch.setattr(launch, "verify_structure", lambda root: [])
     root = _with_index(ckpt(tmp_path), 1_400_000_000_000)
-    run = CliRunner().invoke
-    assert run(serve, [str(root), "--tp", "8", "--gpu-memory", "141GB", "--print"]).exit_code == 1
-    ok = run(serve, [str(root), "--tp", "16", "--ep", "2", "--gpu-memory", "141GB", "--print"])
-    assert ok.exit_code == 0, ok.output
-    assert run(serve, [str(root), "--gpu-memory", "lots", "--print"]).exit_code == 2
+
+    def run(args: list[str]):
+        return run_cli(args, inprocess=True, command=serve)
+
+    assert run([str(root), "--tp", "8", "--gpu-memory", "141GB", "--print"]).returncode == 1
+    ok = run([str(root), "--tp", "16", "--ep", "2", "--gpu-memory", "141GB", "--print"])
+    assert ok.returncode == 0, ok.output
+    assert run([str(root), "--gpu-memory", "lots", "--print"]).returncode == 2
 
 
 # --------------------------------------------------------------------------------------
@@ -430,10 +437,10 @@ def test_skip_checks_skips_each_check(tmp_path, monkeypatch, setup, args):
     if setup == "stack":
         monkeypatch.setattr(launch, "check_stack", lambda: ["sglang is not installed"])
     base = [str(root), "--print", "--gpu-memory", "10TB", *args]
-    refused = CliRunner().invoke(serve, base)
-    assert refused.exit_code == 1, refused.output
-    skipped = CliRunner().invoke(serve, [*base, "--skip-checks"])
-    assert skipped.exit_code == 0, skipped.output
+    refused = run_cli(base, inprocess=True, command=serve)
+    assert refused.returncode == 1, refused.output
+    skipped = run_cli([*base, "--skip-checks"], inprocess=True, command=serve)
+    assert skipped.returncode == 0, skipped.output
     assert "sglang.launch_server" in skipped.output
 
 

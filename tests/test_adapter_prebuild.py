@@ -245,9 +245,7 @@ def test_jobs_are_bounded_by_memory_and_cores(cores, gib, per_job, max_jobs) -> 
 
 def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_path):
     """`kimi-convert prebuild`: progress lines for a log, exit 0 when built, 1 when not."""
-    from click.testing import CliRunner
-
-    from kimi_w31.cli import main
+    from cli_helpers import run_cli
 
     calls = []
 
@@ -261,8 +259,8 @@ def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_pa
 
     monkeypatch.setattr(pb, "prebuild", fake)
     args = ["prebuild", "--arch", "sm90", "--progress", "lines", "--precision", "w4a8"]
-    result = CliRunner().invoke(main, [*args, "--jobs", "4", "--out", str(tmp_path / "k")])
-    assert result.exit_code == 0, result.output
+    result = run_cli([*args, "--jobs", "4", "--out", str(tmp_path / "k")], inprocess=True)
+    assert result.returncode == 0, result.output
     assert calls[-1] == ("sm90", ("w4a8",), tmp_path / "k", 4, False)
     lines = [x for x in result.output.splitlines() if x.startswith("flashinfer build m: ")]
     assert lines and lines[-1].startswith("flashinfer build m: 10/10 (100%)")
@@ -271,4 +269,4 @@ def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_pa
         raise pb.PrebuildError("no CUDA GPU visible: pass arch='sm90' or arch='sm120'")
 
     monkeypatch.setattr(pb, "prebuild", broken)
-    assert CliRunner().invoke(main, ["prebuild"]).exit_code == 1
+    assert run_cli(["prebuild"], inprocess=True).returncode == 1

@@ -35,7 +35,7 @@ def _shard_of(src, tensor: str):
 def _convert(src, tmp_path, *extra):
     """Run a conversion that must fail: (exit code, problems by code)."""
     out = tmp_path / "out"
-    proc = run_cli(src, out, "--manifest", "kimi-k3-any", "--json", *extra)
+    proc = run_cli([src, out, "--manifest", "kimi-k3-any", "--json", *extra])
     assert not (out / "model.safetensors.index.json").exists()
     assert not out.exists() or not any(out.iterdir())  # not even an empty state folder
     return proc.returncode, problems(proc)
@@ -44,7 +44,7 @@ def _convert(src, tmp_path, *extra):
 def problems(proc) -> dict[Code, list[dict]]:
     assert "Traceback" not in proc.stderr
     found: dict[Code, list[dict]] = {}
-    for p in json.loads(proc.stdout)["problems"]:
+    for p in proc.problems:
         found.setdefault(Code(p["code"]), []).append(p)
     return found
 
@@ -128,13 +128,13 @@ def test_weight_map_path_traversal_and_absolute(source_copy, tmp_path):
 
 
 def test_pinned_manifest_mismatch_suggests_any(small_source, tmp_path):
-    proc = run_cli(small_source, tmp_path / "out", "--json")  # default: kimi-k3, pinned dims
+    proc = run_cli([small_source, tmp_path / "out", "--json"])  # default: kimi-k3, pinned dims
     assert proc.returncode == 1
     found = problems(proc)
     assert ("num_experts", "896", "8") in {
         (p["what"].split()[2], p["expected"], p["found"]) for p in found[Code.PINNED_MISMATCH]
     }
-    assert "--manifest kimi-k3-any" in json.loads(proc.stdout)["hint"]
+    assert "--manifest kimi-k3-any" in proc.json["hint"]
     assert not (tmp_path / "out").exists()
 
 
@@ -175,11 +175,11 @@ def test_usage_errors_exit_2(small_source, tmp_path):
         ["--max-shard-size", "lots"],
         ["--max-shard-size", "0"],
     ):
-        proc = run_cli(small_source, tmp_path / "o", *args)
+        proc = run_cli([small_source, tmp_path / "o", *args])
         assert proc.returncode == 2, (args, proc.stderr)
-    assert run_cli(small_source, small_source / "inside").returncode == 2
-    assert run_cli(small_source, tmp_path / "o", "--revision", "main").returncode == 2
-    assert run_cli("/definitely/not/here", tmp_path / "o").returncode == 1
+    assert run_cli([small_source, small_source / "inside"]).returncode == 2
+    assert run_cli([small_source, tmp_path / "o", "--revision", "main"]).returncode == 2
+    assert run_cli(["/definitely/not/here", tmp_path / "o"]).returncode == 1
     assert not (tmp_path / "o").exists()
 
 
@@ -189,7 +189,7 @@ def test_non_empty_unrelated_output_is_never_cleared(small_source, tmp_path):
     (out / "notes.txt").write_text("mine")
     (out / "model-00001-of-00002.safetensors").write_bytes(b"another model")
     for extra in ([], ["--force"]):
-        proc = run_cli(small_source, out, "--manifest", "kimi-k3-any", "--json", *extra)
+        proc = run_cli([small_source, out, "--manifest", "kimi-k3-any", "--json", *extra])
         assert proc.returncode == 1
         assert set(problems(proc)) == {Code.FOREIGN_OUTPUT if extra else Code.OUTPUT_NOT_EMPTY}
     assert sorted(p.name for p in out.iterdir()) == [
@@ -206,5 +206,5 @@ def test_messages_are_not_read_as_markup(source_copy, tmp_path):
     first = next(iter(index["weight_map"]))
     index["weight_map"][first] = "../[red]x.safetensors"
     index_path.write_text(json.dumps(index))
-    proc = run_cli(source_copy, tmp_path / "out", "--manifest", "kimi-k3-any")
+    proc = run_cli([source_copy, tmp_path / "out", "--manifest", "kimi-k3-any"])
     assert proc.returncode == 1 and "../[red]x.safetensors" in proc.stderr

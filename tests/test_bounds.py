@@ -8,13 +8,11 @@ a list of 10^10 layers fails fast (MemoryError: a crash, not JSON) instead of sw
 from __future__ import annotations
 
 import json
-import os
 import resource
 import shutil
-import subprocess
-import sys
 
 import pytest
+from cli_helpers import run_cli
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import CONFIG_NAME
@@ -32,28 +30,12 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
 
 
-def run_json(*args) -> tuple[int, dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31", *map(str, args), "--json"],
-        capture_output=True,
-        text=True,
-        preexec_fn=_limited,
-        env={**os.environ, **QUIET_THREADS},
-        timeout=120,
-    )
-    try:
-        return proc.returncode, json.loads(proc.stdout)
-    except ValueError:
-        raise AssertionError(
-            f"not JSON (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
-        ) from None
-
-
-def codes_of(doc: dict) -> set[str]:
-    found = {p["code"] for p in doc.get("problems", [])}
-    for check in doc.get("checks", []):
-        found |= {p["code"] for p in check.get("problems", [])}
-    return found
+def run_json(*args) -> tuple[int, dict, set[str]]:
+    """(exit code, the `--json` report, its reason codes), under the memory limit."""
+    proc = run_cli([*args, "--json"], preexec_fn=_limited, env=QUIET_THREADS)
+    if not isinstance(proc.json, dict):
+        raise AssertionError(f"not JSON (exit {proc.returncode}):\n{proc.output}")
+    return proc.returncode, proc.json, set(proc.codes)
 
 
 def set_sizes(config_path, sizes: dict) -> None:
@@ -70,26 +52,8 @@ huge = st.dictionaries(
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     base = tmp_path_factory.mktemp("bounds")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kimi_w31",
-            "synth",
-            base / "src",
-            "--layers",
-            "3",
-            "--experts",
-            "4",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(
-        [sys.executable, "-m", "kimi_w31", base / "src", base / "out", "--manifest", "kimi-k3-any"],
-        check=True,
-        capture_output=True,
-    )
+    run_cli(["synth", base / "src", "--layers", "3", "--experts", "4"], check=True)
+    run_cli([base / "src", base / "out", "--manifest", "kimi-k3-any"], check=True)
     return base
 
 
@@ -114,8 +78,8 @@ def test_convert_refuses_huge_sizes(pair, sizes, dry_run):
     out = pair / "out-huge"
     shutil.rmtree(out, ignore_errors=True)
     args = [src, out, "--manifest", "kimi-k3-any", *(["--dry-run"] if dry_run else [])]
-    rc, doc = run_json(*args)
-    assert rc == 1 and codes_of(doc) & REFUSED, doc
+    rc, doc, codes = run_json(*args)
+    assert rc == 1 and codes & REFUSED, doc
     assert not list(out.glob("*.safetensors"))
 
 
@@ -128,5 +92,5 @@ def test_verify_refuses_huge_sizes(pair, sizes):
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(pair / "out", out)
     set_sizes(out / CONFIG_NAME, sizes)
-    rc, doc = run_json("verify", out, "--source", pair / "src")
-    assert rc == 1 and codes_of(doc) & REFUSED, doc
+    rc, doc, codes = run_json("verify", out, "--source", pair / "src")
+    assert rc == 1 and codes & REFUSED, doc

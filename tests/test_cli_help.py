@@ -3,13 +3,12 @@ it takes (no bare TEXT or INTEGER placeholders)."""
 
 from __future__ import annotations
 
-import json
 import random
 import re
 
 import click
 import pytest
-from click.testing import CliRunner
+from cli_helpers import run_cli
 from kimi_w31.converter.errors import EXIT_CODES, Code
 
 from kimi_w31.cli import main
@@ -24,8 +23,8 @@ def test_every_command_is_there():
 @pytest.mark.parametrize("name", COMMANDS)
 def test_help_has_examples_and_every_option_is_described(name):
     command = main.get_command(click.Context(main), name)
-    result = CliRunner().invoke(main, [name, "--help"], terminal_width=100)
-    assert result.exit_code == 0, result.output
+    result = run_cli([name, "--help"], inprocess=True, terminal_width=100)
+    assert result.returncode == 0, result.output
     assert "Examples:" in result.output
     for param in command.params:
         if isinstance(param, click.Option) and param.name != "help":
@@ -35,8 +34,8 @@ def test_help_has_examples_and_every_option_is_described(name):
 
 
 def test_the_group_help_lists_examples_and_exit_codes():
-    result = CliRunner().invoke(main, ["--help"], terminal_width=100)
-    assert result.exit_code == 0
+    result = run_cli(["--help"], inprocess=True, terminal_width=100)
+    assert result.returncode == 0
     assert "Examples:" in result.output and "Exit codes" in result.output
 
 
@@ -76,8 +75,8 @@ def test_a_typo_of_a_command_is_refused_and_names_the_command(name, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     typos = sorted(t for t in _one_edit_typos(name) if len(t) >= 4)
     for typo in random.Random(name).sample(typos, 12):
-        result = CliRunner().invoke(main, [typo, "out", "--checksums"])
-        assert result.exit_code == EXIT_CODES[Code.USAGE], (typo, result.output)
+        result = run_cli([typo, "out", "--checksums"], inprocess=True)
+        assert result.returncode == EXIT_CODES[Code.USAGE], (typo, result.output)
         assert repr(name) in result.output, (typo, result.output)  # the command meant
         assert not (tmp_path / "out").exists()  # nothing converted, nothing written
 
@@ -86,23 +85,23 @@ def test_an_existing_directory_named_like_a_typo_is_a_source(tmp_path, monkeypat
     """A source may be called anything: a path that exists goes to convert, typo or not."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "verfy").mkdir()
-    result = CliRunner().invoke(main, ["verfy", "out", "--json"])
-    doc = json.loads(result.output)  # convert read it: an empty directory has no config
-    assert [p["code"] for p in doc["problems"]] == [Code.FILE_MISSING.value]
-    assert result.exit_code == doc["exit_code"] == EXIT_CODES[Code.FILE_MISSING]
+    result = run_cli(["verfy", "out", "--json"], inprocess=True)
+    doc = result.json  # convert read it: an empty directory has no config
+    assert result.codes == [Code.FILE_MISSING.value]
+    assert result.returncode == doc["exit_code"] == EXIT_CODES[Code.FILE_MISSING]
 
 
 def test_a_word_unlike_any_command_is_convert_s_source(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(main, ["zzzzzz", "out", "--json"])
-    doc = json.loads(result.output)
-    assert {p["code"] for p in doc["problems"]} == {Code.SOURCE_NOT_FOUND.value}
-    assert result.exit_code == EXIT_CODES[Code.SOURCE_NOT_FOUND]
+    result = run_cli(["zzzzzz", "out", "--json"], inprocess=True)
+    assert set(result.codes) == {Code.SOURCE_NOT_FOUND.value}
+    assert result.returncode == EXIT_CODES[Code.SOURCE_NOT_FOUND]
 
 
 def test_src_out_without_a_command_still_converts(small_source, tmp_path):
-    result = CliRunner().invoke(
-        main, [str(small_source), str(tmp_path / "out"), "--manifest", "kimi-k3-any", "-q"]
+    result = run_cli(
+        [str(small_source), str(tmp_path / "out"), "--manifest", "kimi-k3-any", "-q"],
+        inprocess=True,
     )
-    assert result.exit_code == 0, result.output
+    assert result.returncode == 0, result.output
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()

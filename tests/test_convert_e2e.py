@@ -138,17 +138,17 @@ def test_single_file_source(tmp_path, small_source):
     # turn it into a plain model.safetensors repo (no index)
     (src / "model-00001-of-00001.safetensors").rename(src / "model.safetensors")
     (src / "model.safetensors.index.json").unlink()
-    proc = run_cli(src, tmp_path / "out", "--manifest", "kimi-k3-any", "--json")
+    proc = run_cli([src, tmp_path / "out", "--manifest", "kimi-k3-any", "--json"])
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["experts_fused"] == 4
+    assert proc.json["experts_fused"] == 4
 
 
 def test_dry_run_writes_nothing(small_source, tmp_path):
     proc = run_cli(
-        small_source, tmp_path / "out", "--manifest", "kimi-k3-any", "--dry-run", "--json"
+        [small_source, tmp_path / "out", "--manifest", "kimi-k3-any", "--dry-run", "--json"]
     )
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout)
+    summary = proc.json
     assert summary["output_bytes"] > 0 and summary["experts_fused"] == FUSED
     assert summary["source"] == str(small_source.resolve())  # JSON paths are absolute
     assert summary["output"] == str((tmp_path / "out").resolve())
@@ -167,28 +167,30 @@ def test_repo_id_from_local_hf_cache(small_source, tmp_path, monkeypatch):
         os.symlink(os.path.relpath(blob, snap), snap / f.name)
     (cache / "models--org--tiny-k3" / "refs").mkdir()
     (cache / "models--org--tiny-k3" / "refs" / "main").write_text("a" * 40)
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    proc = run_cli("org/tiny-k3", tmp_path / "out", "--manifest", "kimi-k3-any", "-q", env=env)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = run_cli(["org/tiny-k3", tmp_path / "out", "--manifest", "kimi-k3-any", "-q"], env=env)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
-    missing = run_cli("org/not-there", tmp_path / "o2", "--json", env=env)
+    missing = run_cli(["org/not-there", tmp_path / "o2", "--json"], env=env)
     assert missing.returncode == 1
-    assert json.loads(missing.stdout)["problems"][0]["code"] == "source-not-in-cache"
+    assert missing.problems[0]["code"] == "source-not-in-cache"
 
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_output_independent_of_worker_count(small_source, converted, tmp_path, workers):
     out = tmp_path / "o"
     proc = run_cli(
-        small_source,
-        out,
-        "--manifest",
-        "kimi-k3-any",
-        "--max-shard-size",
-        "600000",
-        "--workers",
-        workers,
-        "-q",
+        [
+            small_source,
+            out,
+            "--manifest",
+            "kimi-k3-any",
+            "--max-shard-size",
+            "600000",
+            "--workers",
+            workers,
+            "-q",
+        ],
     )
     assert proc.returncode == 0, proc.stderr
     for p in converted.iterdir():

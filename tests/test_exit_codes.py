@@ -3,12 +3,11 @@ command and in `--json`; no raise site chooses one."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import run_cli
 from kimi_w31.converter.errors import (
     EXIT_CODES,
     EXIT_PROBLEMS,
@@ -18,8 +17,6 @@ from kimi_w31.converter.errors import (
     Problem,
     fail,
 )
-
-from kimi_w31.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("converter", "adapter", "kimi_w31")
@@ -86,20 +83,19 @@ def _cases(small_source: Path, tmp: Path) -> list[tuple[Code, str, list[str], bo
 def test_the_same_reason_exits_the_same_in_every_command(small_source, tmp_path):
     seen: dict[Code, set[int]] = {}
     for code, command, argv, has_json in _cases(small_source, tmp_path):
-        result = CliRunner().invoke(main, [*argv, "--json"] if has_json else argv)
-        seen.setdefault(code, set()).add(result.exit_code)
-        assert result.exit_code == EXIT_CODES[code], (command, argv, result.output)
+        result = run_cli([*argv, "--json"] if has_json else argv, inprocess=True)
+        seen.setdefault(code, set()).add(result.returncode)
+        assert result.returncode == EXIT_CODES[code], (command, argv, result.output)
         if has_json:
-            doc = json.loads(result.output)
-            assert doc["exit_code"] == result.exit_code, (command, doc)
-            codes = {p["code"] for p in doc.get("problems", [])} | set(doc.get("codes", []))
-            codes |= {p["code"] for c in doc.get("checks", []) for p in c["problems"]}
+            doc = result.json
+            assert doc["exit_code"] == result.returncode, (command, doc)
+            codes = set(result.codes) | set(doc.get("codes", []))  # problems, verify's checks
             assert code.value in codes, (command, doc)
     assert all(len(exits) == 1 for exits in seen.values()), seen
 
 
 def test_success_says_exit_code_0_in_json(small_source, tmp_path):
-    result = CliRunner().invoke(main, [str(small_source), str(tmp_path / "o"), *ANY, "--json"])
-    assert result.exit_code == json.loads(result.output)["exit_code"] == 0
-    result = CliRunner().invoke(main, ["verify", str(tmp_path / "o"), "--json"])
-    assert result.exit_code == json.loads(result.output)["exit_code"] == 0
+    result = run_cli([small_source, tmp_path / "o", *ANY, "--json"], inprocess=True)
+    assert result.returncode == result.json["exit_code"] == 0
+    result = run_cli(["verify", tmp_path / "o", "--json"], inprocess=True)
+    assert result.returncode == result.json["exit_code"] == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import struct
 
-import faultlib as fl
+import faults as fl
 import pytest
 import safetensors.numpy
 from hypothesis import given

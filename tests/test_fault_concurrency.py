@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import faultlib as fl
+import faults as fl
 
 
 def test_lock_refuses_live_takes_over_stale(tmp_path: Path) -> None:

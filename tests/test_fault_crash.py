@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import faultlib as fl
+import faults as fl
 import pytest
 
 

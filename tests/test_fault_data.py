@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import faultlib as fl
+import faults as fl
 
 
 def test_nan_scale_reported_with_position(tmp_path: Path) -> None:
@@ -17,7 +17,7 @@ def test_nan_scale_reported_with_position(tmp_path: Path) -> None:
 def test_e8m0_scales_checked_by_default_and_only_e8m0(tmp_path: Path) -> None:
     """A NaN expert scale stops a plain convert; finite F32 scales with 0xFF bytes pass even
     --check-scales; a NaN planted in an output is reported by verify's data levels."""
-    import faults_library as flib
+    from faults import library as flib
 
     rows = flib.scale_cases(fl.make_source(tmp_path / "template"), tmp_path / "work")
     assert len(rows) == 4

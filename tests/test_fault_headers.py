@@ -12,7 +12,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-import faultlib as fl
+import faults as fl
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
@@ -251,7 +251,7 @@ def test_every_hostile_header_is_a_clean_cli_error(tmp_path: Path) -> None:
 def test_headers_the_library_refuses_are_clean_errors_in_convert_and_verify(tmp_path: Path):
     """Each form Python's json reads and the library refuses: convert refuses it in a source
     shard, and verify reports it planted in an output whose checksums were re-forged."""
-    import faults_library as flib
+    from faults import library as flib
 
     template = fl.make_source(tmp_path / "template", layers=2, experts=4)
     rows = flib.source_header_cases(template, tmp_path / "src")

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-import faultlib as fl
+import faults as fl
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st

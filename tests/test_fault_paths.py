@@ -13,9 +13,9 @@ import signal
 import string
 from pathlib import Path
 
-import faultlib as fl
-import faults_filesystem as ffs
+import faults as fl
 import pytest
+from faults import filesystem as ffs
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from kimi_w31.converter import contract, fsio

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import faultlib as fl
+import faults as fl
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import parse_expert_name

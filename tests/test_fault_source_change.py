@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import faultlib as fl
+import faults as fl
 
 
 def test_source_changes_are_detected_and_never_reused(tmp_path: Path) -> None:

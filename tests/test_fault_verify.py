@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import run_cli
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 from kimi_w31.converter.verify import verify
@@ -511,29 +509,17 @@ def test_names_leading_outside_are_never_opened(output_copy, where):
         )
         code = Code.CHECKSUMS_INVALID
         args = ["--checksums"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31", "verify", str(output_copy), "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_cli(["verify", output_copy, "--json", *args], timeout=60)
     assert proc.returncode == 1, proc.stderr
-    assert code.value in json.loads(proc.stdout)["codes"]
+    assert code.value in proc.json["codes"]
 
 
 def test_fifo_swapped_in_for_a_recorded_file_is_never_opened(output_copy):
     (output_copy / "README.md").unlink()
     os.mkfifo(output_copy / "README.md")
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31", "verify", str(output_copy), "--checksums", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_cli(["verify", output_copy, "--checksums", "--json"], timeout=60)
     assert proc.returncode == 1, proc.stderr
-    assert Code.NOT_A_REGULAR_FILE.value in json.loads(proc.stdout)["codes"]
+    assert Code.NOT_A_REGULAR_FILE.value in proc.json["codes"]
 
 
 def test_hostile_outputs_never_crash_the_command(output_copy, tmp_path):
@@ -545,10 +531,10 @@ def test_hostile_outputs_never_crash_the_command(output_copy, tmp_path):
         args = [str(out), "--checksums", "--json"]
         if row.manifest:
             args += ["--manifest", row.manifest]
-        result = CliRunner().invoke(command, args)
-        assert result.exit_code == 1, (case, result.output)
+        result = run_cli(args, inprocess=True, command=command)
+        assert result.returncode == 1, (case, result.output)
         assert "Traceback" not in result.output and "KIMI_W31_DEBUG" not in result.output
-        doc = json.loads(result.output)
+        doc = result.json
         assert row.codes <= set(doc["codes"]), (case, doc["codes"])
         if out.is_dir():
             shutil.rmtree(out)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter import reference as ref
@@ -196,9 +197,7 @@ def test_expert_index_and_layer_pick() -> None:
 
 
 def _kimi_convert(*args: str) -> None:
-    code = "from kimi_w31.cli import main; main()"
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_cli(args, check=True)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import json
 import struct
 from pathlib import Path
 
-import faultlib as fl
+import faults as fl
 import pytest
 from hypothesis import example, given, note
 from hypothesis import strategies as st

@@ -18,13 +18,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cli_helpers import CliResult, cli_argv, cli_env, run_cli
 from hub_server import FakeHub
 from kimi_w31.converter.console import human
 from kimi_w31.converter.execute.hub import download_order, estimate
@@ -38,9 +38,8 @@ SHARD_SIZE = "600000"
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", SHARD_SIZE]
 SHARDS = [f"model-0000{i}-of-00006.safetensors" for i in range(1, 7)]
 STATE = STATE_DIR
-# The convert command as `kimi-convert SRC OUT ...` runs it; SMALL_CHUNKS also scales the
-# client's read chunk down to these shards' size (see the module docstring).
-CONVERT = "from kimi_w31.cli import main; main(prog_name='kimi-convert')"
+# The convert command as `kimi-convert SRC OUT ...` runs it (prelude ""); SMALL_CHUNKS also
+# scales the client's read chunk down to these shards' size (see the module docstring).
 SMALL_CHUNKS = "import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 65536; "
 
 
@@ -68,8 +67,9 @@ def hub(hub_source):
         yield server
 
 
-def _env(hub: FakeHub, tmp: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KIMI_W31_"))}
+def _env(hub: FakeHub, tmp: Path, **extra: str) -> dict[str, str | None]:
+    """What the run's environment changes (as `run_cli` takes it): no HF_ setting of ours."""
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("HF_")}
     env.update(
         HF_ENDPOINT=hub.endpoint,
         HF_HOME=str(tmp / "hf_home"),
@@ -81,30 +81,24 @@ def _env(hub: FakeHub, tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def _argv(*args: object, small_chunks: bool = False) -> list[str]:
-    code = (SMALL_CHUNKS if small_chunks else "") + CONVERT
-    return [sys.executable, "-c", code, *map(str, args)]
+    return cli_argv(args, SMALL_CHUNKS if small_chunks else "")
 
 
-def _run(
-    *args: object, env: dict[str, str], small_chunks: bool = False, **kw
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        _argv(*args, small_chunks=small_chunks), env=env, capture_output=True, text=True, **kw
-    )
+def _run(*args: object, env: dict[str, str | None], small_chunks: bool = False, **kw) -> CliResult:
+    return run_cli(args, env=env, prelude=SMALL_CHUNKS if small_chunks else "", **kw)
 
 
 def _convert(
     hub: FakeHub, tmp: Path, out: Path, *args: str, small_chunks: bool = False, **env: str
-) -> subprocess.CompletedProcess:
+) -> CliResult:
     return _run(
         REPO, out, "--download", *ARGS, *args, env=_env(hub, tmp, **env), small_chunks=small_chunks
     )
 
 
-def _problems(r: subprocess.CompletedProcess) -> list[dict]:
-    doc = json.loads(r.stdout)
-    assert doc["ok"] is False
-    return doc["problems"]
+def _problems(r: CliResult) -> list[dict]:
+    assert r.json["ok"] is False
+    return r.problems
 
 
 def sha256(data: bytes) -> str:
@@ -192,7 +186,7 @@ def test_streamed_conversion_with_deletion_matches_local_and_bounds_disk(
     assert _cached_shards(tmp_path) == []  # every source shard deleted once consumed
     for shard in SHARDS:
         assert len(hub.downloads(shard)) == 1, shard  # each fetched exactly once
-    summary = json.loads(r.stdout)
+    summary = r.json
     h = summary["hub"]
     shard_bytes = sum(hub.files[REPO][s].size for s in SHARDS)
     assert h["commit"] == hub.commit and h["source_bytes"] == shard_bytes
@@ -217,7 +211,7 @@ def test_without_deletion_the_cache_is_a_normal_snapshot_and_converts_identicall
     assert r.returncode == 0, r.stderr
     _assert_same_as_reference(out, reference)
     assert len(_cached_shards(tmp_path)) == 6
-    assert json.loads(r.stdout)["hub"]["deleted_files"] == 0
+    assert r.json["hub"]["deleted_files"] == 0
     # The snapshot huggingface_hub left behind converts offline to the very same bytes,
     # config.json included (both runs name the source "org/kimi-synth"); only the source
     # identities in the checksums file differ in kind (files offline, content from the Hub).
@@ -232,7 +226,7 @@ def test_without_deletion_the_cache_is_a_normal_snapshot_and_converts_identicall
     before = len(hub.downloads())
     r3 = _convert(hub, tmp_path, out, "--json")
     assert r3.returncode == 0, r3.stderr
-    summary = json.loads(r3.stdout)
+    summary = r3.json
     assert summary["already_complete"] is True
     assert (summary["hub"]["downloaded_files"], summary["hub"]["downloaded_bytes"]) == (0, 0)
     assert len(hub.downloads()) == before
@@ -247,7 +241,7 @@ def test_download_dir_instead_of_cache(hub, reference, tmp_path):
     meta = dl / ".cache" / "huggingface" / "download"
     assert not list(meta.glob("*.safetensors.metadata"))
     assert not _repo_cache(tmp_path).exists()
-    assert json.loads(r.stdout)["hub"]["download_dir"] == str(dl)
+    assert r.json["hub"]["download_dir"] == str(dl)
 
 
 def test_manifest_check_happens_before_any_shard_is_downloaded(hub, tmp_path):
@@ -284,7 +278,7 @@ def test_dry_run_prints_the_window_and_peak_and_downloads_nothing(hub, tmp_path)
         env=_env(hub, tmp_path, HF_HUB_CACHE="rel_cache"),
     )
     assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
+    summary = r.json
     h = summary["hub"]
     assert (h["window"], h["min_window"]) == (2, 3)
     assert h["peak_disk_bound"] > 0 and h["peak_disk_measured"] is None
@@ -359,7 +353,7 @@ def test_failed_download_midway_then_resume_completes_without_refetching(hub, re
     assert r.returncode == 1
     [problem] = _problems(r)
     assert (problem["code"], problem["file"]) == ("hub-error", SHARDS[3])
-    assert json.loads(r.stdout)["hint"]  # says how to resume
+    assert r.json["hint"]  # says how to resume
     assert not (out / "model.safetensors.index.json").exists()
     first = _completed(hub)
     assert first and SHARDS[3] not in first
@@ -367,7 +361,7 @@ def test_failed_download_midway_then_resume_completes_without_refetching(hub, re
     hub.fail_download.clear()
     r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3", "--json")
     assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
+    summary = r.json
     assert summary["shards_kept"] >= 1
     _assert_same_as_reference(out, reference)
     assert not (first & _completed(hub)), "a finished source shard was downloaded again"
@@ -402,7 +396,7 @@ def test_killed_run_resumes_without_downloading_finished_shards_again(hub, refer
             "--workers",
             "1",
         ),
-        env=_env(hub, tmp_path),
+        env=cli_env(_env(hub, tmp_path)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -425,7 +419,7 @@ def test_killed_run_resumes_without_downloading_finished_shards_again(hub, refer
     hub.log.clear()
     r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["shards_kept"] >= 2
+    assert r.json["shards_kept"] >= 2
     _assert_same_as_reference(out, reference)
     assert not (first & _completed(hub)), "a finished source shard was downloaded again"
 
@@ -467,7 +461,7 @@ def test_interrupted_downloads_leave_no_partial_files(hub, reference, tmp_path, 
     for sig in (signal.SIGINT, signal.SIGKILL, signal.SIGKILL):
         proc = subprocess.Popen(
             _argv(REPO, out, "--download", *ARGS, *args, small_chunks=True),
-            env=_env(hub, tmp_path),
+            env=cli_env(_env(hub, tmp_path)),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -494,7 +488,7 @@ def test_interrupted_downloads_leave_no_partial_files(hub, reference, tmp_path, 
     _assert_same_as_reference(out, reference)
     assert _partials(storage) == [foreign]  # ours removed, the other process's kept
     assert not (out / STATE).exists()
-    h = json.loads(r.stdout)["hub"]
+    h = r.json["hub"]
     assert h["partial_downloads_removed"] >= 1 and h["partial_bytes_removed"] > 0
     assert 0 < h["peak_disk_measured"] <= h["peak_disk_bound"]
 

@@ -205,10 +205,8 @@ def test_the_plugin_refuses_a_mismatched_bundle_and_loads_nothing(tmp_path, monk
 def test_serve_points_every_process_at_the_bundle(tmp_path) -> None:
     """`serve --kernels DIR` sets KIMI_W31_KERNELS for the server; a directory without a
     valid manifest is refused before anything starts."""
-    from click.testing import CliRunner
+    from cli_helpers import run_cli
     from kimi_w31.adapter.kernels import ENV_BUNDLE
-
-    from kimi_w31.cli import main
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -216,17 +214,17 @@ def test_serve_points_every_process_at_the_bundle(tmp_path) -> None:
     (ckpt / "config.json").write_text(json.dumps(cfg))
     bundle = write_bundle(tmp_path / "kernels")
     base = ["serve", str(ckpt), "--unconverted", "--skip-checks", "--print"]
-    ok = CliRunner().invoke(main, [*base, "--kernels", str(bundle)])
-    assert ok.exit_code == 0, ok.output
+    ok = run_cli([*base, "--kernels", str(bundle)], inprocess=True)
+    assert ok.returncode == 0, ok.output
     assert f"{ENV_BUNDLE}={bundle.resolve()}" in ok.output
     (bundle / B.MANIFEST).write_text("{}")
-    bad = CliRunner().invoke(main, [*base, "--kernels", str(bundle)])
-    assert bad.exit_code == 1 and Code.KERNEL_BUNDLE_INVALID.value in bad.output
+    bad = run_cli([*base, "--kernels", str(bundle)], inprocess=True)
+    assert bad.returncode == 1 and Code.KERNEL_BUNDLE_INVALID.value in bad.output
 
 
 def test_a_bundle_does_not_skip_the_checks_of_a_converted_checkpoint(tmp_path, monkeypatch):
     """--kernels adds a variable for the server; the structure verify still runs first."""
-    from click.testing import CliRunner
+    from cli_helpers import run_cli
     from kimi_w31.adapter.sglang import launch
     from test_adapter_launch import ckpt
 
@@ -237,11 +235,11 @@ def test_a_bundle_does_not_skip_the_checks_of_a_converted_checkpoint(tmp_path, m
     )
     bundle = write_bundle(tmp_path / "kernels")
     args = [str(ckpt(tmp_path)), "--print", "--kernels", str(bundle)]
-    refused = CliRunner().invoke(launch.serve, args)
-    assert refused.exit_code == 1 and "verify: index" in refused.output and verified
+    refused = run_cli(args, inprocess=True, command=launch.serve)
+    assert refused.returncode == 1 and "verify: index" in refused.output and verified
     monkeypatch.setattr(launch, "verify_structure", lambda root: [])
-    ok = CliRunner().invoke(launch.serve, args)
-    assert ok.exit_code == 0, ok.output
+    ok = run_cli(args, inprocess=True, command=launch.serve)
+    assert ok.returncode == 0, ok.output
     assert "KIMI_W31_KERNELS=" in ok.output
 
 

@@ -38,21 +38,25 @@ def test_lines_mode_prints_at_the_interval_and_at_the_end(capsys):
 
 def test_cli_progress_lines_and_none(small_source, tmp_path):
     env_lines = run_cli(
-        small_source,
-        tmp_path / "a",
-        "--manifest",
-        "kimi-k3-any",
-        "--max-shard-size",
-        "600000",
-        "--progress",
-        "lines",
+        [
+            small_source,
+            tmp_path / "a",
+            "--manifest",
+            "kimi-k3-any",
+            "--max-shard-size",
+            "600000",
+            "--progress",
+            "lines",
+        ],
     )
     assert env_lines.returncode == 0, env_lines.stderr
     lines = [x for x in env_lines.stderr.splitlines() if x.startswith("convert: ")]
     assert lines, env_lines.stderr
     last = LINE.match(lines[-1])
     assert last and last[1] == "100" and last[2] == last[3]  # every shard done
-    quiet = run_cli(small_source, tmp_path / "b", "--manifest", "kimi-k3-any", "--progress", "none")
+    quiet = run_cli(
+        [small_source, tmp_path / "b", "--manifest", "kimi-k3-any", "--progress", "none"]
+    )
     assert quiet.returncode == 0 and "convert: " not in quiet.stderr
 
 
@@ -102,8 +106,8 @@ def _split(size: int, rnd) -> list[int]:
 
 def test_rehash_of_a_finished_output_stays_within_100_percent(small_source, tmp_path):
     args = [small_source, tmp_path / "o", "--manifest", "kimi-k3-any", "--max-shard-size"]
-    assert run_cli(*args, "600000", "-q").returncode == 0
-    proc = run_cli(*args, "600000", "--rehash", "--progress", "lines")
+    assert run_cli([*args, "600000", "-q"]).returncode == 0
+    proc = run_cli([*args, "600000", "--rehash", "--progress", "lines"])
     assert proc.returncode == 0, proc.stderr
     percents = [int(m[1]) for m in map(LINE.match, proc.stderr.splitlines()) if m]
     assert percents and max(percents) == percents[-1] == 100
@@ -121,23 +125,25 @@ def test_a_window_refused_before_any_download_prints_no_progress(tmp_path):
     """The refusal is the whole message: no 0 % line above it."""
     repo = tmp_path / "repo"
     synth_checkpoint(repo, SynthSpec(layers=4, experts=8, shards=6))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KIMI_W31_"))}
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("HF_")}
     with FakeHub({"org/kimi-synth": repo}) as hub:
         env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"))
         env.update(HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_DISABLE_TELEMETRY="1")
         proc = run_cli(
-            "org/kimi-synth",
-            tmp_path / "out",
-            "--download",
-            "--manifest",
-            "kimi-k3-any",
-            "--max-shard-size",
-            "600000",
-            "--delete-source-shards",
-            "--max-source-window",
-            "1",
-            "--progress",
-            "lines",
+            [
+                "org/kimi-synth",
+                tmp_path / "out",
+                "--download",
+                "--manifest",
+                "kimi-k3-any",
+                "--max-shard-size",
+                "600000",
+                "--delete-source-shards",
+                "--max-source-window",
+                "1",
+                "--progress",
+                "lines",
+            ],
             env=env,
         )
     assert proc.returncode == EXIT_CODES[Code.WINDOW_TOO_SMALL], proc.stderr

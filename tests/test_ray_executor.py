@@ -42,8 +42,7 @@ def _ray(address):
 
 
 def _run(src, out, *args, env_extra=None):
-    env = {**os.environ, **(env_extra or {})}
-    return run_cli(src, out, *ARGS, *args, env=env)
+    return run_cli([src, out, *ARGS, *args], env=env_extra)
 
 
 def _killed_after_two(src, out, *args):
@@ -60,7 +59,7 @@ def test_ray_output_is_byte_identical_to_the_local_executor(
     out = tmp_path / "out"
     r = _run(small_source, out, *_ray(ray_address), "--json")
     assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
+    summary = r.json
     assert summary["shards_written"] == summary["output_shards"] > 1
     assert _files(out) == _files(converted)  # config, index, checksums and every shard
 
@@ -70,7 +69,7 @@ def test_killed_ray_driver_resumes_on_ray(small_source, converted, tmp_path, ray
     _killed_after_two(small_source, out, *_ray(ray_address))
     r = _run(small_source, out, *_ray(ray_address), "--json")
     assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
+    summary = r.json
     assert summary["shards_kept"] == 2
     assert summary["shards_written"] == summary["output_shards"] - 2
     assert _files(out) == _files(converted)
@@ -85,7 +84,7 @@ def test_local_run_finished_on_ray_and_ray_run_finished_locally(
     for out, finish in ((local_first, _ray(ray_address)), (ray_first, ["--workers", "1"])):
         r = _run(small_source, out, *finish, "--json")
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["shards_kept"] == 2
+        assert r.json["shards_kept"] == 2
         assert _files(out) == _files(converted)
 
 
@@ -100,6 +99,6 @@ def test_corrupted_shard_is_found_by_a_ray_task_and_redone(
     (out / done).write_bytes(bytes(data))
     r = _run(small_source, out, *_ray(ray_address), "--json", "--rehash")
     assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
+    summary = r.json
     assert summary["shards_kept"] == 1 and list(summary["redone"]) == [done]
     assert _files(out) == _files(converted)

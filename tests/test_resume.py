@@ -8,7 +8,6 @@ in-process at chosen points; the SIGKILL-at-any-moment harness lives in the faul
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -31,9 +30,9 @@ def _files(root):
 
 
 def _rerun(src, out, *extra) -> dict:
-    result = run_cli(src, out, *ARGS, "--json", *extra)
+    result = run_cli([src, out, *ARGS, "--json", *extra])
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return result.json
 
 
 def _shards(out) -> list:
@@ -104,7 +103,7 @@ def test_corrupt_data_is_found_with_rehash(small_source, converted, tmp_path, mo
     data = bytearray(victim.read_bytes())
     data[-10] ^= 0xFF
     victim.write_bytes(bytes(data))
-    dry = json.loads(run_cli(small_source, out, *ARGS, "--json", "--dry-run", "--rehash").stdout)
+    dry = run_cli([small_source, out, *ARGS, "--json", "--dry-run", "--rehash"]).json
     assert dry["would_write"] == [victim.name]  # the dry run proves the same way
     summary = _rerun(small_source, out, "--rehash")
     assert list(summary["redone"]) == [victim.name]
@@ -156,13 +155,13 @@ def _rewrite_in_place_keeping_mtime(path, flip_at: int) -> None:
 
 def test_source_rewritten_in_place_under_a_complete_output(source_copy, tmp_path):
     out = tmp_path / "out"
-    assert run_cli(source_copy, out, *ARGS, "-q").returncode == 0
+    assert run_cli([source_copy, out, *ARGS, "-q"]).returncode == 0
     victim = sorted(source_copy.glob("*.safetensors"))[0]
     _rewrite_in_place_keeping_mtime(victim, victim.stat().st_size - 5)
     summary = _rerun(source_copy, out)
     assert summary["already_complete"] is False and summary["shards_written"] >= 1
     fresh = tmp_path / "fresh"
-    assert run_cli(source_copy, fresh, *ARGS, "-q").returncode == 0
+    assert run_cli([source_copy, fresh, *ARGS, "-q"]).returncode == 0
     assert _files(out) == _files(fresh)  # no old bytes mixed with new
 
 
@@ -175,7 +174,7 @@ def test_source_rewritten_in_place_between_interrupt_and_resume(source_copy, tmp
     assert summary["mode"] == "resume" and summary["redone"]
     assert all("source" in why for why in summary["redone"].values())
     fresh = tmp_path / "fresh"
-    assert run_cli(source_copy, fresh, *ARGS, "-q").returncode == 0
+    assert run_cli([source_copy, fresh, *ARGS, "-q"]).returncode == 0
     assert _files(out) == _files(fresh)
 
 
@@ -187,7 +186,7 @@ def test_dry_run_on_a_half_finished_output_says_what_would_be_kept(
     shards = _shards(out)
     shards[0].unlink()
     before = {p.name for p in out.rglob("*")}
-    dry = json.loads(run_cli(small_source, out, *ARGS, "--json", "--dry-run").stdout)
+    dry = run_cli([small_source, out, *ARGS, "--json", "--dry-run"]).json
     assert dry["would_write"] == [shards[0].name]
     assert sorted(dry["would_keep"]) == sorted(p.name for p in shards[1:])
     assert {p.name for p in out.rglob("*")} == before  # nothing written

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import ENTRY, json_problems, run_cli, start_cli
 from kimi_w31.converter.errors import EXIT_CODES, Code
 from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 
@@ -30,21 +30,12 @@ def _files(root):
 
 
 def _codes(proc) -> list[str]:
-    return [p["code"] for p in json.loads(proc.stdout)["problems"]]
+    return proc.codes
 
 
 def test_sigterm_is_an_interruption_with_a_message_and_resumes(small_source, converted, tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "KIMI_W31_FAULT_AT": "shard.piece:5:stop"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kimi_w31", str(small_source), str(out), *ARGS],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _, status = os.waitpid(proc.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status)
+    proc = start_cli([small_source, out, *ARGS], stop_at="shard.piece:5")
     os.kill(proc.pid, signal.SIGTERM)
     os.kill(proc.pid, signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
@@ -52,7 +43,7 @@ def test_sigterm_is_an_interruption_with_a_message_and_resumes(small_source, con
     assert err.strip() and "Traceback" not in err
     assert not (out / INDEX).exists()
     assert not OutputDir(out).lock_path.exists()  # released on the way out
-    assert run_cli(small_source, out, *ARGS, "-q").returncode == 0  # "rerun to resume": true
+    assert run_cli([small_source, out, *ARGS, "-q"]).returncode == 0  # "rerun to resume": true
     assert _files(out) == _files(converted)
 
 
@@ -71,18 +62,13 @@ def test_a_full_disk_while_finalizing_names_the_file_then_resumes(source_copy, t
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31", str(source_copy), str(out), *ARGS, "--json"],
-        capture_output=True,
-        text=True,
-        preexec_fn=limit,
-    )
+    proc = run_cli([source_copy, out, *ARGS, "--json"], preexec_fn=limit)
     assert proc.returncode == 1, proc.stderr
-    (problem,) = json.loads(proc.stdout)["problems"]
+    (problem,) = proc.problems
     assert problem["code"] == Code.NO_SPACE.value
     assert problem["file"] == str(out / "assets" / "big.bin")
     assert not (out / INDEX).exists()
-    summary = json.loads(run_cli(source_copy, out, *ARGS, "--json").stdout)
+    summary = run_cli([source_copy, out, *ARGS, "--json"]).json
     assert summary["mode"] == "resume" and summary["shards_written"] == 0
     assert (out / "assets" / "big.bin").stat().st_size == 3_000_000
 
@@ -99,9 +85,7 @@ def test_extra_files_are_streamed_whatever_their_size(source_copy, tmp_path):
             sys.executable,
             "-c",
             code,
-            sys.executable,
-            "-m",
-            "kimi_w31",
+            *ENTRY,
             str(source_copy),
             str(tmp_path / "out"),
             *ARGS,
@@ -117,25 +101,16 @@ def test_extra_files_are_streamed_whatever_their_size(source_copy, tmp_path):
 
 def test_a_file_appearing_in_the_output_is_never_finalized_into_it(small_source, tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "KIMI_W31_FAULT_AT": "shard.renamed:2:stop"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kimi_w31", str(small_source), str(out), *ARGS, "--json"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _, status = os.waitpid(proc.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status)
+    proc = start_cli([small_source, out, *ARGS, "--json"], stop_at="shard.renamed:2")
     (out / "README-of-another-model.md").write_text("not from this conversion\n")
     os.kill(proc.pid, signal.SIGCONT)
     stdout, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert [p["code"] for p in json.loads(stdout)["problems"]] == [Code.FOREIGN_OUTPUT.value]
+    assert [p["code"] for p in json_problems(stdout)] == [Code.FOREIGN_OUTPUT.value]
     assert not (out / INDEX).exists()
     assert (out / "README-of-another-model.md").exists()  # nothing deleted
     (out / "README-of-another-model.md").unlink()
-    summary = json.loads(run_cli(small_source, out, *ARGS, "--json").stdout)
+    summary = run_cli([small_source, out, *ARGS, "--json"]).json
     assert summary["mode"] == "resume" and summary["shards_kept"] >= 2
 
 
@@ -144,7 +119,7 @@ def test_our_own_artefacts_in_a_source_are_not_carried_over(source_copy, tmp_pat
     (source_copy / STATE_DIR).mkdir()
     OutputDir(source_copy).ledger_path.write_text("{}\n")
     out = tmp_path / "out"
-    assert run_cli(source_copy, out, *ARGS, "-q").returncode == 0
+    assert run_cli([source_copy, out, *ARGS, "-q"]).returncode == 0
     ours = json.loads((out / "kimi_w31.checksums.json").read_text())
     assert ours["plan_fingerprint"] and "kimi_w31.checksums.json" not in ours["files"]
     assert not (out / STATE_DIR).exists()
@@ -157,7 +132,7 @@ def test_synth_never_mixes_two_checkpoints(tmp_path, content):
     (target / ("old.txt" if content == "file" else "sub")).mkdir() if content == "dir" else (
         target / "old.txt"
     ).write_text("x")
-    proc = run_cli("synth", target)
+    proc = run_cli(["synth", target])
     assert proc.returncode == EXIT_CODES[Code.OUTPUT_NOT_EMPTY]  # as in convert
     assert sorted(p.name for p in target.iterdir()) == (
         ["old.txt"] if content == "file" else ["sub"]
@@ -175,9 +150,9 @@ def test_synth_never_mixes_two_checkpoints(tmp_path, content):
 def test_an_unreadable_source_file_is_named(source_copy, tmp_path, make, code):
     (source_copy / "config.json").unlink()
     make(source_copy / "config.json")
-    proc = run_cli(source_copy, tmp_path / "out", *ARGS, "--json")
+    proc = run_cli([source_copy, tmp_path / "out", *ARGS, "--json"])
     assert proc.returncode == 1
-    (problem,) = json.loads(proc.stdout)["problems"]
+    (problem,) = proc.problems
     assert problem["code"] == code.value
     assert problem["file"] == str(source_copy / "config.json")
 
@@ -208,10 +183,8 @@ def test_an_output_path_through_a_file_is_named_not_a_directory(
     (tmp_path / "a-file").write_text("the user's\n")
     out = tmp_path / "a-file" / Path(*["x"] * depth) / "out" if depth else tmp_path / "a-file"
     before = sorted(p.name for p in tmp_path.iterdir())
-    proc = run_cli(small_source, out, *ARGS, "--json", *dry_run)
+    proc = run_cli([small_source, out, *ARGS, "--json", *dry_run])
     assert proc.returncode == 1
-    assert [p["code"] for p in json.loads(proc.stdout)["problems"]] == [
-        Code.OUTPUT_NOT_DIRECTORY.value
-    ]
+    assert proc.codes == [Code.OUTPUT_NOT_DIRECTORY.value]
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert (tmp_path / "a-file").read_text() == "the user's\n"

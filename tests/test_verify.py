@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.errors import Code
@@ -43,8 +43,8 @@ def failed(report) -> dict[str, set[Code]]:
 
 
 def cli(*args: object) -> tuple[int, str]:
-    result = CliRunner().invoke(verify_command.verify, [str(a) for a in args])
-    return result.exit_code, result.output
+    result = run_cli(args, inprocess=True, command=verify_command.verify)
+    return result.returncode, result.output
 
 
 # -- a clean conversion ----------------------------------------------------------------------
@@ -71,26 +71,10 @@ def test_clean_conversion_passes_every_level(converted, small_source):
 
 
 def test_clean_conversion_passes_on_the_command_line(converted, small_source):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kimi_w31",
-            "verify",
-            str(converted),
-            "--checksums",
-            "--source",
-            str(small_source),
-            "--numerics",
-            "--all",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    args = ["verify", converted, "--checksums", "--source", small_source, "--numerics", "--all"]
+    proc = run_cli([*args, "--json"])
     assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
+    doc = proc.json
     assert doc["ok"] is True and doc["codes"] == []
     assert {c["name"] for c in doc["checks"]} >= {"index", "experts", "source-tensors", "numerics"}
 
@@ -479,25 +463,19 @@ def test_quiet_prints_only_problems(converted, output_copy):
 
 
 def test_progress_lines_have_a_total(converted, small_source):
-    proc = subprocess.run(
+    proc = run_cli(
         [
-            sys.executable,
-            "-m",
-            "kimi_w31",
             "verify",
-            str(converted),
+            converted,
             "--checksums",
             "--source",
-            str(small_source),
+            small_source,
             "--numerics",
             "--experts",
             "2",
             "--progress",
             "lines",
         ],
-        capture_output=True,
-        text=True,
-        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("verify --")]

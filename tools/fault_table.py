@@ -3,7 +3,7 @@
     python tools/fault_table.py --out .reports/reliability.md    # make faults
     python tools/fault_table.py --out docs/reliability.md        # make faults UPDATE_DOCS=1
 
-Each scenario (shared with the `tests/test_fault_*.py` suites, in `tests/faultlib.py`) runs
+Each scenario (shared with the `tests/test_fault_*.py` suites, in the `tests/faults/` package) runs
 `kimi-convert` on small synthetic checkpoints and classifies every case by what a user
 would see: a clean error, an output resumed byte-identical to an uninterrupted run, a
 correct result, a crash (traceback / unexpected exception), or a silently wrong output.
@@ -28,12 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-import faultlib as fl  # noqa: E402  (lives beside the tests that share it)
-import faults_config  # noqa: E402
-import faults_filesystem as ffs  # noqa: E402
-import faults_library  # noqa: E402
+import faults as fl  # noqa: E402  (lives beside the tests that share it)
 
-OUTCOMES = [fl.CLEAN, fl.RESUMED, fl.CORRECT, fl.CRASH, fl.WRONG]
+OUTCOMES = fl.OUTCOMES
 PROPERTY_FILES = [
     "tests/test_fault_headers.py",
     "tests/test_header_differential.py",
@@ -64,11 +61,11 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("verify", fl.verify_hostile_cases),
         ("verifyfifo", fl.verify_fifo_case),
         ("headerbound", fl.header_bound_cases),
-        *(("fs-" + name, scenario) for name, scenario in ffs.SCENARIOS),
-        ("config", faults_config.config_cases),
-        ("fileset", faults_config.file_set_cases),
-        ("bounds", faults_config.bound_cases),
-        ("library", faults_library.library_cases),
+        *(("fs-" + name, scenario) for name, scenario in fl.filesystem.SCENARIOS),
+        ("config", fl.config_cases),
+        ("fileset", fl.file_set_cases),
+        ("bounds", fl.bound_cases),
+        ("library", fl.library_cases),
     ]
 
 

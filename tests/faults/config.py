@@ -1,5 +1,5 @@
 """Fault scenarios for the config as SGLang reads it, the file set as its loader opens it,
-and bounds on config sizes (run by tools/fault_table.py, in the style of faultlib.py).
+and bounds on config sizes (run by tools/fault_table.py, like the rest of this package).
 
 Each case is judged by what a user sees: a clean error with its reason code, or (where the
 source is valid) a correct output that `verify --source` passes and that holds every tensor
@@ -14,9 +14,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import faultlib as fl
+from cli_helpers import json_problems, run_cli
 from kimi_w31.converter.errors import Code
 from safetensors import safe_open
+
+from . import core as fl
+from .planner import _config_edit
 
 C = Code
 TEXT_MOE = ("num_experts", "num_hidden_layers", "first_k_dense_replace", "moe_layer_freq")
@@ -26,7 +29,7 @@ QUIET_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MALLOC_AR
 
 
 def _text(fn: Callable[[dict], None]) -> Callable[[Path], None]:
-    return fl._config_edit(lambda c: fn(c["text_config"]))
+    return _config_edit(lambda c: fn(c["text_config"]))
 
 
 def _moe_fields_to_top(config: dict) -> None:
@@ -62,11 +65,11 @@ def _copy_unindexed(name: str) -> Callable[[Path], None]:
 
 CONFIG_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
     "MoE fields only at the top level (SGLang reads text_config)": (
-        fl._config_edit(_moe_fields_to_top),
+        _config_edit(_moe_fields_to_top),
         C.CONFIG_CONFLICT,
     ),
     "top-level num_hidden_layers disagrees with text_config": (
-        fl._config_edit(
+        _config_edit(
             lambda c: c.update(num_hidden_layers=c["text_config"]["num_hidden_layers"] + 1)
         ),
         C.CONFIG_CONFLICT,
@@ -118,8 +121,8 @@ def file_set_cases(template: Path, work: Path) -> list[fl.Case]:
     src = fl.copy_source(template, work / "src")
     _unindexed(src)
     out = work / "out"
-    proc = fl.run_cli(fl.convert_args(src, out))
-    check = fl.run_cli(["verify", out, "--source", src, "--json"])
+    proc = run_cli(fl.convert_args(src, out))
+    check = run_cli(["verify", out, "--source", src, "--json"])
     served = _names(src.glob("*.safetensors"))
     held = _names(out.glob("*.safetensors"))
     lost = {n for n in served if ".experts." not in n} - held
@@ -172,11 +175,11 @@ def bound_cases(template: Path, work: Path) -> list[fl.Case]:
             ("convert", fl.convert_args(src, out, "--json")),
             ("verify", ["verify", edited, "--json"]),
         ):
-            proc = fl.run_cli(args, env=QUIET_THREADS, preexec_fn=_limited)
+            proc = run_cli(args, env=QUIET_THREADS, preexec_fn=_limited)
             text = proc.stdout
             if fl.looks_like_crash(text + proc.stderr):
                 outcome, detail = fl.CRASH, (text + proc.stderr)[-300:]
-            elif proc.returncode != 1 or not fl.json_problems(text):
+            elif proc.returncode != 1 or not json_problems(text):
                 outcome, detail = fl.WRONG, f"exit {proc.returncode}, not a JSON report"
             elif not fl.codes(text) & {C.CONFIG_BOUND.value, C.CONFIG_CONFLICT.value}:
                 outcome, detail = fl.WRONG, f"refused for another reason: {sorted(fl.codes(text))}"

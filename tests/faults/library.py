@@ -20,11 +20,15 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-import faultlib as fl
-from faultlib import CLEAN, CORRECT, CRASH, WRONG, Case
+from cli_helpers import json_problems, run_cli
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.safetensors_format import DTYPE_BITS
 from verify_mutations import rerecord
+
+from . import core as fl
+from .core import CLEAN, CORRECT, CRASH, WRONG, Case
+from .data import _plant_nan
+from .verify import _output_victim
 
 FAULT_SOURCE = "header the safetensors library refuses (source)"
 FAULT_OUTPUT = "header the safetensors library refuses (output, checksums re-forged)"
@@ -44,7 +48,7 @@ def _text_edit(fn: Callable[[dict, str], str]) -> Callable[[Path, str], None]:
 
 def _first_offset_minus_zero(header: dict, text: str) -> str:
     # The tensor at offset 0: "-0" is 0 to Python's json, a float to the library's.
-    first = fl._tensors(header)[0]
+    first = fl.tensor_names(header)[0]
     header[first]["data_offsets"][0] = "ZERO"
     return json.dumps(header).replace('"ZERO"', "-0")
 
@@ -123,7 +127,7 @@ def output_header_cases(template: Path, work: Path) -> list[Case]:
     src = fl.copy_source(template, work / "src")
     ref = work / "ref"
     fl.reference_output(src, ref)
-    victim = fl._output_victim(ref)
+    victim = _output_victim(ref)
     rows = []
     for i, (name, (fn, want)) in enumerate(LIBRARY_HEADER_CASES.items()):
         out = work / f"o{i}"
@@ -131,7 +135,8 @@ def output_header_cases(template: Path, work: Path) -> list[Case]:
         fn(out, victim)
         rerecord(out)  # what a tamperer (or a careless tool) would do
         args = ["verify", out, "--checksums", "--source", src, "--numerics", "--json"]
-        code, text, exc = fl.run_inprocess(args)
+        run = run_cli(args, inprocess=True)
+        code, text, exc = run.returncode, run.stdout, run.exception
         found = fl.codes(text)
         if exc is not None or fl.looks_like_crash(text):
             outcome, detail = CRASH, f"{type(exc).__name__ if exc else 'traceback'}"
@@ -166,14 +171,14 @@ def scale_cases(template: Path, work: Path) -> list[Case]:
     victim = next(
         p
         for p in sorted(src.glob("*.safetensors"))
-        if any(".w1.weight_scale" in t for t in fl._tensors(fl.read_shard(p)[0]))
+        if any(".w1.weight_scale" in t for t in fl.tensor_names(fl.read_shard(p)[0]))
     )
-    w31, _ = fl._plant_nan(victim)
+    w31, _ = _plant_nan(victim)
     out = work / "nan-out"
-    proc = fl.run_cli([*fl.convert_args(src, out), "--json"])
+    proc = run_cli([*fl.convert_args(src, out), "--json"])
     hits = [
         p
-        for p in fl.json_problems(proc.stdout)
+        for p in json_problems(proc.stdout)
         if p.get("code") == Code.SCALE_NAN.value and p.get("tensor") == w31
     ]
     good = proc.returncode == 1 and hits and not (out / fl.INDEX).exists()
@@ -189,8 +194,8 @@ def scale_cases(template: Path, work: Path) -> list[Case]:
     values = struct.pack("<4I", 0x3F8000FF, 0xC00000FF, 0x3F0000FF, 0x404000FF)
     _add_tensor(src, fl.VICTIM, "language_model.model.norm.weight_scale", "F32", [4], values)
     out = work / "f32-out"
-    proc = fl.run_cli([*fl.convert_args(src, out, "--check-scales"), "--json"])
-    ver = fl.run_cli(["verify", out, "--checksums", "--source", src, "--numerics", "--json"])
+    proc = run_cli([*fl.convert_args(src, out, "--check-scales"), "--json"])
+    ver = run_cli(["verify", out, "--checksums", "--source", src, "--numerics", "--json"])
     good = proc.returncode == 0 and ver.returncode == 0
     crashed = fl.looks_like_crash(proc.stderr + ver.stderr)
     rows.append(
@@ -213,10 +218,10 @@ def scale_cases(template: Path, work: Path) -> list[Case]:
     shard = next(
         p
         for p in sorted(out.glob("*.safetensors"))
-        if any(".w31.weight_scale" in t for t in fl._tensors(fl.read_shard(p)[0]))
+        if any(".w31.weight_scale" in t for t in fl.tensor_names(fl.read_shard(p)[0]))
     )
     header, data = fl.read_shard(shard)
-    name = next(t for t in fl._tensors(header) if ".w31.weight_scale" in t)
+    name = next(t for t in fl.tensor_names(header) if ".w31.weight_scale" in t)
     begin = header[name]["data_offsets"][0]
     shard.write_bytes(fl.shard_bytes(header, data[:begin] + b"\xff" + data[begin + 1 :]))
     rerecord(out)
@@ -224,7 +229,8 @@ def scale_cases(template: Path, work: Path) -> list[Case]:
         ("checksums", ["--checksums"]),
         ("numerics", ["--source", src, "--numerics", "--all"]),
     ):
-        code, text, exc = fl.run_inprocess(["verify", out, *args, "--json"])
+        run = run_cli(["verify", out, *args, "--json"], inprocess=True)
+        code, text, exc = run.returncode, run.stdout, run.exception
         checks = _checks_with(text, Code.SCALE_NAN.value, name)
         good = code == 1 and level in checks
         crashed = exc is not None or fl.looks_like_crash(text)

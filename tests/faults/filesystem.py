@@ -24,7 +24,10 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from faultlib import (
+from cli_helpers import CliResult, json_problems, run_cli
+from kimi_w31.converter.errors import Code
+
+from .core import (
     CLEAN,
     CORRECT,
     CRASH,
@@ -37,28 +40,25 @@ from faultlib import (
     codes,
     convert_args,
     copy_source,
-    json_problems,
     looks_like_crash,
     reference_output,
-    run_cli,
     tree,
     tree_diff,
 )
-from kimi_w31.converter.errors import Code
 
 TIMEOUT = 60  # seconds: far beyond any of these runs; reaching it means a hang
 
 
-def run(args: list, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The CLI, or a CompletedProcess with returncode None when it hung."""
+def run(args: list, env: dict[str, str] | None = None) -> CliResult:
+    """The CLI, or a result with returncode None when it hung."""
     try:
-        return run_cli([str(a) for a in args], env=env, timeout=TIMEOUT)
+        return run_cli(args, env=env, timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(args, None, "", "hung: timeout")  # type: ignore[arg-type]
+        return CliResult(None, "", "hung: timeout")  # type: ignore[arg-type]
 
 
 def judge_refusal(
-    proc: subprocess.CompletedProcess,
+    proc: CliResult,
     want: set[Code],
     before: dict[str, str],
     after: dict[str, str],
@@ -399,7 +399,7 @@ def claim_cases(template: Path, work: Path) -> list[Case]:
         shards[1].write_bytes(bytes(data))
         proc = run(convert_args(src, out, "--json", *extra))
         checked = run(["verify", out, "--checksums", "--json"])
-        summary = json.loads(proc.stdout) if proc.returncode == 0 else {}
+        summary = proc.json if proc.returncode == 0 else {}
         intact = checked.returncode == 0
         if proc.returncode != 0:
             outcome, detail = CRASH, proc.stderr[-300:]
@@ -461,13 +461,13 @@ def publish_cases(template: Path, work: Path) -> list[Case]:
         (out / rel).write_text(text)
     checked = run(["verify", out, "--checksums", "--json"])
     rerun = run(convert_args(src, out, "--json"))
-    report = json.loads(checked.stdout) if checked.stdout.startswith("{") else {}
+    report = checked.json if checked.stdout.startswith("{") else {}
     files = next((c for c in report.get("checks", []) if c.get("name") == "files"), {})
     ok = (
         checked.returncode == 0
         and ".cache" in str(files.get("detail"))
         and rerun.returncode == 0
-        and json.loads(rerun.stdout).get("already_complete")
+        and rerun.json.get("already_complete")
         and (out / ".git" / "HEAD").exists()
     )
     rows.append(
