@@ -10,6 +10,8 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,14 @@ LAYOUT_BLOCK = {
     "weight_format": "mxfp4",
     "group_size": 32,
 }
+
+
+def kimi_convert(*args: str) -> None:
+    """Run `kimi-convert ARGS` in a subprocess of this environment; it must succeed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimi_w31", *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def source_config(

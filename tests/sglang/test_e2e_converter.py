@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import FakeK3Text, build_moe, load_with_real_loader, process_hf_config, sglang_process
+from harness import (
+    FakeK3Text,
+    build_moe,
+    kimi_convert,
+    load_with_real_loader,
+    process_hf_config,
+    sglang_process,
+)
 from kernel_ref import RefCutlassFusedMoe
 from kimi_w31.converter.reference import compare, dequant_expert, moe_forward
 from safetensors.torch import load_file
@@ -20,21 +27,11 @@ pytestmark = pytest.mark.sglang
 E, K, N, LAYERS = 4, 256, 128, 2
 
 
-def _cli(*args: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("e2e")
     src, out = root / "src", root / "out"
-    _cli(
+    kimi_convert(
         "synth",
         str(src),
         "--layers",
@@ -48,7 +45,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
         "--n",
         str(N),
     )
-    _cli(str(src), str(out), "--manifest", "kimi-k3-any")
+    kimi_convert(str(src), str(out), "--manifest", "kimi-k3-any")
     return src, out
 
 

@@ -5,11 +5,11 @@ test_postload_apply.py. Proves the script's wiring and its reference, not the ke
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness import kimi_convert
 from kernel_ref import RefCutlassFusedMoe
 
 pytestmark = pytest.mark.sglang
@@ -17,19 +17,12 @@ pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cli(*args: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31", *args], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gpu-sglang")
     src, out = root / "src", root / "out"
     # N 1024 keeps every TP8 rank at 128 rows, the kernel tile.
-    _cli(
+    kimi_convert(
         "synth",
         str(src),
         "--layers",
@@ -43,7 +36,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
         "--n",
         "1024",
     )
-    _cli(str(src), str(out), "--manifest", "kimi-k3-any", "-q")
+    kimi_convert(str(src), str(out), "--manifest", "kimi-k3-any", "-q")
     return src, out
 
 

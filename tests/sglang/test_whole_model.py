@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import kimi_convert
 from safetensors import safe_open
 
 pytestmark = pytest.mark.sglang
@@ -33,19 +34,12 @@ ARCHS = ("sm90", "sm120")
 NO_CHECKPOINT_TENSOR = ("mlp.experts.w13_weight_bias", "mlp.experts.w2_weight_bias")
 
 
-def _cli(*args: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_w31", *args], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("whole")
     src, out = root / "src", root / "out"
-    _cli("synth", str(src), "--layers", "2", "--experts", str(EXPERTS), "--n", str(N))
-    _cli(str(src), str(out), "--manifest", "kimi-k3-any")
+    kimi_convert("synth", str(src), "--layers", "2", "--experts", str(EXPERTS), "--n", str(N))
+    kimi_convert(str(src), str(out), "--manifest", "kimi-k3-any")
     return src, out
 
 
