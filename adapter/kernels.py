@@ -299,30 +299,38 @@ def _balanced(weights: Sequence[float], cap: float) -> list[int]:
     return sizes
 
 
-def split_generated(text: str, max_weight: float = DEFAULT_MAX_PART_WEIGHT) -> list[Part]:
-    """Cut one generated kernel file into the fewest parts of estimated cost at most
-    `max_weight` each (UNIT_OVERHEAD included; a single heavier instantiation is a part of
-    its own), in file order; each part keeps the file's head (includes, namespace openings)
-    and tail (namespace closings).
-
-    A file whose instantiations are separated by anything but blank lines, or whose head or
-    tail holds anything but includes, namespace braces and comments, is returned whole (one
-    part): a layout we do not know is compiled as FlashInfer wrote it.
-    """
+def _layout(text: str) -> tuple[str, list[re.Match[str]], str] | None:
+    """(head, instantiations, tail) of a generated kernel file, or None when its layout is
+    not the one we know: instantiations separated by blank lines only, a head and a tail of
+    includes, namespace braces and comments only (they are repeated in every part we write:
+    a definition there would be linked once per part)."""
     found = list(_INSTANCE.finditer(text))
-    weights = [instance_weight(m.group(0)) for m in found]
     if not found:
-        return [Part(text, 0, UNIT_OVERHEAD)]
+        return None
     head, tail = text[: found[0].start()], text[found[-1].end() :]
     between = (text[a.end() : b.start()] for a, b in zip(found, found[1:], strict=False))
-    # Head and tail are repeated in every part: a definition there would be linked once
-    # per part.
     if (
         any(gap.strip() for gap in between)
         or not all(_HEAD_LINE.match(line) for line in head.splitlines())
         or not all(_TAIL_LINE.match(line) for line in tail.splitlines())
     ):
+        return None
+    return head, found, tail
+
+
+def split_generated(text: str, max_weight: float = DEFAULT_MAX_PART_WEIGHT) -> list[Part]:
+    """Cut one generated kernel file into the fewest parts of estimated cost at most
+    `max_weight` each (UNIT_OVERHEAD included; a single heavier instantiation is a part of
+    its own), in file order; each part keeps the file's head (includes, namespace openings)
+    and tail (namespace closings). A file of unknown layout (`_layout`) is returned whole
+    (one part): it is compiled as FlashInfer wrote it.
+    """
+    found = list(_INSTANCE.finditer(text))
+    weights = [instance_weight(m.group(0)) for m in found]
+    layout = _layout(text)
+    if layout is None:
         return [Part(text, len(found), UNIT_OVERHEAD + sum(weights))]
+    head, _, tail = layout
     parts, i = [], 0
     for n in _balanced(weights, max_weight - UNIT_OVERHEAD):
         chunk = [m.group(0).rstrip("\n") + "\n" for m in found[i : i + n]]
@@ -331,6 +339,106 @@ def split_generated(text: str, max_weight: float = DEFAULT_MAX_PART_WEIGHT) -> l
         )
         i += n
     return parts
+
+
+# --------------------------------------------------------------------------------------
+# Pruning: only the launchers a tactic can select
+# --------------------------------------------------------------------------------------
+
+# FlashInfer's SM90 candidate list (`get_candidate_configs_sm90`, weight-only grouped) gives
+# each CTA tile ONE mainloop schedule: cooperative where `sm90_supports_coop` holds, else
+# ping-pong, with every cluster shape. FlashInfer's generator instantiates both schedules
+# for every tile of M >= 128, so 68 of the 184 launchers per dtype pair and output type can
+# never be selected by any tactic. The served output type is bf16 (Kimi-K3's activations):
+# the W4A8 runner's f16-output launchers are never called either.
+SERVED_OUTPUT = "__nv_bfloat16"
+_SCHEDULE = re.compile(r"cutlass::gemm::KernelTmaWarpSpecialized(Cooperative|Pingpong)\b")
+_SMALL_K = "sm90_generic_mixed_moe_small_k_kernelLauncher"
+_LAUNCHER = re.compile(r"^template\s+void\s+(\w+)<([^;]*?)>\s*\(([^;]*)\);", re.S)
+
+
+def cooperative_tile(m: int, n: int, k: int) -> bool:
+    """`sm90_supports_coop` of FlashInfer 0.7.2: the tiles the candidate list schedules
+    cooperatively (all others ping-pong)."""
+    if m == 128 and n in (16, 32, 64):
+        return k in (128, 256, 512)
+    if (m == 128 and n in (128, 256)) or (m == 256 and n == 128):
+        return k in (128, 256)
+    return m == 256 and n == 256 and k == 128
+
+
+def selectable(instance: str, trim: Trim) -> bool:
+    """Whether a tactic of the served runner can call this launcher. What we cannot read
+    (no tile, no schedule) counts as selectable: it is compiled as FlashInfer wrote it."""
+    if f"{trim.kernel_marker}, " in instance and f"{trim.kernel_marker}, {SERVED_OUTPUT}" not in (
+        " ".join(instance.split())
+    ):
+        return False  # another output type of the served dtype pair
+    if _SMALL_K in instance:
+        return True  # Humming's small-K configs: every tile and schedule is a candidate
+    tile, schedule = _TILE.search(instance), _SCHEDULE.search(instance)
+    if tile is None or schedule is None:
+        return True
+    m, n, k = (int(x) for x in tile.groups())
+    return (schedule.group(1) == "Cooperative") == cooperative_tile(m, n, k)
+
+
+def prune_generated(text: str, trim: Trim) -> tuple[str, list[str]]:
+    """(the file with only its selectable launchers, "" if none; the launchers left out).
+    A file of unknown layout (`_layout`) is kept whole."""
+    layout = _layout(text)
+    if layout is None:
+        return text, []
+    head, found, tail = layout
+    kept = [m.group(0) for m in found if selectable(m.group(0), trim)]
+    left = [m.group(0) for m in found if not selectable(m.group(0), trim)]
+    if not left:
+        return text, []
+    if not kept:
+        return "", left
+    return head + "\n".join(k.rstrip("\n") + "\n" for k in kept) + tail, left
+
+
+_LAUNCHER_HEADER = "tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/"
+_UNBUILT_HEAD = """// Launchers FlashInfer's generator instantiates but no tactic of this module can
+// select (kimi_w31 adapter/kernels.py, `selectable`). Defined here to refuse, without
+// compiling their kernels: the module links, and a call that never should fails clearly.
+#include "LAUNCHERS/moe_gemm_tma_ws_mixed_input_launcher.h"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass_extensions/epilogue_helpers.h"
+#include "tensorrt_llm/common/assert.h"
+
+namespace tensorrt_llm {
+namespace kernels {
+namespace cutlass_kernels_oss {
+using namespace tensorrt_llm::kernels::cutlass_kernels;
+#ifdef ENABLE_FP4
+using SafeFP4 = Fp4Type;
+#else
+struct SafeFP4 {};
+#endif
+""".replace("LAUNCHERS/", _LAUNCHER_HEADER)
+_UNBUILT_TAIL = (
+    "}  // namespace cutlass_kernels_oss\n}  // namespace kernels\n}  // namespace tensorrt_llm\n"
+)
+
+
+def unbuilt_definitions(instances: Sequence[str]) -> str:
+    """One translation unit defining each left-out launcher as an explicit specialization
+    that throws (same symbol as the instantiation it replaces)."""
+    bodies = []
+    for text in instances:
+        match = _LAUNCHER.match(text.strip())
+        if match is None:
+            raise ValueError(f"not a launcher instantiation: {text[:80]!r}")
+        name, args, params = match.groups()
+        bodies.append(
+            f"template <>\nvoid {name}<{args}>(\n{params}) {{\n"
+            f'  TLLM_THROW("kimi_w31: this CUTLASS MoE launcher is not built into the '
+            f"plugin's module (no tactic selects it)\");\n}}\n"
+        )
+    return _UNBUILT_HEAD + "\n".join(bodies) + _UNBUILT_TAIL
 
 
 SPLIT_DIR = "kimi_w31_split"
@@ -387,6 +495,7 @@ _FIXED_COST = {
     "moe_gemm_tma_warp_specialized_input.cu": 4.0,  # 40 s
 }
 _GEMM_SOURCE_COST = 5.0  # moe_gemm_kernels_<act>_<weight>.cu (59 s)
+UNBUILT_COST = 8.0  # CUTLASS headers parsed, no kernel instantiated (estimate)
 
 
 def fixed_cost(path: Path, trim: Trim) -> float:
@@ -455,9 +564,12 @@ def build_units(
     *,
     read: Callable[[Path], str] = Path.read_text,
     split: bool = True,
+    prune: bool = True,
     max_weight: float = DEFAULT_MAX_PART_WEIGHT,
 ) -> list[Unit]:
-    """The trimmed module's units from FlashInfer's stock source list (pure but for `read`)."""
+    """The trimmed module's units from FlashInfer's stock source list (pure but for `read`):
+    with `prune`, only the launchers a tactic can select are compiled (`selectable`), the
+    others defined to refuse in one light unit (`unbuilt_definitions`)."""
     backend = next((p.parent for p in stock if p.name == BINDING), None)
     if backend is None:
         raise ValueError(f"stock source list changed: no {BINDING}")
@@ -468,6 +580,7 @@ def build_units(
         raise ValueError(f"no generated kernel file instantiates <{trim.kernel_marker}>")
     ordered = trimmed_sources(stock, generated, binding, instantiation, trim)
     units: list[Unit] = []
+    unbuilt: list[str] = []
     for path in ordered:
         if path == binding:
             text = trim_binding(read(backend / BINDING), trim)
@@ -477,8 +590,12 @@ def build_units(
             units.append(Unit(path, fixed_cost(path, trim), text))
         elif path in generated:
             text = read(path)
-            parts = split_generated(text, max_weight if split else float("inf"))
-            if len(parts) == 1:
+            kept, left = prune_generated(text, trim) if prune else (text, [])
+            unbuilt += left
+            if not kept:
+                continue
+            parts = split_generated(kept, max_weight if split else float("inf"))
+            if len(parts) == 1 and kept == text:
                 units.append(Unit(path, parts[0].weight))
             else:
                 units += [
@@ -487,6 +604,9 @@ def build_units(
                 ]
         else:
             units.append(Unit(path, fixed_cost(path, trim)))
+    if unbuilt:
+        where = part_path(generated[0], 1, 1).parent / f"{trim.derived_prefix}unbuilt_launchers.cu"
+        units.append(Unit(where, UNBUILT_COST, unbuilt_definitions(unbuilt)))
     return units
 
 
@@ -512,7 +632,11 @@ def stock_recipe(generator: str) -> tuple[str, list[Path], dict[str, Any]]:
 
 
 def recipe(
-    variant: Variant, *, split: bool = True, max_weight: float = DEFAULT_MAX_PART_WEIGHT
+    variant: Variant,
+    *,
+    split: bool = True,
+    prune: bool = True,
+    max_weight: float = DEFAULT_MAX_PART_WEIGHT,
 ) -> Recipe:
     """The variant's module recipe from the installed FlashInfer (no GPU, no file written
     but FlashInfer's own generated kernel files)."""
@@ -524,7 +648,7 @@ def recipe(
     name = variant.module_name + stock_name[len(variant.stock_prefix) :]
     if variant.trim is None:
         return Recipe(variant, name, tuple(Unit(p, 0.0) for p in stock), kwargs)
-    units = build_units(stock, variant.trim, split=split, max_weight=max_weight)
+    units = build_units(stock, variant.trim, split=split, prune=prune, max_weight=max_weight)
     return Recipe(variant, name, order_units(units), kwargs)
 
 

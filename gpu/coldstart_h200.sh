@@ -15,8 +15,15 @@
 #   probe    process start -> first MoE forward: bundle (fresh FlashInfer workspace), then
 #            the plain FlashInfer-cache route (the workspace prebuild filled)
 #   gate16   SGLang single-GPU suite, W4A16, module from the bundle (KIMI_W31_KERNELS)
-#   gate8    SGLang single-GPU suite, W4A8, the prebuilt W4A8 library through the product
+#   gate8    SGLang single-GPU suite, W4A8: the bundle's module when build8 made one, else
+#            the prebuilt W4A8 library, through the product
 #   build8   kimi-convert prebuild --precision w4a8 --out BUNDLE, empty cache
+#   smoke16, smoke8   (after build16 / build8) every tactic FlashInfer's autotuner can
+#            select, profiled once through the bundle's module (TP 8, M <= 64): none may fail
+#   tactics16, tactics8   gpu/tactics.py on the prebuilt W4A16 / W4A8 module: what the
+#            autotuner picks at Kimi-K3 per-rank shapes, the smallest set within 1 %, and
+#            the whole forward re-timed with that set against the full one (a smoke run at
+#            TP 8, M <= 64 first, so a broken script stops in seconds)
 set -uo pipefail
 
 WORK=${KIMI_W31_WORK:-/root/kimi-w31-cold}
@@ -40,6 +47,8 @@ setup() {
         tar -xJf .whl/sglang-0.5.23-trim.tar.xz -C "$SITE" || return 1
         tar -xJf .fi/flashinfer-0.7.2.post1-sm90moe.tar.xz -C "$SITE" || return 1
         xz -dc .fi/prebuilt/fused_moe_90_kimi_w31_w4a8_humming.so.xz > "$WORK/prebuilt_w4a8.so" \
+            || return 1
+        xz -dc .fi/prebuilt/fused_moe_90_kimi_w31_w4a16.so.xz > "$WORK/prebuilt_w4a16.so" \
             || return 1
         touch "$SITE/.installed"
     fi
@@ -91,6 +100,14 @@ probe() {  # probe NAME [env...]
     echo "== probe $name rc $?: $(tail -1 "$OUTD/probe-$name.log")"
 }
 
+smoke() {  # smoke VARIANT PHASE: the bundle's module under FlashInfer's own autotuner
+    echo "== $2 $(date -u +%FT%TZ)"
+    KIMI_W31_KERNELS=$BUNDLE FLASHINFER_WORKSPACE_BASE=$WORK/fiws-$2 python3 -m gpu.tactics \
+        --variant "$1" --out "$OUTD/$2" --tp 8 --max-tokens 64 --reps 3 --rounds 1 \
+        > "$OUTD/$2.log" 2>&1
+    echo "== $2 exit $? $(tail -1 "$OUTD/$2.log")"
+}
+
 has() { [ "${KIMI_W31_COLDSTART_STEPS:-all}" = all ] || [[ ",$KIMI_W31_COLDSTART_STEPS," == *",$1,"* ]]; }
 
 pipeline() {
@@ -98,10 +115,13 @@ pipeline() {
     echo "== pipeline start $(date -u +%FT%TZ) cores $(nproc), $(awk '/MemTotal|MemAvailable/{printf "%s %.1f GiB ", $1, $2/1048576}' /proc/meminfo)"
     python3 -c "from kimi_w31.adapter.prebuild import default_jobs as d; print('default jobs', d(), 'used', '${JOBS:-default}')"
     if has build16; then build w4a16 build16; fi
+    if has smoke16; then smoke w4a16 smoke16; fi
     if has probe; then
         probe bundle KIMI_W31_KERNELS="$BUNDLE" FLASHINFER_WORKSPACE_BASE="$WORK/fiws-serve"
         probe cache FLASHINFER_WORKSPACE_BASE="$WORK/fiws-build16"
     fi
+    if has build8; then build w4a8 build8; fi
+    if has smoke8; then smoke w4a8 smoke8; fi
     if has gate16 || has gate8; then
         rm -rf "$WORK/src" "$WORK/conv"
         python3 -m kimi_w31 synth "$WORK/src" --layers 1 --experts 28 --top-k 16 --real-dims >/dev/null
@@ -116,11 +136,25 @@ pipeline() {
     fi
     if has gate8; then
         echo "== gate8 $(date -u +%FT%TZ)"
-        FLASHINFER_WORKSPACE_BASE=$WORK/fiws-gate8 python3 -m gpu.sglang_run single-w4a8 \
-            "${args[@]}" --prebuilt "$WORK/prebuilt_w4a8.so" > "$OUTD/gate8.log" 2>&1
+        # the bundle's W4A8 module when build8 made one, else the prebuilt library
+        local w4a8=(--prebuilt "$WORK/prebuilt_w4a8.so")
+        if grep -q '"w4a8"' "$BUNDLE/manifest.json" 2>/dev/null; then w4a8=(); fi
+        KIMI_W31_KERNELS=$BUNDLE FLASHINFER_WORKSPACE_BASE=$WORK/fiws-gate8 \
+            python3 -m gpu.sglang_run single-w4a8 "${args[@]}" "${w4a8[@]}" \
+            > "$OUTD/gate8.log" 2>&1
         echo "== gate8 exit $? $(grep -h 'verdict' "$OUTD/gate8.log" | tail -1)"
     fi
-    if has build8; then build w4a8 build8; fi
+    for v in w4a16 w4a8; do
+        local step=tactics${v#w4a} so=$WORK/prebuilt_$v.so
+        has "$step" || continue
+        echo "== $step $(date -u +%FT%TZ)"
+        python3 -m gpu.tactics --variant "$v" --prebuilt "$so" --out "$OUTD/smoke" --tp 8 \
+            --max-tokens 64 --reps 3 --rounds 1 > "$OUTD/$step-smoke.log" 2>&1 \
+            || { echo "== $step smoke FAILED"; tail -20 "$OUTD/$step-smoke.log"; continue; }
+        python3 -m gpu.tactics --variant "$v" --prebuilt "$so" --out "$OUTD" \
+            > "$OUTD/$step.log" 2>&1
+        echo "== $step exit $? $(tail -1 "$OUTD/$step.log")"
+    done
     echo "== pipeline end $(date -u +%FT%TZ)"
     touch "$WORK/done"
 }

@@ -21,7 +21,7 @@ TAIL = "\n\n} // namespace kernels\n} // namespace tensorrt_llm\n"
 
 def instance(m: int, n: int, k: int, tag: int, dtype: str = "__nv_bfloat16") -> str:
     return (
-        f"template void launcher<{dtype}, SafeFP4, {dtype},\nEpilogue, "
+        f"template void launcher<{dtype}, SafeFP4, __nv_bfloat16,\nEpilogue, "
         f"cute::Shape<cute::Int<{m}>, cute::Int<{n}>, cute::Int<{k}>>, "
         f"cute::Shape<cute::Int<1>, cute::Int<{tag}>, cute::Int<1>>> (\n"
         "GroupedGemmInput inputs, int sm_count_, size_t* workspace_size);\n"
@@ -170,6 +170,84 @@ def test_units_hold_the_runner_its_kernels_split_and_costliest_first(tmp_path, v
     assert weights == sorted(weights, reverse=True)  # costliest first
     assert all(u.weight <= 30.0 for u in kernels)
     assert units[-1].path.name == "logger.cpp"  # host-only sources last
+
+
+# -- pruning: only the launchers a tactic can select --------------------------------------
+COOP = "cutlass::gemm::KernelTmaWarpSpecializedCooperative"
+PING = "cutlass::gemm::KernelTmaWarpSpecializedPingpong"
+
+
+def launcher(tile, schedule, cluster=(1, 1, 1), act="__nv_bfloat16", out="__nv_bfloat16"):
+    """A launcher instantiation as FlashInfer 0.7.2's generator writes it."""
+    m, n, k = tile
+    a, b, c = cluster
+    return (
+        f"template void sm90_generic_mixed_moe_gemm_kernelLauncher<{act}, SafeFP4, {out},\n"
+        "tensorrt_llm::cutlass_extensions::EpilogueOpDefault, "
+        f"cute::Shape<cute::Int<{m}>, cute::Int<{n}>, cute::Int<{k}>>, "
+        f"cute::Shape<cute::Int<{a}>, cute::Int<{b}>, cute::Int<{c}>>, {schedule}, "
+        "cutlass::epilogue::TmaWarpSpecializedCooperative, "
+        "cutlass::WeightOnlyQuantOp::FINEGRAINED_SCALE_ONLY> (\n"
+        f"GroupedGemmInput<{act}, SafeFP4, {out}, {out}>inputs, TmaWarpSpecializedGroupedGemmInput"
+        " hopper_inputs, int sm_count_, size_t* workspace_size);\n"
+    )
+
+
+def test_selectable_is_flashinfers_candidate_list() -> None:
+    """Every tile x schedule x cluster FlashInfer's generator writes, against the tactic list
+    as gpu/tactics.py restates it (the GPU run checks that against the module's counts)."""
+    from gpu.tactics import TILES_SM90, candidate_configs
+
+    tactics = {(c["tile"], c["schedule"], c["cluster"]) for c in candidate_configs(False, False)}
+    clusters = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
+    for tile in TILES_SM90:
+        # the generator: both schedules for M >= 128, ping-pong only for M = 64
+        for schedule in (COOP, PING) if tile[0] >= 128 else (PING,):
+            for cl in clusters:
+                name = "cooperative" if schedule == COOP else "pingpong"
+                key = ("x".join(map(str, tile)), name, "x".join(map(str, cl)))
+                assert K.selectable(launcher(tile, schedule, cl), K.W4A16.trim) == (
+                    key in tactics
+                ), key
+    # W4A8: only the bf16 output the plugin serves
+    fp8 = "__nv_fp8_e4m3"
+    assert K.selectable(launcher((128, 16, 128), COOP, act=fp8), K.W4A8_HUMMING.trim)
+    assert not K.selectable(
+        launcher((128, 16, 128), COOP, act=fp8, out="half"), K.W4A8_HUMMING.trim
+    )
+
+
+@given(
+    picks=st.lists(
+        st.tuples(tiles, st.sampled_from([COOP, PING]), st.sampled_from([1, 2])),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_pruning_keeps_the_selectable_launchers_and_defines_the_rest_to_refuse(picks) -> None:
+    found = [launcher(t, s, (c, 1, 1)) for t, s, c in picks]
+    text = generated(found)
+    kept, left = K.prune_generated(text, K.W4A16.trim)
+    keep = [x for x in found if K.selectable(x, K.W4A16.trim)]
+    assert _INST.findall(kept) == _INST.findall("".join(keep))
+    assert left == [x for x in found if x not in keep] or len(set(found)) < len(found)
+    assert (kept == "") == (not keep)
+    if keep:
+        assert kept.startswith(HEAD) and kept.endswith(TAIL)
+    if left:
+        stub = K.unbuilt_definitions(left)
+        assert stub.count("template <>") == len(left) == stub.count("TLLM_THROW(")
+        # the same template-id and parameters as each instantiation it replaces
+        for x in left:
+            signature = " ".join(x.removeprefix("template void ").rstrip(";\n ").split())
+            assert signature.replace(" (", "(") in " ".join(stub.split()).replace(" (", "(")
+
+
+def test_an_unknown_layout_is_neither_pruned_nor_split() -> None:
+    text = generated([launcher((128, 16, 128), PING)]) + "int defined_here = 0;\n"
+    assert K.prune_generated(text, K.W4A16.trim) == (text, [])
+    with pytest.raises(ValueError):
+        K.unbuilt_definitions(["int x;"])
 
 
 def test_no_split_keeps_flashinfers_files(tmp_path) -> None:

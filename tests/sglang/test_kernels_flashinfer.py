@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -33,7 +34,9 @@ for key in ("w4a16", "w4a8"):
     gen = [p for p in stock if p.name.endswith(".generated.cu")]
     kept = [p for p in gen if v.trim.kernel_marker in p.read_text()]
     others = {o.trim.kernel_marker for o in K.VARIANTS.values() if o.trim and o is not v}
-    kernel_units = [u for u in rec.units if "gemm_grouped" in u.path.parent.parent.name]
+    kernel_units = [u for u in rec.units if "gemm_grouped" in u.path.parent.parent.name
+                    and "unbuilt" not in u.path.name]
+    unbuilt = [u for u in rec.units if "unbuilt" in u.path.name]
     text = lambda u: u.text if u.text is not None else u.path.read_text()
     # write our split parts (they live in the tmp workspace) and ask FlashInfer again
     for u in kernel_units:
@@ -51,6 +54,7 @@ for key in ("w4a16", "w4a8"):
         "kernel_weights": [u.weight for u in kernel_units],
         "want_instances": sorted(x for p in kept for x in _INST.findall(p.read_text())),
         "got_instances": sorted(x for u in kernel_units for x in _INST.findall(text(u))),
+        "unbuilt": [u.text for u in unbuilt],
         "foreign": [str(u.path) for u in rec.units if any(m in text(u) for m in others)
                     and u.path.name.endswith(".cu") and "gemm_grouped" in str(u.path)],
         "stock_after_has_parts": any(K.SPLIT_TAG in p.name for p in stock_after),
@@ -90,13 +94,42 @@ def facts(tmp_path_factory):
     return runs
 
 
+_TILE = re.compile(r"Shape<cute::Int<(\d+)>, cute::Int<(\d+)>, cute::Int<(\d+)>>")
+_KIND = re.compile(r"KernelTmaWarpSpecialized(Cooperative|Pingpong),")
+_SINGLE = re.compile(r"SINGLE_WARPGROUP_(PREFILL|ROLLING)")
+
+
+def _config(instance: str) -> tuple[str, str, str]:
+    """(tile, schedule, cluster) of a launcher instantiation, as gpu/tactics.py names them."""
+    (m, n, k), (a, b, c) = _TILE.findall(instance)[:2]
+    single, kind = _SINGLE.search(instance), _KIND.search(instance)
+    assert kind is not None, instance
+    schedule = f"sw_{single.group(1).lower()}" if single else kind.group(1).lower()
+    return f"{m}x{n}x{k}", schedule, f"{a}x{b}x{c}"
+
+
 @pytest.mark.parametrize("key", ["w4a16", "w4a8"])
-def test_each_module_compiles_exactly_its_runners_kernels_once(facts, key) -> None:
+def test_each_module_compiles_exactly_the_launchers_its_tactics_select_once(facts, key) -> None:
+    from gpu.tactics import candidate_configs
+
     f = facts[0][1][key]
     assert f["stock_name"] == "fused_moe_90" and f["stock_sources"] == 248
-    assert f["want_instances"] and f["got_instances"] == f["want_instances"]
+    got, want = f["got_instances"], f["want_instances"]
+    assert got and len(set(got)) == len(got) and set(got) <= set(want)
     assert f["foreign"] == []  # no kernel of another dtype pair
     assert f["spec_sources"] == len(f["units"]) < f["stock_sources"]
+    # exactly FlashInfer's tactic list (gpu/tactics.py restates it; the GPU run checks that
+    # restatement against the counts the module reports), bf16 output only
+    tactics = {
+        (c["tile"], c["schedule"], c["cluster"])
+        for c in candidate_configs(humming=key == "w4a8", finalize=False)
+    }
+    assert sorted(_config(x) for x in got) == sorted(tactics)
+    assert all("SafeFP4, __nv_bfloat16," in " ".join(x.split()) for x in got)
+    # every other launcher of the runner is defined, once, to refuse: the module links
+    (unbuilt,) = f["unbuilt"]
+    assert unbuilt.count("template <>") == len(want) - len(got)
+    assert unbuilt.count("TLLM_THROW(") == len(want) - len(got)
 
 
 @pytest.mark.parametrize("key", ["w4a16", "w4a8"])

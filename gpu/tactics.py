@@ -1,0 +1,311 @@
+"""Which CUTLASS MoE tactics FlashInfer's autotuner picks at Kimi-K3 per-rank shapes, and
+whether a smaller set keeps every timing within 2 % of the full set.
+
+    python -m gpu.tactics --variant w4a16 --prebuilt SO --out DIR [--tp 1,2,8] [--max-tokens 8192]
+
+For each tensor-parallel size, one MoE layer of Kimi-K3's per-rank shape (896 experts,
+K 3584, N 3072 / TP, top-k 16; random MXFP4 bytes, E8M0 scales near 1) is autotuned by
+FlashInfer itself (`autotune(True)`, the M buckets up to `--max-tokens`), while every
+per-tactic measurement it makes is recorded. Then:
+
+1. **picked**: the tactic the autotuner chose per (TP, M bucket, GEMM);
+2. **set**: the fewest tactics whose best, in every case, is within `--slack` of the full
+   set's best by the autotuner's own measurements (greedy cover, ties to the faster);
+3. **check**: the whole MoE forward timed again in the same process, best-of-set tactics
+   against best-of-all, interleaved (`--reps` each, median), per (TP, M): the ratio must
+   stay <= 1.02 everywhere for the set to be shippable.
+
+Tactic ids are FlashInfer's (GEMM1 first, then GEMM2); `describe` names each one by its
+CUTLASS config, rebuilt from FlashInfer 0.7.2's candidate order (tile list x cluster shapes,
+swap-AB only, finalize copies for GEMM2, Humming's small-K configs last) and checked against
+the counts the module reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+EXPERTS, K, N, TOP_K = 896, 3584, 3072, 16
+
+# FlashInfer 0.7.2 `get_candidate_tiles_sm90` (grouped, weight-only), in order.
+TILES_SM90 = [
+    *((64, n, k) for n in (16, 32, 64, 128) for k in (128, 256, 512)),
+    *((128, n, k) for n in (16, 32, 64, 128) for k in (128, 256, 512)),
+    (128, 256, 128),
+    (128, 256, 256),
+    (256, 128, 128),
+    (256, 128, 256),
+    (256, 256, 128),
+]
+CLUSTERS = ("1x1x1", "2x1x1", "1x2x1", "2x2x1")
+# Humming's single-warpgroup small-K configs, appended after the TMA list.
+SMALL_K = [
+    (f"128x{n}x128", schedule, "1x1x1")
+    for n in (8, 16, 32, 40, 64)
+    for schedule in ("sw_prefill", "sw_rolling")
+]
+
+
+def _coop(m: int, n: int, k: int) -> bool:
+    """`sm90_supports_coop`: the schedule the candidate list gives a tile."""
+    if m == 128 and n in (16, 32, 64):
+        return k in (128, 256, 512)
+    if m == 128 and n in (128, 256) or m == 256 and n == 128:
+        return k in (128, 256)
+    return m == 256 and n == 256 and k == 128
+
+
+def candidate_configs(humming: bool, finalize: bool) -> list[dict[str, Any]]:
+    """One GEMM's tactic list, in FlashInfer's order."""
+    base = [
+        {
+            "tile": f"{m}x{n}x{k}",
+            "schedule": "cooperative" if _coop(m, n, k) else "pingpong",
+            "cluster": c,
+            "finalize": False,
+        }
+        for m, n, k in TILES_SM90
+        for c in CLUSTERS
+    ]
+    configs = base + ([{**c, "finalize": True} for c in base] if finalize else [])
+    if humming:
+        configs += [
+            {"tile": t, "schedule": s, "cluster": c, "finalize": False} for t, s, c in SMALL_K
+        ]
+    return configs
+
+
+def describe_all(humming: bool, gemm1_count: int, gemm2_count: int) -> dict[int, dict[str, Any]]:
+    """Global tactic id -> its config, checked against the module's counts."""
+    g1 = candidate_configs(humming, finalize=False)
+    g2 = candidate_configs(humming, finalize=gemm2_count != len(g1))
+    if (len(g1), len(g2)) != (gemm1_count, gemm2_count):
+        raise SystemExit(
+            f"tactic lists changed: module reports {gemm1_count}/{gemm2_count}, "
+            f"the rebuilt order gives {len(g1)}/{len(g2)}"
+        )
+    out = {i: {"gemm": 1, **c} for i, c in enumerate(g1)}
+    out.update({gemm1_count + i: {"gemm": 2, **c} for i, c in enumerate(g2)})
+    return out
+
+
+Case = tuple[int, int, int]  # (tp, M bucket, gemm)
+
+
+def cover(times: Mapping[Case, Mapping[int, float]], slack: float) -> list[int]:
+    """The fewest tactics (greedy) such that every case has one within `slack` of its best."""
+    near = {
+        case: {t for t, v in by.items() if v <= min(by.values()) * (1 + slack)}
+        for case, by in times.items()
+        if by
+    }
+    chosen: list[int] = []
+    todo = set(near)
+    while todo:
+        counts: dict[int, int] = defaultdict(int)
+        speed: dict[int, float] = defaultdict(float)
+        for case in todo:
+            best = min(times[case].values())
+            for t in near[case]:
+                counts[t] += 1
+                speed[t] += best / times[case][t]
+        pick = max(counts, key=lambda t: (counts[t], speed[t], -t))
+        chosen.append(pick)
+        todo = {case for case in todo if pick not in near[case]}
+    return sorted(chosen)
+
+
+def best_in(by: Mapping[int, float], allowed: Iterable[int] | None = None) -> int:
+    pool = by if allowed is None else {t: v for t, v in by.items() if t in set(allowed)}
+    return min(pool, key=lambda t: (pool[t], t))
+
+
+def _median_ms(fn: Any, reps: int) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from flashinfer.autotuner import AutoTuner, autotune
+    from flashinfer.fused_moe import ActivationType, cutlass_fused_moe
+    from kimi_w31.adapter import flashinfer_moe as fm
+    from kimi_w31.adapter import kernels
+
+    humming = args.variant == "w4a8"
+    if args.prebuilt is None:
+        kernels.ensure("sm90", humming)  # the bundle KIMI_W31_KERNELS names, else the JIT spec
+    else:
+        kernels.install(kernels.VARIANTS[args.variant], args.prebuilt)
+    records: list[tuple[str, int, int, float]] = []
+    original = AutoTuner._profile_single_kernel
+
+    def recording(self: Any, runner: Any, inputs: Any, tactic: Any, *a: Any, **kw: Any) -> float:
+        ms = original(self, runner, inputs, tactic, *a, **kw)
+        records.append(
+            (getattr(self, "_current_op", "?"), int(inputs[0].shape[0]), int(tactic), float(ms))
+        )
+        return ms
+
+    AutoTuner._profile_single_kernel = recording
+    original_choose = AutoTuner.choose_one
+
+    def choose(self: Any, custom_op: str, *a: Any, **kw: Any) -> Any:
+        self._current_op = custom_op
+        return original_choose(self, custom_op, *a, **kw)
+
+    AutoTuner.choose_one = choose
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    buckets = [1 << i for i in range(args.max_tokens.bit_length()) if 1 << i <= args.max_tokens]
+    report: dict[str, Any] = {"variant": args.variant, "experts": EXPERTS, "k": K, "top_k": TOP_K}
+    times: dict[Case, dict[int, float]] = defaultdict(dict)
+    layers: dict[int, Any] = {}
+    counts = None
+    for tp in args.tp:
+        n = N // tp
+
+        def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
+            return torch.randint(lo, hi, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+        w31, s31 = u8(EXPERTS, 2 * n, K // 2), u8(EXPERTS, 2 * n, K // 32, lo=118, hi=124)
+        w2, s2 = u8(EXPERTS, K, n // 2), u8(EXPERTS, K, n // 32, lo=118, hi=124)
+        prep = fm.prepare_sm90_humming if humming else fm.prepare_sm90
+        weights = prep(w31, s31, w2, s2)
+        del w31, s31, w2, s2
+        beta, linear_beta = fm.situ_params(EXPERTS, device="cuda")
+        t0 = time.time()
+        before = len(records)
+        with autotune(True, tuning_buckets=tuple(buckets)):
+            for m in buckets:
+                x = torch.randn(m, K, generator=g, device="cuda").to(torch.bfloat16)
+                ids = torch.stack(
+                    [torch.randperm(EXPERTS, generator=g, device="cuda")[:TOP_K] for _ in range(m)]
+                ).to(torch.int32)
+                topw = torch.full((m, TOP_K), 1 / TOP_K, device="cuda", dtype=torch.float32)
+                fm.run_situ_moe(
+                    x, ids, topw, weights, beta, linear_beta, tune_max_num_tokens=args.max_tokens
+                )
+        torch.cuda.synchronize()
+        print(f"tp {tp}: tuned in {time.time() - t0:.1f} s, {len(records) - before} profiles")
+        for op, m, tactic, ms in records[before:]:
+            gemm = 1 if op.endswith("gemm1") else 2
+            if ms != float("inf"):
+                times[(tp, m, gemm)][tactic] = ms
+        layers[tp] = (weights, beta, linear_beta)
+        if counts is None:
+            runner = next(iter(_moe_runners()))
+            counts = (runner.get_gemm1_tactic_count(), runner.get_gemm2_tactic_count())
+    assert counts is not None
+    names = describe_all(humming, *counts)
+    picked = {case: best_in(by) for case, by in times.items()}
+    chosen = cover(times, args.slack)
+    report["tactic_counts"] = {"gemm1": counts[0], "gemm2": counts[1]}
+    report["picked"] = sorted({t for t in picked.values()})
+    report["set"] = chosen
+    report["slack"] = args.slack
+    report["configs"] = {str(t): names[t] for t in sorted(set(chosen) | set(picked.values()))}
+    report["cases"] = [
+        {
+            "tp": tp,
+            "m": m,
+            "gemm": gemm,
+            "tactics_timed": len(by),
+            "best_ms": round(min(by.values()), 5),
+            "picked": picked[(tp, m, gemm)],
+            "set_best_ms": round(by[best_in(by, chosen)], 5),
+            "ratio": round(by[best_in(by, chosen)] / min(by.values()), 4),
+        }
+        for (tp, m, gemm), by in sorted(times.items())
+    ]
+    # The check: the whole MoE forward, full set's best pair vs the set's best pair.
+    checks = []
+    for tp, (weights, beta, linear_beta) in layers.items():
+        for m in buckets:
+            if (tp, m, 1) not in times or (tp, m, 2) not in times:
+                continue
+            x = torch.randn(m, K, generator=g, device="cuda").to(torch.bfloat16)
+            ids = torch.stack(
+                [torch.randperm(EXPERTS, generator=g, device="cuda")[:TOP_K] for _ in range(m)]
+            ).to(torch.int32)
+            topw = torch.full((m, TOP_K), 1 / TOP_K, device="cuda", dtype=torch.float32)
+            out = torch.empty(m, K, device="cuda", dtype=torch.bfloat16)
+            kw = fm.build_moe_kwargs(
+                x, ids, topw, weights, ActivationType.Situ, situ_beta=beta,
+                situ_linear_beta=linear_beta, output=out, tune_max_num_tokens=args.max_tokens,
+            )  # fmt: skip
+            full = [picked[(tp, m, 1)], picked[(tp, m, 2)]]
+            sub = [best_in(times[(tp, m, 1)], chosen), best_in(times[(tp, m, 2)], chosen)]
+            a, b = [], []
+            for _ in range(args.rounds):
+                a.append(_median_ms(partial(cutlass_fused_moe, **kw, profile_ids=full), args.reps))
+                b.append(_median_ms(partial(cutlass_fused_moe, **kw, profile_ids=sub), args.reps))
+            fa, fb = statistics.median(a), statistics.median(b)
+            checks.append(
+                {"tp": tp, "m": m, "full": full, "set": sub, "full_ms": round(fa, 5),
+                 "set_ms": round(fb, 5), "ratio": round(fb / fa, 4)}
+            )  # fmt: skip
+            print(f"check tp {tp} m {m}: {fa:.4f} vs {fb:.4f} ms, ratio {fb / fa:.4f}")
+    report["checks"] = checks
+    report["max_ratio_profiles"] = max(c["ratio"] for c in report["cases"])
+    report["max_ratio_forward"] = max((c["ratio"] for c in checks), default=None)
+    return report
+
+
+def _moe_runners() -> Iterable[Any]:
+    """FlashInfer's module-level runners (`MoERunner.runner_dict`; the class is local to
+    `get_cutlass_fused_moe_module`, so found among live objects)."""
+    import gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, type) and obj.__name__ == "MoERunner":
+            yield from getattr(obj, "runner_dict", {}).values()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variant", choices=("w4a16", "w4a8"), required=True)
+    p.add_argument(
+        "--prebuilt", type=Path, default=None, help="module to load (else the plugin's own)"
+    )
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 8])
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--slack", type=float, default=0.01)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    report = run(args)
+    report["wall_s"] = round(time.time() - t0, 1)
+    path = args.out / f"tactics-{args.variant}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(
+        f"{args.variant}: picked {len(report['picked'])} distinct, set {report['set']}, "
+        f"max ratio profiles {report['max_ratio_profiles']}, forward {report['max_ratio_forward']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
