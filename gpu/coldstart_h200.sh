@@ -18,6 +18,7 @@
 #   gate8    SGLang single-GPU suite, W4A8: the bundle's module when build8 made one, else
 #            the prebuilt W4A8 library, through the product
 #   build8   kimi-convert prebuild --precision w4a8 --out BUNDLE, empty cache
+#   bundle16 the W4A16 bundle from the workspace a cache-route probe already compiled
 #   smoke16, smoke8   (after build16 / build8) every tactic FlashInfer's autotuner can
 #            select, profiled once through the bundle's module (TP 8, M <= 64): none may fail
 #   tactics16, tactics8   gpu/tactics.py on the prebuilt W4A16 / W4A8 module: what the
@@ -115,6 +116,11 @@ pipeline() {
     echo "== pipeline start $(date -u +%FT%TZ) cores $(nproc), $(awk '/MemTotal|MemAvailable/{printf "%s %.1f GiB ", $1, $2/1048576}' /proc/meminfo)"
     python3 -c "from kimi_w31.adapter.prebuild import default_jobs as d; print('default jobs', d(), 'used', '${JOBS:-default}')"
     if has build16; then build w4a16 build16; fi
+    if has bundle16; then  # the bundle from the workspace the cache-route probe compiled
+        FLASHINFER_WORKSPACE_BASE=$WORK/fiws-build16 python3 -m kimi_w31 prebuild --arch sm90 \
+            --precision w4a16 --out "$BUNDLE" --progress lines > "$OUTD/bundle16.log" 2>&1
+        echo "== bundle16 rc $? $(tail -1 "$OUTD/bundle16.log")"
+    fi
     if has smoke16; then smoke w4a16 smoke16; fi
     if has probe; then
         probe bundle KIMI_W31_KERNELS="$BUNDLE" FLASHINFER_WORKSPACE_BASE="$WORK/fiws-serve"

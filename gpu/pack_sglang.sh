@@ -20,7 +20,7 @@ dl "$tmp" sglang==0.5.23
     --exclude='sglang/multimodal_gen' --exclude='sglang/test' --exclude='sglang/benchmark' \
     --exclude='*.so' --exclude='__pycache__' sglang sglang-0.5.23.dist-info)
 cp "$tmp/sglang-0.5.23-trim.tar.xz" .whl/
-dl .whl annotated-doc==0.0.7 annotated-types==0.8.0 asttokens==3.0.2 \
+dl .whl annotated-doc==0.0.7 annotated-types==0.8.0 asttokens==3.0.2 click-default-group==1.2.4 \
     compressed-tensors==0.18.0 dill==0.4.1 distro==1.9.0 executing==2.3.0 fastapi==0.165.0 \
     gguf==0.19.0 ipython==9.18.1 ipython-pygments-lexers==1.1.1 jedi==0.20.1 jiter==0.19.0 \
     loguru==0.7.3 matplotlib-inline==0.2.2 msgspec==0.23.0 openai==2.8.0 \
