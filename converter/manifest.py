@@ -14,15 +14,13 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import contract
-from .console import id_ranges
 from .errors import Code, Fatal, Problem, fail
-from .safetensors_format import TensorInfo
 
 DEFAULT_MANIFEST = "kimi-k3"
 # Symbols every manifest must map to config fields: K (expert input width), N (expert
@@ -264,21 +262,59 @@ class Dims:
         return tuple(out)
 
 
-def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]:
-    """Dimensions from the config as SGLang reads it (`contract.config_value`), checked
-    against pinned values, the MXFP4 group size and the manifest's SiTU parameters."""
-    read = {
+_VISION_BLOCKS = "vision blocks"  # `_read`'s key for the vision tower's block count
+_INTS = "integers"  # `_read`'s key for the fields that are config integers
+
+
+def _read(
+    keys: Iterable[str], inventory: Inventory | None, config: Any
+) -> tuple[dict[str, Any], list[Problem]]:
+    """Every config field that `keys` and the inventory name, as SGLang reads it, read once
+    and together (what follows works on these values alone), and the problems reading the
+    `keys` (the MoE rule's own fields are judged once, by `contract.layer_rule`)."""
+    keys = set(keys)
+    heads = set()
+    if inventory is not None:
+        dotted = {g.when for g in inventory.groups} | {g.unless for g in inventory.groups}
+        heads = {d.partition(".")[0] for d in dotted if d}
+        heads |= {"num_hidden_layers", "linear_attn_config"}
+    fields = {key: contract.config_value(config, key) for key in keys | heads}
+    # Which are config integers, judged here with the rest of the reading.
+    fields[_INTS] = {key for key, v in fields.items() if contract.is_config_int(v)}
+    problems = contract.config_problems(config, sorted(keys - set(contract.MOE_RULE_FIELDS)))
+    if inventory is not None:
+        vision = contract.get(config, "vision_config")
+        field, default = inventory.vision_blocks
+        blocks = contract.get(vision, field, default) if vision is not None else default
+        fields[_VISION_BLOCKS] = blocks if type(blocks) is int and blocks >= 0 else default
+    return fields, problems
+
+
+def _dims_read(manifest: Manifest) -> set[str]:
+    """The config fields `resolve_dims` judges."""
+    return {
         *manifest.dims.values(),
         *manifest.pinned,
         "hidden_act",
         *contract.SITU_CONFIG_KEYS.values(),
     }
-    # The MoE rule's own fields are judged (once) by `contract.layer_rule`.
-    problems = contract.config_problems(config, sorted(read - set(contract.MOE_RULE_FIELDS)))
+
+
+def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]:
+    """Dimensions from the config as SGLang reads it (`contract.config_value`), checked
+    against pinned values, the MXFP4 group size and the manifest's SiTU parameters."""
+    fields, problems = _read(_dims_read(manifest), None, config)
+    return _dims(manifest, fields, problems)
+
+
+def _dims(
+    manifest: Manifest, fields: Mapping[str, Any], problems: list[Problem]
+) -> tuple[Dims, list[Problem]]:
+    """`resolve_dims` on the fields `_read` read; adds to `problems`."""
     values = {}
     for symbol, key in manifest.dims.items():
-        value = contract.config_value(config, key)
-        if not contract.is_config_int(value) or value <= 0:
+        value = fields[key]
+        if key not in fields[_INTS] or value <= 0:
             if key in contract.MOE_RULE_FIELDS:  # judged once, by `contract.layer_rule`
                 continue
             problems.append(
@@ -292,7 +328,7 @@ def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]
         else:
             values[symbol] = value
     for key, pinned in manifest.pinned.items():
-        value = contract.config_value(config, key)
+        value = fields[key]
         if type(value) is not type(pinned) or value != pinned:
             problems.append(
                 Problem(
@@ -315,18 +351,19 @@ def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]
                     found=str(value),
                 )
             )
-    problems.extend(check_situ_config(manifest, config))
+    problems.extend(_situ_problems(manifest, fields))
     return Dims(values), problems
 
 
-def check_situ_config(manifest: Manifest, config: dict) -> list[Problem]:
+def _situ_problems(manifest: Manifest, fields: Mapping[str, Any]) -> list[Problem]:
+    """The config's SiTU parameters (`fields`: read by `resolve_dims`) against the manifest's."""
     problems = []
     for field_name, want in (
         ("situ_beta", manifest.situ_beta),
         ("situ_linear_beta", manifest.situ_linear_beta),
     ):
         key = contract.SITU_CONFIG_KEYS[field_name]
-        value = contract.config_value(config, key)
+        value = fields[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             problems.append(
                 Problem(
@@ -353,33 +390,36 @@ def check_situ_config(manifest: Manifest, config: dict) -> list[Problem]:
 # -- the non-expert inventory ---------------------------------------------------------------
 
 
-def _field(config: Any, dotted: str) -> Any:
+def _field(fields: Mapping[str, Any], dotted: str) -> Any:
     """A text-model config value; "a.b" reads key b of the object a (e.g. linear_attn_config)."""
     head, _, rest = dotted.partition(".")
-    value = contract.config_value(config, head)
+    value = fields.get(head)
     for key in filter(None, rest.split(".")):
         value = value.get(key) if isinstance(value, Mapping) else None
     return value
 
 
-def _kda_layers(config: Any, layers: int) -> set[int]:
+def _kda_layers(fields: Mapping[str, Any], layers: int) -> set[int]:
     """SGLang 0.5.23 (configs/kimi_linear.py `is_kda_layer`): layer i is a KDA layer when
     i + 1 is in linear_attn_config.kda_layers; every other layer is MLA (full attention)."""
-    kda = _field(config, "linear_attn_config.kda_layers")
+    kda = _field(fields, "linear_attn_config.kda_layers")
     ids = kda if isinstance(kda, list) else []
     return {i for i in range(layers) if i + 1 in ids}
 
 
 def expected_inventory(inventory: Inventory, config: Any) -> dict[str, str]:
     """Every non-expert tensor name the config's model loads -> what requires it."""
-    layers = contract.config_value(config, "num_hidden_layers")
+    fields, _ = _read((), inventory, config)
+    return _required(inventory, fields, contract.moe_layer_ids(config)[0])
+
+
+def _required(inventory: Inventory, fields: Mapping[str, Any], moe_layers: list[int]) -> dict:
+    """`expected_inventory` on the fields `_read` read, with the config's MoE layers."""
+    moe = set(moe_layers)
+    blocks = fields[_VISION_BLOCKS]
+    layers = fields["num_hidden_layers"]
     layers = layers if type(layers) is int and layers > 0 else 0
-    moe = set(contract.moe_layer_ids(config)[0])
-    kda = _kda_layers(config, layers)
-    vision = contract.get(config, "vision_config")
-    field, default = inventory.vision_blocks
-    blocks = contract.get(vision, field, default) if vision is not None else default
-    blocks = blocks if type(blocks) is int and blocks >= 0 else default
+    kda = _kda_layers(fields, layers)
     places: dict[str, list[int]] = {
         "model": [0],
         "layer": list(range(layers)),
@@ -391,9 +431,9 @@ def expected_inventory(inventory: Inventory, config: Any) -> dict[str, str]:
     }
     expected: dict[str, str] = {}
     for group in inventory.groups:
-        if group.when is not None and not _field(config, group.when):
+        if group.when is not None and not _field(fields, group.when):
             continue
-        if group.unless is not None and _field(config, group.unless):
+        if group.unless is not None and _field(fields, group.unless):
             continue
         for i in places[group.place]:
             if group.place == "model":
@@ -407,67 +447,51 @@ def expected_inventory(inventory: Inventory, config: Any) -> dict[str, str]:
     return expected
 
 
-def check_inventory(
-    manifest: Manifest, config: Any, tensors: Iterable[tuple[str, TensorInfo]]
-) -> list[Problem]:
-    """The non-expert tensors the manifest's inventory requires: each present (under any
-    spelling the model's loader maps alike) and stored unquantized. Missing names are
-    reported once per name pattern, with the layers that lack it."""
+# -- one checkpoint's expectation -----------------------------------------------------------
+
+
+class ExpertSpec(NamedTuple):
+    """What one routed-expert tensor ("proj.suffix") must be under a config."""
+
+    dtype: str
+    shape: tuple[int, ...] | None  # None when a dimension is unknown (reported already)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a checkpoint with a given config must hold under a manifest, resolved once:
+    the dimensions, each routed-expert tensor's dtype and shape, the MoE layers, and the
+    non-expert tensors the model loads. Validation reads it and never calls back here."""
+
+    manifest: str  # the manifest's name, for messages
+    dims: Dims
+    tensors: dict[str, ExpertSpec]  # "proj.suffix" -> what it must be
+    layers: contract.LayerRule
+    # False when the config asks for more than the checkpoint's tensors could hold: nothing
+    # of that size is built, and the tensors are not judged.
+    bounded: bool = True
+    inventory: Inventory | None = None
+    required: dict[str, str] = field(default_factory=dict)  # non-expert name -> its place
+
+
+def expect(
+    manifest: Manifest, config: Any, bound: int | None, converted: bool = False
+) -> tuple[Expectation, list[Problem]]:
+    """The config read once under the manifest (`bound`: the tensors the checkpoint holds,
+    see `contract.layer_rule`), and every problem found reading it."""
     inventory = manifest.inventory
-    if inventory is None:
-        return []
-    expected = expected_inventory(inventory, config)
-    found: dict[str, tuple[str, TensorInfo]] = {}
-    for file, info in tensors:
-        name = info.name
-        if ".experts." in name:  # routed experts are the contract's, checked elsewhere
-            continue
-        for spelled, canonical in inventory.aliases:
-            name = name.replace(spelled, canonical)
-        if name in expected:
-            found[name] = (file, info)
-    problems = []
-    missing: dict[str, list[int]] = {}
-    for name, place in expected.items():
-        hit = found.get(name)
-        if hit is None:
-            pattern, index = _pattern(name, inventory)
-            missing.setdefault(pattern, []).append(index)
-        elif hit[1].dtype not in inventory.dtypes:
-            problems.append(
-                Problem(
-                    Code.INVENTORY_DTYPE,
-                    f"{place} tensor is not stored unquantized: the model loads it with an "
-                    "unquantized method",
-                    file=hit[0],
-                    tensor=hit[1].name,
-                    expected=" or ".join(sorted(inventory.dtypes)),
-                    found=hit[1].dtype,
-                )
-            )
-    for pattern, ids in missing.items():
-        unit = "blocks" if "{B}" in pattern else "layers"
-        where = f" in {unit} {id_ranges(ids)}" if ids != [-1] else ""
-        problems.append(
-            Problem(
-                Code.INVENTORY_MISSING,
-                f"tensor the model loads is missing{where}",
-                tensor=pattern,
-                expected=f"present (manifest {manifest.name})",
-            )
-        )
-    return problems
-
-
-def _pattern(name: str, inventory: Inventory) -> tuple[str, int]:
-    """(name with its layer or block index as a placeholder, the index; -1 if none)."""
-    for template, mark in (
-        (inventory.layer_prefix, "{L}"),
-        (inventory.vision_block_prefix, "{B}"),
-    ):
-        head, _, tail = template.partition(mark)
-        if name.startswith(head):
-            index, dot, rest = name[len(head) :].partition(".")
-            if dot and index.isdigit() and tail == ".":
-                return f"{head}{mark}.{rest}", int(index)
-    return name, -1
+    keys = _dims_read(manifest)
+    fields, problems = _read(keys, inventory, config)
+    rule, rule_problems = contract.layer_rule(config, bound)
+    e_field = manifest.dims["E"]
+    experts = fields[e_field] if e_field in fields[_INTS] and fields[e_field] > 0 else 0
+    too_big = contract.bound_problem(e_field, experts, bound)
+    dims, problems = _dims(manifest, fields, problems)
+    if too_big and not any(p.code is Code.CONFIG_BOUND for p in rule_problems):
+        rule_problems.append(too_big)  # E as the manifest names it (the rule bounded `num_experts`)
+    bounded = not any(p.code is Code.CONFIG_BOUND for p in rule_problems)
+    required = _required(inventory, fields, rule.moe) if inventory and bounded else {}
+    rules = manifest.rules(converted)
+    tensors = {key: ExpertSpec(r.dtype, dims.shape(r.shape)) for key, r in rules.items()}
+    expectation = Expectation(manifest.name, dims, tensors, rule, bounded, inventory, required)
+    return expectation, problems + rule_problems

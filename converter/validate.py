@@ -18,7 +18,7 @@ from typing import NamedTuple
 from . import contract
 from .console import id_ranges
 from .errors import Code, Problem
-from .manifest import Dims, Manifest, TensorRule, check_inventory, resolve_dims
+from .manifest import Dims, Expectation, ExpertSpec, Inventory, Manifest, expect
 from .safetensors_format import TensorInfo
 from .source import Source
 
@@ -81,8 +81,6 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
                 file=contract.CONFIG_NAME,
             )
         )
-    dims, dim_problems = resolve_dims(manifest, config)
-    problems += dim_problems
     act = contract.config_value(config, "hidden_act")
     if act != contract.FIXED_FIELDS["activation"]:
         problems.append(
@@ -97,18 +95,12 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
         )
     # Bounded by the source's own tensor count: nothing is built from a config size above it.
     bound = sum(len(h.tensors) for h in source.headers.values())
-    rule, rule_problems = contract.layer_rule(config, bound)
-    if not any(p.code is Code.CONFIG_BOUND for p in rule_problems):
-        # E as the manifest names it (the rule bounded `num_experts`).
-        too_big = contract.bound_problem(manifest.dims["E"], dims.values.get("E", 0), bound)
-        rule_problems += [too_big] if too_big else []
-    problems += rule_problems
-    if any(p.code is Code.CONFIG_BOUND for p in rule_problems):
-        return ExpertTable(dims), problems
-    table, tensor_problems = check_expert_tensors(
-        manifest, dims, source_tensors(source), set(rule.moe), converted=False, extra=rule.extra
-    )
-    tensor_problems += check_inventory(manifest, config, source_tensors(source))
+    expected, config_problems = expect(manifest, config, bound)
+    problems += config_problems
+    if not expected.bounded:
+        return ExpertTable(expected.dims), problems
+    table, tensor_problems = check_expert_tensors(expected, source_tensors(source))
+    tensor_problems += check_inventory(expected, source_tensors(source))
     return table, problems + tensor_problems
 
 
@@ -120,20 +112,15 @@ class _Verdict(NamedTuple):
 
 
 def check_expert_tensors(
-    manifest: Manifest,
-    dims: Dims,
-    tensors: Iterable[tuple[str, TensorInfo]],
-    moe_layers: set[int],
-    converted: bool,
-    extra: list[int] | tuple[int, ...] = (),
+    expected: Expectation, tensors: Iterable[tuple[str, TensorInfo]], converted: bool = False
 ) -> tuple[ExpertTable, list[Problem]]:
     """Check every routed-expert tensor, given as (file, info), against the contract and the
-    manifest: name grammar, dtype, shape, id range, partners, every expert of every MoE layer
-    and no expert anywhere else (`extra`: declared layers whose experts may be there, whole)."""
-    rules = manifest.rules(converted)
-    shapes = {key: dims.shape(rule.shape) for key, rule in rules.items()}
-    num_experts = dims.values.get("E")
-    table = ExpertTable(dims)
+    expectation: name grammar, dtype, shape, id range, partners, every expert of every MoE
+    layer and no expert anywhere else (the rule's `extra` layers: experts may be there, whole)."""
+    rules = expected.tensors
+    num_experts = expected.dims.values.get("E")
+    moe_layers, extra = set(expected.layers.moe), set(expected.layers.extra)
+    table = ExpertTable(expected.dims)
     problems: list[Problem] = []
     tails_by_prefix: dict[str, list[str]] = {}
     verdicts: dict[str, _Verdict | Problem] = {}
@@ -147,7 +134,7 @@ def check_expert_tensors(
         prefix, tail = split
         verdict = verdicts.get(tail)
         if verdict is None:
-            verdict = verdicts[tail] = _judge_tail(tail, rules, shapes, num_experts, converted)
+            verdict = verdicts[tail] = _judge_tail(tail, rules, num_experts, converted)
             if isinstance(verdict, _Verdict) and verdict.key.startswith(("w1.", "w3.")):
                 w31_tail = f"{verdict.expert}.{contract.FUSED}.{verdict.key[3:]}"
                 fusions[tail] = Fusion(w31_tail, verdict.key[:2] == contract.UP)
@@ -191,13 +178,13 @@ def check_expert_tensors(
                 )
             )
     problems += _check_layers(
-        table, tails_by_prefix, layer_of, verdicts, rules, num_experts, moe_layers, set(extra)
+        table, tails_by_prefix, layer_of, verdicts, rules, num_experts, moe_layers, extra
     )
     return table, problems
 
 
 def _judge_tail(
-    tail: str, rules: dict[str, TensorRule], shapes: dict, num_experts: int | None, converted: bool
+    tail: str, rules: dict[str, ExpertSpec], num_experts: int | None, converted: bool
 ) -> _Verdict | Problem:
     parsed = contract.parse_expert_tail(tail)
     grammar = (
@@ -229,7 +216,7 @@ def _judge_tail(
             expected=f"< {num_experts}",
             found=str(parsed.expert),
         )
-    return _Verdict(parsed.expert, key, rules[key].dtype, shapes[key])
+    return _Verdict(parsed.expert, key, rules[key].dtype, rules[key].shape)
 
 
 def _check_layers(
@@ -342,3 +329,69 @@ def _missing_in_layer(
                 )
             )
     return problems
+
+
+def check_inventory(
+    expected: Expectation, tensors: Iterable[tuple[str, TensorInfo]]
+) -> list[Problem]:
+    """The non-expert tensors the expectation requires: each present (under any spelling the
+    model's loader maps alike) and stored unquantized. Missing names are reported once per
+    name pattern, with the layers that lack it."""
+    inventory = expected.inventory
+    if inventory is None:
+        return []
+    required = expected.required
+    found: dict[str, tuple[str, TensorInfo]] = {}
+    for file, info in tensors:
+        name = info.name
+        if ".experts." in name:  # routed experts are the contract's, checked elsewhere
+            continue
+        for spelled, canonical in inventory.aliases:
+            name = name.replace(spelled, canonical)
+        if name in required:
+            found[name] = (file, info)
+    problems = []
+    missing: dict[str, list[int]] = {}
+    for name, place in required.items():
+        hit = found.get(name)
+        if hit is None:
+            pattern, index = _pattern(name, inventory)
+            missing.setdefault(pattern, []).append(index)
+        elif hit[1].dtype not in inventory.dtypes:
+            problems.append(
+                Problem(
+                    Code.INVENTORY_DTYPE,
+                    f"{place} tensor is not stored unquantized: the model loads it with an "
+                    "unquantized method",
+                    file=hit[0],
+                    tensor=hit[1].name,
+                    expected=" or ".join(sorted(inventory.dtypes)),
+                    found=hit[1].dtype,
+                )
+            )
+    for pattern, ids in missing.items():
+        unit = "blocks" if "{B}" in pattern else "layers"
+        where = f" in {unit} {id_ranges(ids)}" if ids != [-1] else ""
+        problems.append(
+            Problem(
+                Code.INVENTORY_MISSING,
+                f"tensor the model loads is missing{where}",
+                tensor=pattern,
+                expected=f"present (manifest {expected.manifest})",
+            )
+        )
+    return problems
+
+
+def _pattern(name: str, inventory: Inventory) -> tuple[str, int]:
+    """(name with its layer or block index as a placeholder, the index; -1 if none)."""
+    for template, mark in (
+        (inventory.layer_prefix, "{L}"),
+        (inventory.vision_block_prefix, "{B}"),
+    ):
+        head, _, tail = template.partition(mark)
+        if name.startswith(head):
+            index, dot, rest = name[len(head) :].partition(".")
+            if dot and index.isdigit() and tail == ".":
+                return f"{head}{mark}.{rest}", int(index)
+    return name, -1
