@@ -77,10 +77,10 @@ class OutputLock:
         except FileNotFoundError:
             return False
         except OSError as exc:  # a link (ELOOP) or anything else that cannot be a lock
-            raise self._not_a_lock(fsio.describe(self.path)) from exc
+            raise self._not_a_lock() from exc
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise self._not_a_lock(fsio.describe(self.path))
+                raise self._not_a_lock()
             if not _flock(fd):  # the owner is alive (or another run is taking over)
                 raise self._busy(self._owner())
             if not self._is_current(fd):  # released and recreated while we waited
@@ -120,7 +120,8 @@ class OutputLock:
             file=str(self.path.parent.parent),
         )
 
-    def _not_a_lock(self, found: str) -> Fatal:
+    def _not_a_lock(self) -> Fatal:
+        found = fsio.describe(self.path)
         return fail(
             Code.STATE_FOLDER_INVALID,
             "the lock file is not a regular file kimi-convert made",

@@ -126,16 +126,16 @@ class Ledger:
     @staticmethod
     def read(path: Path) -> tuple[str | None, dict[str, ShardRecord]]:
         """(fingerprint, records) of a ledger file; a torn last line is ignored."""
-        head, records = Ledger.read_all(path)
+        head, records = Ledger.parse(fsio.read_if_regular(path))
         return head.get("fingerprint"), records
 
     @staticmethod
-    def read_all(path: Path) -> tuple[dict, dict[str, ShardRecord]]:
-        """(first line, records) of a ledger file; a torn last line is ignored."""
+    def parse(data: bytes | None) -> tuple[dict, dict[str, ShardRecord]]:
+        """(first line, records) of a ledger file's bytes; a torn last line is ignored."""
         try:
-            lines = fsio.read_regular(path, follow=False).decode("utf-8").splitlines()
+            lines = (data or b"").decode("utf-8").splitlines()
             head = json.loads(lines[0])
-        except (OSError, ValueError, IndexError):
+        except (ValueError, IndexError):
             return {}, {}
         records = {}
         for line in lines[1:]:
@@ -155,8 +155,9 @@ class Ledger:
     def load(self) -> None:
         data = fsio.read_regular(self.path, follow=False)
         if not data.endswith(b"\n"):  # a torn last line: drop it, or the next append
-            os.truncate(self.path, data.rfind(b"\n") + 1)  # would be glued onto it
-        _, self.done = self.read(self.path)
+            data = data[: data.rfind(b"\n") + 1]  # would be glued onto it
+            os.truncate(self.path, len(data))
+        _, self.done = self.parse(data)
 
     def record(self, record: ShardRecord) -> None:
         with self._lock:
@@ -199,6 +200,70 @@ class FinalFiles:
         return [*self.extras, checksums, self.config, self.index]
 
 
+@dataclass(frozen=True)
+class Records:
+    """What this tool's own records in an output directory say, read at once
+    (`OutputDir.read_records`): every decision about the directory (its mode, whose it is,
+    which files are ours) is made from one reading, not from files re-read step by step."""
+
+    ledger_head: dict  # the ledger's first line: plan fingerprint and source key
+    ledger: dict[str, ShardRecord]  # shards an unfinished run recorded
+    checksums: dict  # the checksums file of a finished run ({} if none)
+    checksums_size: int | None  # its size, where it is a regular file
+    journal: list[dict]  # every other file a run recorded before writing it
+    config: object  # config.json, parsed (None if none)
+    index: bool  # whether an index is there (it marks a complete output)
+
+    def previous(self, fingerprint: str, source: SourceId) -> tuple[Mode, dict[str, ShardRecord]]:
+        """What an earlier run of this plan left: its mode and shard records. A run of this
+        plan from another source is `Mode.OTHER_SOURCE` (`owner` says whose it is)."""
+        head = self.ledger_head
+        if head.get("fingerprint") == fingerprint:
+            if head.get("source") == source.key:
+                return Mode.RESUME, self.ledger
+            return Mode.OTHER_SOURCE, {}
+        if self.checksums.get("plan_fingerprint") == fingerprint and self.index:
+            mine = self.checksums.get("source")
+            if isinstance(mine, dict) and mine.get("sha256") == source.digest:
+                return Mode.RECHECK, _records_of(self.checksums)
+            return Mode.OTHER_SOURCE, {}
+        return Mode.FRESH, {}
+
+    def owner(self) -> str | None:
+        """Whose conversion the directory holds, in words (None if it holds none we know)."""
+        head = self.ledger_head
+        if isinstance(head.get("source"), str) and head["source"]:
+            return f"{head['source']} (an unfinished conversion)"
+        config = self.config
+        block = contract.find_block(config) if isinstance(config, dict) else None
+        src = block.get("source") if isinstance(block, dict) else None
+        name = src.get("path") if isinstance(src, dict) else None
+        return f"{name!r} (a finished conversion)" if isinstance(name, str) else None
+
+    def ours(self) -> dict[str, tuple[int, str | None, str | None]]:
+        """name -> (size, header sha256 for shards, sha256 for other files where recorded) of
+        every file our records say we wrote."""
+        names: dict[str, tuple[int, str | None, str | None]] = {}
+        files = self.checksums.get("files") if self.checksums.get("format_version") else None
+        if isinstance(files, dict):
+            for name, entry in files.items():
+                if isinstance(entry, dict) and type(entry.get("size")) is int:
+                    sha = entry.get("sha256")
+                    names[name] = (
+                        entry["size"],
+                        entry.get("header_sha256"),
+                        sha if isinstance(sha, str) else None,
+                    )
+            if self.checksums_size is not None:
+                names[CHECKSUMS_NAME] = (self.checksums_size, None, None)
+        for record in self.ledger.values():
+            names[record.shard] = (record.size, record.header_sha256, None)
+        for entry in self.journal:
+            if isinstance(entry.get("file"), str) and type(entry.get("size")) is int:
+                names[entry["file"]] = (entry["size"], None, None)
+        return names
+
+
 class OutputDir:
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root.expanduser()))  # a link loop: no exception
@@ -219,23 +284,22 @@ class OutputDir:
         self.warnings: list[str] = []
 
     # -- reading, no lock needed ---------------------------------------------------------
-    def previous_records(
-        self, fingerprint: str, source: SourceId
-    ) -> tuple[Mode, dict[str, ShardRecord]]:
-        """What an earlier run of this plan left: its mode and shard records. A run of this
-        plan from another source is `Mode.OTHER_SOURCE` (`owner` says whose it is)."""
-        head, records = Ledger.read_all(self.ledger_path)
-        if head.get("fingerprint") == fingerprint:
-            if head.get("source") == source.key:
-                return Mode.RESUME, records
-            return Mode.OTHER_SOURCE, {}
-        recorded = self._checksums_file()
-        if recorded.get("plan_fingerprint") == fingerprint and os.path.lexists(self.index):
-            mine = recorded.get("source")
-            if isinstance(mine, dict) and mine.get("sha256") == source.digest:
-                return Mode.RECHECK, _records_of(recorded)
-            return Mode.OTHER_SOURCE, {}
-        return Mode.FRESH, {}
+    def read_records(self) -> Records:
+        """Every record of ours in the directory, read together (links never followed)."""
+        ledger, checksums, journal, config = (
+            fsio.read_if_regular(p)
+            for p in (self.ledger_path, self.checksums, self.journal_path, self.root / CONFIG_NAME)
+        )
+        head, records = Ledger.parse(ledger)
+        return Records(
+            head,
+            records,
+            _json_object(checksums) or {},
+            len(checksums) if checksums is not None else None,
+            _json_lines(journal),
+            _json_object(config),
+            os.path.lexists(self.index),
+        )
 
     def resume_decision(
         self, fingerprint: str, source: SourceId, force: bool
@@ -243,32 +307,14 @@ class OutputDir:
         """What a run of this plan does here (a run and `--dry-run` alike): the mode and the
         records of shards to prove before keeping them; refuses what it must refuse. The
         conversion of another source is replaced (with --force only), as a fresh run."""
-        mode, records = self.previous_records(fingerprint, source)
-        self.check_usable(mode, force)
+        found = self.read_records()
+        mode, records = found.previous(fingerprint, source)
+        self.check_usable(mode, force, found)
         return (Mode.FRESH, records) if mode is Mode.OTHER_SOURCE else (mode, records)
 
-    def owner(self) -> str | None:
-        """Whose conversion the directory holds, in words (None if it holds none we know)."""
-        head, _ = Ledger.read_all(self.ledger_path)
-        if isinstance(head.get("source"), str) and head["source"]:
-            return f"{head['source']} (an unfinished conversion)"
-        try:
-            config = json.loads(fsio.read_regular(self.root / CONFIG_NAME, follow=False))
-        except (OSError, ValueError):
-            return None
-        block = contract.find_block(config) if isinstance(config, dict) else None
-        src = block.get("source") if isinstance(block, dict) else None
-        name = src.get("path") if isinstance(src, dict) else None
-        return f"{name!r} (a finished conversion)" if isinstance(name, str) else None
-
-    def _checksums_file(self) -> dict:
-        try:
-            data = json.loads(fsio.read_regular(self.checksums, follow=False).decode("utf-8"))
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def check_usable(self, mode: Mode | None = None, force: bool = False) -> None:
+    def check_usable(
+        self, mode: Mode | None = None, force: bool = False, found: Records | None = None
+    ) -> None:
         """Refuse, before anything is written (and in --dry-run alike), an output path this
         run could not or must not write: not a directory, a state folder that is not a real
         directory (a link would lead writes and deletions elsewhere), no write permission,
@@ -311,7 +357,7 @@ class OutputDir:
             raise fail(
                 Code.OUTPUT_OF_ANOTHER_SOURCE,
                 "output directory holds the conversion of another source: "
-                f"{self.owner() or 'unknown'}",
+                f"{(found.owner() if found else None) or 'unknown'}",
                 file=str(self.root),
                 hint="a rerun continues only the conversion of the same source; pass --force "
                 "to replace it (only files kimi-convert recorded writing are removed), or "
@@ -346,9 +392,7 @@ class OutputDir:
         `self.ledger` holds the records of shards an earlier run finished."""
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
         self.resume_decision(fingerprint, source, force)
-        self._make_dir(self.root)
-        if fsio.lkind(self.state) is None:
-            self._make_dir(self.state)
+        self._created += fsio.make_dirs(self.state)  # the root too, where it is missing
         if not fsio.is_real_dir(self.state):  # replaced since `check_usable`: still refuse
             self.check_usable()
         self._state_made = True
@@ -375,7 +419,8 @@ class OutputDir:
         (removed with --force). The state folder of another plan is reset."""
         entries = self._entries()
         if entries:
-            foreign = self._foreign(entries)
+            found = self.read_records()
+            foreign = self._foreign(entries, found.ours())
             if not force:
                 hint = (
                     "pass --force to replace the files kimi-convert wrote there, or choose "
@@ -384,7 +429,7 @@ class OutputDir:
                     else "choose another directory: "
                     "this one holds files kimi-convert has no record of writing"
                 )
-                owner = self.owner()
+                owner = found.owner()
                 raise fail(
                     Code.OUTPUT_NOT_EMPTY,
                     "output directory is not empty and is not a resumable run of this conversion"
@@ -403,38 +448,14 @@ class OutputDir:
                     file=str(self.root),
                     hint="move them out or choose another output directory; nothing was deleted",
                 )
-            self._remove_ours(entries)
+            self._remove_ours(entries, found.ours())
         for path in self.state.iterdir():  # another plan's ledger and temporaries
             if path.name not in (_LOCK, _PARTIALS):  # the partials are still to be removed
                 fsio.remove(path)  # the state folder is a real directory (`claim`)
 
-    def _recorded(self) -> dict[str, tuple[int, str | None, str | None]]:
-        """name -> (size, header sha256 for shards, sha256 for other files where recorded) of
-        every file our records say we wrote."""
-        names: dict[str, tuple[int, str | None, str | None]] = {}
-        recorded = self._checksums_file()
-        files = recorded.get("files") if recorded.get("format_version") else None
-        if isinstance(files, dict):
-            for name, entry in files.items():
-                if isinstance(entry, dict) and type(entry.get("size")) is int:
-                    sha = entry.get("sha256")
-                    names[name] = (
-                        entry["size"],
-                        entry.get("header_sha256"),
-                        sha if isinstance(sha, str) else None,
-                    )
-            if fsio.is_regular(self.checksums, follow=False):
-                names[CHECKSUMS_NAME] = (self.checksums.stat().st_size, None, None)
-        for record in Ledger.read(self.ledger_path)[1].values():
-            names[record.shard] = (record.size, record.header_sha256, None)
-        for entry in _read_lines(self.journal_path):
-            if isinstance(entry.get("file"), str) and type(entry.get("size")) is int:
-                names[entry["file"]] = (entry["size"], None, None)
-        return names
-
-    def _foreign(self, entries: list[Path]) -> list[Path]:
-        """The files under `entries` that our records do not name with their current size."""
-        recorded = self._recorded()
+    def _foreign(self, entries: list[Path], recorded: Mapping[str, tuple]) -> list[Path]:
+        """The files under `entries` that our records (`Records.ours`) do not name with their
+        current size."""
         foreign = []
         for entry in entries:
             paths = (
@@ -459,10 +480,9 @@ class OutputDir:
                     foreign.append(path)
         return foreign
 
-    def _remove_ours(self, entries: list[Path]) -> None:
+    def _remove_ours(self, entries: list[Path], recorded: Mapping[str, tuple]) -> None:
         """Remove files proven ours: the index first (it marks an output complete), the
         checksums file last (it is the record); the journal keeps the record meanwhile."""
-        recorded = self._recorded()
         files = self._all_files(entries)
         lines = []
         for path in files:
@@ -476,14 +496,6 @@ class OutputDir:
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
         fsync_dir(self.root)
-
-    def _make_dir(self, path: Path) -> None:
-        """mkdir -p, 0755 whatever the umask (others must read it); remember what we made."""
-        missing = [p for p in (path, *path.parents) if not p.exists()]
-        path.mkdir(parents=True, exist_ok=True)
-        for p in reversed(missing):
-            os.chmod(p, 0o755)
-            self._created.append(p)
 
     def begin_writes(self) -> None:
         """Called before the first change to the directory: it stops looking complete."""
@@ -514,7 +526,7 @@ class OutputDir:
         strays = [
             p for p in self._all_files(entries) if str(p.relative_to(self.root)) not in expected
         ]
-        foreign = self._foreign(strays) if strays else []
+        foreign = self._foreign(strays, self.read_records().ours()) if strays else []
         # Files our records say we wrote that this conversion no longer has (the source
         # dropped them): ours to remove, after the index (the output stops looking complete).
         dropped = [p for p in strays if p not in foreign]
@@ -590,7 +602,7 @@ class OutputDir:
                 "output path leads outside the output directory (a symlink?)",
                 file=str(path),
             )
-        self._make_dir(path.parent)
+        self._created += fsio.make_dirs(path.parent)
         tmp = self.tmp / (path.name + ".partial")
         try:
             with os.fdopen(fsio.create_fresh(tmp), "wb") as out:
@@ -673,7 +685,7 @@ class OutputDir:
 
     def partials(self) -> list[Path]:
         """Every partial download recorded by `note_partial` and not yet forgotten."""
-        entries = _read_lines(self.partials_path)
+        entries = _json_lines(fsio.read_if_regular(self.partials_path))
         return [Path(e["path"]) for e in entries if isinstance(e.get("path"), str)]
 
     def forget_partials(self) -> None:
@@ -803,10 +815,11 @@ def _ignored(path: Path, root: Path) -> bool:
     return contract.not_part_of_checkpoint(path.relative_to(root).as_posix())
 
 
-def _read_lines(path: Path) -> list[dict]:
+def _json_lines(data: bytes | None) -> list[dict]:
+    """The JSON objects of a record file's lines (a torn or edited line is no record)."""
     try:
-        lines = fsio.read_regular(path, follow=False).decode("utf-8").splitlines()
-    except (OSError, ValueError):  # missing, not a regular file, not UTF-8: no record
+        lines = (data or b"").decode("utf-8").splitlines()
+    except ValueError:  # not UTF-8: no record
         return []
     out = []
     for line in lines:
@@ -815,6 +828,15 @@ def _read_lines(path: Path) -> list[dict]:
             if isinstance(value, dict):
                 out.append(value)
     return out
+
+
+def _json_object(data: bytes | None) -> dict | None:
+    """A record file's JSON object, or None (missing, unreadable, not an object)."""
+    try:
+        value = json.loads((data or b"").decode("utf-8"))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _same_file(path: Path, f: FinalFile) -> bool:
