@@ -182,3 +182,24 @@ def create_fresh(path: str | os.PathLike[str], mode: int = 0o644) -> int:
     create is exclusive and does not follow links, so no write can land elsewhere."""
     remove(path)
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+
+
+def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
+    """Replace `path` with `data`, fsynced first: a reader sees the old file or the new one,
+    never a torn one (the temporary is made in `tmp_dir`, see `create_fresh`)."""
+    tmp = tmp_dir / (path.name + ".partial")
+    with os.fdopen(create_fresh(tmp), "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the directory's entries (a rename, an unlink) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -21,6 +21,7 @@ from pathlib import Path
 from . import fsio
 from .errors import Code, Fatal, fail
 
+_OWNER_MAX = 64 * 1024  # a lock we wrote names its owner in a few dozen bytes
 # Never through a link, never blocking on a FIFO planted in the lock's place.
 _FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
@@ -82,10 +83,10 @@ class OutputLock:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise self._not_a_lock()
             if not _flock(fd):  # the owner is alive (or another run is taking over)
-                raise self._busy(self._owner())
+                raise self._busy(_owner(fd))
             if not self._is_current(fd):  # released and recreated while we waited
                 return False
-            owner = self._owner()
+            owner = _owner(fd)
             pid = owner.get("pid") if owner else None
             if not (
                 owner and owner.get("host") == me["host"] and type(pid) is int and not _alive(pid)
@@ -131,13 +132,6 @@ class OutputLock:
             hint=f"remove {self.path} yourself if no conversion is running; nothing was changed",
         )
 
-    def _owner(self) -> dict | None:
-        try:
-            owner = json.loads(fsio.read_regular(self.path, follow=False))
-        except (OSError, ValueError):
-            return None
-        return owner if isinstance(owner, dict) else None
-
     def release(self) -> None:
         """Let go of a lock we hold (a no-op otherwise: never remove another run's lock)."""
         if self._fd is None:
@@ -148,3 +142,13 @@ class OutputLock:
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self._fd = None
+
+
+def _owner(fd: int) -> dict | None:
+    """Who the lock file open on `fd` (a regular file, checked) names; read from that fd, so
+    it is the very file whose `flock` was asked, not whatever the path holds by now."""
+    try:
+        owner = json.loads(os.pread(fd, _OWNER_MAX, 0))
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None

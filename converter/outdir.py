@@ -124,12 +124,6 @@ class Ledger:
         self._lock = threading.Lock()
 
     @staticmethod
-    def read(path: Path) -> tuple[str | None, dict[str, ShardRecord]]:
-        """(fingerprint, records) of a ledger file; a torn last line is ignored."""
-        head, records = Ledger.parse(fsio.read_if_regular(path))
-        return head.get("fingerprint"), records
-
-    @staticmethod
     def parse(data: bytes | None) -> tuple[dict, dict[str, ShardRecord]]:
         """(first line, records) of a ledger file's bytes; a torn last line is ignored."""
         try:
@@ -150,14 +144,7 @@ class Ledger:
         self.done = {r.shard: r for r in records}
         lines = [json.dumps({"fingerprint": self.fingerprint, "source": self.source})]
         lines += [json.dumps(r.to_json(), separators=(",", ":")) for r in self.done.values()]
-        write_atomic(self.path, ("\n".join(lines) + "\n").encode(), self.path.parent)
-
-    def load(self) -> None:
-        data = fsio.read_regular(self.path, follow=False)
-        if not data.endswith(b"\n"):  # a torn last line: drop it, or the next append
-            data = data[: data.rfind(b"\n") + 1]  # would be glued onto it
-            os.truncate(self.path, len(data))
-        _, self.done = self.parse(data)
+        fsio.write_atomic(self.path, ("\n".join(lines) + "\n").encode(), self.path.parent)
 
     def record(self, record: ShardRecord) -> None:
         with self._lock:
@@ -404,11 +391,10 @@ class OutputDir:
         mode, records = self.resume_decision(fingerprint, source, force)
         if mode is Mode.FRESH:
             self._make_room(force)
+        # One path for every mode: the ledger is rewritten (atomically) with the records just
+        # read under the lock; a torn last line of an interrupted run is left behind with it.
         ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
-        if mode is Mode.RESUME:
-            ledger.load()
-        else:
-            ledger.start(records.values())
+        ledger.start(records.values())
         fsio.remove(self.tmp)  # temporaries of a crashed run (a link: only the link)
         self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
@@ -495,14 +481,14 @@ class OutputDir:
         for entry in entries:  # folders that held only our files
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
-        fsync_dir(self.root)
+        fsio.fsync_dir(self.root)
 
     def begin_writes(self) -> None:
         """Called before the first change to the directory: it stops looking complete."""
         with self._write_lock:
             if not self._writing:
                 self.index.unlink(missing_ok=True)
-                fsync_dir(self.root)
+                fsio.fsync_dir(self.root)
                 self._writing = True
 
     def check_free_space(self, needed: int) -> None:
@@ -555,7 +541,7 @@ class OutputDir:
                 for folder in path.relative_to(self.root).parents[:-1]:  # now empty: gone too
                     with contextlib.suppress(OSError):
                         (self.root / folder).rmdir()
-            fsync_dir(self.root)
+            fsio.fsync_dir(self.root)
         index = [f for f in files if f.name == INDEX_NAME]
         for group in ([f for f in files if f.name != INDEX_NAME], index):
             for f in group:
@@ -567,7 +553,7 @@ class OutputDir:
                 self._write_final(path, f)
                 rewritten += 1
                 faults.fault_point(_FAULT_LABELS.get(f.name, "finalize.extra"))
-            fsync_dir(self.root)  # everything else is durable before the index appears
+            fsio.fsync_dir(self.root)  # everything else is durable before the index appears
         return rewritten
 
     def _entries(self) -> list[Path]:
@@ -851,21 +837,3 @@ def _same_file(path: Path, f: FinalFile) -> bool:
 def _inside(root: Path, path: Path) -> bool:
     parent = Path(os.path.realpath(path.parent))  # never raises on a link loop
     return parent == root or root in parent.parents
-
-
-def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
-    tmp = tmp_dir / (path.name + ".partial")
-    with os.fdopen(fsio.create_fresh(tmp), "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

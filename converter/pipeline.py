@@ -37,7 +37,7 @@ from .hashing import sha256_bytes, sha256_file
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
 from .outdir import FinalFile, FinalFiles, Mode, OutputDir, Session, SourceId
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
-from .source import Origin, Source, SourceReader, read_source
+from .source import Origin, Source, read_source, source_id
 from .source.local import LocalOrigin
 from .validate import validate_source
 
@@ -209,10 +209,11 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
 
 def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     source, manifest, plan = prepare(opts)
+    identity = source_id(source, source.reader)
+    planned = {f: h.header_sha256 for f, h in source.headers.items()}
+    sources = opts.executor.source_files(source.root, source.shard_files, planned, source.reader)
     out = OutputDir(opts.out)
     result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
-    sources = _source_files(opts, source)
-    identity = source_id(source, source.reader)
     try:
         if opts.dry_run:
             result.preview = preview(out, plan, sources, opts.rehash, identity, opts.force)
@@ -225,26 +226,6 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     finally:
         sources.close()
     return result
-
-
-def _source_files(opts: ConvertOptions, source: Source) -> SourceFiles:
-    planned = {f: h.header_sha256 for f, h in source.headers.items()}
-    return opts.executor.source_files(source.root, source.shard_files, planned, source.reader)
-
-
-def source_id(source: Source, origin: SourceReader | None) -> SourceId:
-    """Which source this is: where it was read from (machine-local, kept in the state folder
-    and, hashed, in the checksums file) and a name safe to publish (a repo id, or the
-    directory's own name: never a path of this machine)."""
-    repo = getattr(origin, "repo", None)  # a Hub snapshot, pinned to one commit
-    if repo is not None:
-        return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
-    root = source.root.resolve()
-    folder = root.parent.parent.name  # the Hub cache: models--org--name/snapshots/<commit>
-    if root.parent.name == "snapshots" and folder.startswith("models--"):
-        repo_id = folder.removeprefix("models--").replace("--", "/")
-        return SourceId(repo_id, f"hub:{repo_id}@{root.name}")  # as a --download run
-    return SourceId(root.name, str(root))
 
 
 def preview(

@@ -29,7 +29,7 @@ from ..hashing import (
     sha256_bytes,
     source_header_sha256,
 )
-from ..outdir import SPACE_ERRNOS, Ledger, ShardRecord, fsync_dir
+from ..outdir import SPACE_ERRNOS, Ledger, ShardRecord
 from ..plan import OutputShard
 from .streaming import RangeHasher, copy_range, write_all
 
@@ -291,7 +291,7 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, job.out_dir / shard.name)
-    fsync_dir(job.out_dir)
+    fsio.fsync_dir(job.out_dir)
     faults.fault_point("shard.renamed")
     return ShardRecord(
         shard=shard.name,

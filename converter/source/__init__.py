@@ -25,6 +25,7 @@ from typing import Protocol
 from .. import fsio
 from ..contract import CONFIG_NAME, INDEX_NAME
 from ..errors import Code, Fatal, Problem, fail
+from ..outdir import SourceId
 from ..safetensors_format import ShardHeader
 
 
@@ -347,3 +348,18 @@ def read_json(path: Path):
         raise fail(Code.JSON_INVALID, f"not valid JSON ({exc})", file=str(path)) from None
     except OSError as exc:
         raise fail(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror})", file=str(path)) from None
+
+
+def source_id(source: Source, origin: SourceReader | None) -> SourceId:
+    """Which source this is: where it was read from (machine-local, kept in the state folder
+    and, hashed, in the checksums file) and a name safe to publish (a repo id, or the
+    directory's own name: never a path of this machine)."""
+    repo = getattr(origin, "repo", None)  # a Hub snapshot, pinned to one commit
+    if repo is not None:
+        return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
+    root = source.root.resolve()
+    folder = root.parent.parent.name  # the Hub cache: models--org--name/snapshots/<commit>
+    if root.parent.name == "snapshots" and folder.startswith("models--"):
+        repo_id = folder.removeprefix("models--").replace("--", "/")
+        return SourceId(repo_id, f"hub:{repo_id}@{root.name}")  # as a --download run
+    return SourceId(root.name, str(root))
