@@ -6,11 +6,17 @@ act on the reason without matching message text. `Fatal` carries one or more of 
 of deep code to the command line, which prints their causes (`CONSEQUENCES`: what follows
 from another reason is counted, not repeated) and exits with the code `EXIT_CODES` gives
 their reasons: raise sites never choose an exit code.
+
+Each reason's message lives beside it (`MESSAGES`, as the safetensors library keeps each
+error's message with its variant): a call site names the code and passes the facts,
+`problem(Code.HEADER_TOO_LARGE, file=name, length=n)`, and never writes message text. Where
+one code covers several situations, a `rule` fact picks the situation's message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import string
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -169,6 +175,848 @@ class Problem:
         fields = {k: v for k, v in self.__dict__.items() if v is not None}
         fields["code"] = self.code.value
         return fields
+
+
+# -- messages: each reason's words, over the facts its call sites pass ----------------------
+@dataclass(frozen=True)
+class Message:
+    """Templates (`str.format` over named facts) for a problem's `what`, and for its
+    `expected`/`found`/`hint` where the code always words them the same way. A call site
+    passes `expected`/`found` itself only where the message has no template for them."""
+
+    what: str
+    expected: str | None = None
+    found: str | None = None
+    hint: str | None = None
+
+
+# A code's message, or {rule: message} where one code covers several situations.
+Template = str | Message
+MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
+    Code.USAGE: {
+        "ray-address": "--ray-address only applies with --executor ray",
+        "download-options": "{options} only apply with --download",
+        "download-with-ray": Message(
+            "--download and --executor ray do not combine: download first (hf download ... "
+            "--local-dir on shared storage), then convert on Ray"
+        ),
+        "synth-group": "--k and --n must be multiples of {group} (the MXFP4 group size)",
+        "synth-no-moe": "no MoE layer: raise --layers or lower --dense-layers / --moe-every",
+        "ray-missing": Message(
+            "--executor ray needs Ray, an optional dependency: pip install ray (or install "
+            "kimi-w31 with its 'ray' extra) on the driver and on every node of the cluster"
+        ),
+        "ray-version": Message(
+            "kimi-w31 on this node differs from the driver's", expected="{driver}", found="{node}"
+        ),
+        "hub-repo-id": "--download needs a Hugging Face repo id (org/name)",
+        "revision-local": (
+            "--revision {revision!r} applies to a Hugging Face repo id, not to a local directory"
+        ),
+        "max-shard-size": Message("--max-shard-size must be positive", found="{size}"),
+        "numerics-source": (
+            "--numerics needs --source SRC: it computes each expert from the source and from "
+            "the output"
+        ),
+        "sample": Message(
+            "the number of experts to sample must be at least 1 (or all)", found="{sample}"
+        ),
+        "workers": Message("workers must be at least 1", found="{workers}"),
+        "numerics-options": "{options} only apply with --numerics",
+        "experts-with-all": "--experts and --all do not combine: sample N experts, or check all",
+        "source-is-output": "--source is the output directory itself",
+    },
+    Code.MANIFEST_NOT_FOUND: {
+        "name": Message(
+            "unknown manifest {name!r}",
+            expected="{known} or a path to a .json file",
+            found="{name}",
+        ),
+        "file": "manifest file not found",
+    },
+    Code.MANIFEST_INVALID: {
+        "not-json": "manifest is malformed: not valid JSON ({error})",
+        "not-object": "manifest is malformed: not a JSON object",
+        "no-key": "manifest is malformed: it has no '{key}' ({meaning})",
+        "dims": "manifest is malformed: 'dims' must map symbols to config field names",
+        "dims-missing": (
+            "manifest is malformed: 'dims' does not name the config field of {symbols}"
+        ),
+        "situ": "manifest is malformed: 'situ' must give numbers 'beta' and 'linear_beta'",
+        "group-size": "manifest is malformed: 'group_size' must be {group} (MXFP4)",
+        "pinned": "manifest is malformed: 'pinned' must map config fields to values",
+        "section-keys": "manifest is malformed: '{section}' must have exactly {want}",
+        "entry": (
+            "manifest is malformed: '{section}.{key}' must be "
+            '{{"dtype": str, "shape": [formula, ...]}} with formulas like N, 2*N, K/32 over '
+            "the symbols in 'dims'"
+        ),
+        "name": "manifest is malformed: 'name' must be a string",
+        "shape": "manifest is malformed: {section}.{key}: {why}",
+    },
+    Code.SOURCE_NOT_FOUND: {
+        "spec": (
+            "source not found: expected a directory with model.safetensors.index.json or "
+            "model.safetensors, or a Hugging Face repo id (org/name) in the local cache"
+        ),
+        "not-directory": "source is not a directory",
+    },
+    Code.SOURCE_NOT_IN_CACHE: Message(
+        "{where!r} is not a local directory and is not in the local Hugging Face cache",
+        hint="download it first (`hf download {command}`), stream it with --download, or pass "
+        "a directory",
+    ),
+    Code.OUTPUT_INSIDE_SOURCE: Message(
+        "output directory is the source or inside it",
+        expected="a directory outside the source",
+        found="{source}",
+    ),
+    Code.FILE_MISSING: {
+        "file": "file is missing",
+        "no-weights": "no {index} and no *.safetensors file in the source directory",
+        "hub-config": "the repository has no config.json",
+        "hub-weights": "the repository has no {index} or {single}",
+        "recorded": "file recorded by the conversion is missing",
+        "from-source": "file of the source is missing from the output (or not a regular file)",
+        "served": "source: no index and no *.safetensors file",
+    },
+    Code.FILE_UNREADABLE: {
+        "read": "cannot read ({error})",
+        "list": "cannot list ({error})",
+    },
+    Code.JSON_INVALID: {
+        "not-json": "not valid JSON ({error})",
+        "not-object": "{name} is not a JSON object",
+    },
+    Code.NOT_A_REGULAR_FILE: {
+        "file": Message("not a regular file", expected="a regular file", found="{kind}"),
+        "shard": Message(
+            "shard is not a regular file",
+            expected="a regular file (a shard may be a symlink to one, e.g. on another disk)",
+            found="{kind}",
+        ),
+        "publish": Message(
+            "not a regular file: it cannot be copied into the output",
+            expected="a regular file",
+            found="{kind}",
+        ),
+        "output": Message(
+            "not a regular file (a converted checkpoint holds only regular files)",
+            found="{kind}",
+        ),
+    },
+    Code.LINK_ESCAPES: {
+        "output": "output path leads outside the output directory (a symlink?)",
+        "publish": Message(
+            "file is a symlink {where}: it would publish a file that is not published directly",
+            expected="a regular file, or a link to one of the source's own published files",
+            found="{kind}",
+        ),
+    },
+    Code.HUB_ERROR: {
+        "request": "{action} failed: {error}",
+        "no-commit": "the Hub did not report a commit for this revision",
+        "no-size": "the Hub did not report size and content id for a file",
+        "short-range": "the server returned a short range for the header",
+    },
+    Code.HUB_GATED: (
+        "the repository is gated: accept its terms on the Hub and log in (hf auth login)"
+    ),
+    Code.HUB_NOT_FOUND: (
+        "repository not found (or private: log in with hf auth login or set HF_TOKEN)"
+    ),
+    Code.HUB_REVISION: Message(
+        "revision not found in the repository",
+        expected="a branch, tag or commit",
+        found="{revision}",
+        hint="check --revision (without it: the default branch, main)",
+    ),
+    Code.INDEX_INVALID: {
+        "no-weight-map": "index has no weight_map object",
+        "served": "source: index without a readable weight_map",
+    },
+    Code.WEIGHT_MAP_ENTRY_UNSAFE: Message("weight_map entry {why}", found="{shard!r}"),
+    Code.SHARD_MISSING: {
+        "local": "shard named in the index is missing",
+        "hub": "shard named in the index is missing from the repository",
+        "served": "source: index names a shard that is not there",
+    },
+    Code.INDEX_TENSOR_NOT_IN_SHARD: "index names a tensor its shard does not hold",
+    Code.INDEX_TENSOR_MISSING: "tensor is missing from {index}",
+    Code.INDEX_WRONG_SHARD: Message(
+        "tensor is in a different shard than the index says", expected="{owner}", found="{file}"
+    ),
+    Code.INDEX_TOTAL_SIZE: Message(
+        "metadata.total_size is not the sum of the tensors' bytes",
+        expected="{data}",
+        found="{total!r}",
+    ),
+    Code.SHARD_UNREFERENCED: "safetensors file the index does not reference",
+    Code.SHARD_NOT_LOADED: {
+        "index": Message(
+            "index names {count} shard(s) that loaders never open: they load only top-level "
+            "*.safetensors files, so these tensors would not be served",
+            expected="top-level file names (move the shards, or links to them, to the top)",
+            found="{shards}",
+        ),
+        "served": "source: index names a shard loaders never open",
+    },
+    Code.TENSOR_IN_TWO_SHARDS: Message(
+        "tensor is in two shards and there is no index to say which one serves",
+        expected="only in {first}",
+    ),
+    # -- safetensors headers
+    Code.HEADER_TOO_SMALL: Message(
+        "file too small for a safetensors header",
+        expected="at least 8 bytes",
+        found="{size} bytes",
+    ),
+    Code.HEADER_LENGTH_ZERO: "header length is 0",
+    Code.HEADER_TOO_LARGE: Message(
+        "header length exceeds the 100 MB limit", expected="<= {limit}", found="{length}"
+    ),
+    Code.HEADER_BEYOND_FILE: Message(
+        "header length is larger than the file", expected="<= {room}", found="{length}"
+    ),
+    Code.HEADER_NOT_UTF8: "header is not UTF-8 ({error})",
+    Code.HEADER_NOT_JSON: {
+        "not-object": "header is not a JSON object",
+        "syntax": "header is not valid JSON ({error})",
+        "surrogate": Message(
+            "header has a string with a lone UTF-16 surrogate escape (not valid Unicode)",
+            found="{text}",
+        ),
+    },
+    Code.HEADER_DUPLICATE_KEY: "header has duplicate key {key!r}",
+    Code.HEADER_METADATA: "__metadata__ must map strings to strings",
+    Code.HEADER_ENTRY: "entry must have exactly dtype, shape and data_offsets",
+    Code.HEADER_DTYPE: Message("unknown dtype", expected="a safetensors dtype", found="{dtype!r}"),
+    Code.HEADER_SHAPE: Message("shape must be a list of non-negative integers", found="{shape!r}"),
+    Code.HEADER_OFFSETS: {
+        "two-integers": Message("data_offsets must be two integers", found="{offsets!r}"),
+        "order": Message("data_offsets out of order or negative", found="{offsets!r}"),
+    },
+    Code.HEADER_SIZE_MISMATCH: Message(
+        "byte size disagrees with dtype and shape",
+        expected="{want} bytes for {dtype}{shape}",
+        found="{size} bytes",
+    ),
+    Code.HEADER_OVERLAP: Message(
+        "data_offsets overlaps the previous tensor", expected="start at {want}", found="{begin}"
+    ),
+    Code.HEADER_GAP: Message(
+        "data_offsets leaves a gap", expected="start at {want}", found="{begin}"
+    ),
+    Code.FILE_TRUNCATED: {
+        "header": Message("file is truncated", expected="{want} bytes", found="{size} bytes"),
+        "read": Message(
+            "file ended while it was being read (changed during verify?)",
+            found="ended at byte {offset}",
+        ),
+    },
+    Code.FILE_TRAILING_BYTES: Message(
+        "file has trailing bytes", expected="{want} bytes", found="{size} bytes"
+    ),
+    Code.HEADER_OVERFLOW: {
+        "elements": Message("element count overflows a usize (2^64 - 1)", found="{dtype}{shape}"),
+        "bits": Message("size in bits overflows a usize (2^64 - 1)", found="{dtype}{shape}"),
+    },
+    Code.HEADER_SUB_BYTE: Message(
+        "{count} elements of {dtype} do not fill whole bytes", found="{dtype}{shape}"
+    ),
+    Code.HEADER_LIBRARY_REFUSES: {
+        "open": "the safetensors library cannot open this file ({error})",
+        "reads-differently": Message(
+            "the safetensors library reads this tensor differently from the strict reader",
+            expected="{ours!r}",
+            found="{theirs!r}",
+        ),
+        "tensor": "the safetensors library cannot read the {side}'s tensor ({error})",
+    },
+    # -- the config
+    Code.NO_QUANTIZATION_CONFIG: {
+        "source": "config has no quantization_config: this is not an MXFP4 checkpoint",
+        "output": "config has no quantization_config",
+    },
+    Code.ALREADY_MARKED: Message(
+        "config already carries the kimi_w31 markers: this checkpoint is converted already, or "
+        "tampered with",
+        expected="no kimi_w31 block or wrapper",
+        found="{marks}",
+    ),
+    Code.CONFIG_FIELD: {
+        "text-config": Message(
+            "text_config must be an object (SGLang builds the text model from it)",
+            found="{kind}",
+        ),
+        "top-level": Message(
+            "config field {key} at the top level of a {model_type} config: SGLang takes it "
+            "from text_config only and cannot load this config",
+            found="{value!r}",
+        ),
+        "integer": Message("config field {key} must be an integer >= {minimum}", found="{value}"),
+        "num-experts": Message(
+            "config field {key} must be an integer >= {minimum} (without it SGLang builds no "
+            "MoE layer)",
+            found="{value}",
+        ),
+        "positive": Message(
+            "config field {key} is missing or not a positive integer", found="{value}"
+        ),
+        "group": Message(
+            "{key} is not a multiple of the MXFP4 group size {group}", found="{value}"
+        ),
+    },
+    Code.PINNED_MISMATCH: Message(
+        "config field {key} does not match manifest {manifest}",
+        expected="{want!r}",
+        found="{value!r}",
+    ),
+    Code.SITU_MISMATCH: {
+        "hidden-act": Message(
+            "config's hidden_act is not 'situ': the converted block would announce an "
+            "activation the model does not use",
+            expected="'situ'",
+            found="{act!r}",
+        ),
+        "not-numeric": Message(
+            "config has no numeric {key}", expected="{want!r}", found="{value!r}"
+        ),
+        "value": Message(
+            "{key} does not match manifest {manifest}", expected="{want!r}", found="{value!r}"
+        ),
+    },
+    Code.CONFIG_CONFLICT: {
+        "alias": Message(
+            "config fields {first} and {second} give one value two ways (SGLang reads both, "
+            "in different places)",
+            expected="{first} = {first_value!r}",
+            found="{second} = {second_value!r}",
+        ),
+        "top-level": Message(
+            "config field {key} at the top level disagrees with what SGLang's Kimi-K3 model "
+            "reads (text_config.{key}, or its default); it never reads the top-level copy",
+            expected="{want!r}",
+            found="{value!r}",
+        ),
+    },
+    Code.CONFIG_BOUND: Message(
+        "config describes more routed experts than the checkpoint has tensors",
+        expected="{field} <= {bound}",
+        found="{value}",
+    ),
+    # -- routed experts and MoE layers
+    Code.EXPERT_NAME: {
+        "source": Message(
+            "tensor under an 'experts' component that is not a routed-expert tensor of the "
+            "contract's grammar",
+            expected="{grammar}",
+            found="{tail!r}",
+        ),
+        "output": Message(
+            "tensor under an 'experts' component is not a routed-expert tensor of the "
+            "contract's grammar",
+            expected="{grammar}",
+        ),
+    },
+    Code.EXPERT_ID_RANGE: {
+        "expert": Message("expert id out of range", expected="< {experts}", found="{expert}"),
+        "layer": Message(
+            "expert ids beyond the config's num_experts",
+            expected="ids 0..{last}",
+            found="ids {ids}",
+        ),
+    },
+    Code.EXPERT_TENSOR_UNEXPECTED: {
+        "source": Message("{why}", expected="{allowed}", found="{key}"),
+        "output": (
+            "w1/w3 expert tensor left in a converted checkpoint (it must be fused into w31)"
+        ),
+    },
+    Code.EXPERT_DTYPE: Message("wrong dtype", expected="{want}", found="{dtype}"),
+    Code.EXPERT_SHAPE: Message("wrong shape", expected="{want}", found="{shape}"),
+    Code.EXPERT_PARTNER_MISSING: {
+        "expert": "expert tensor is missing (its partners exist)",
+        "plan": "w1/w3 half without its partner",
+        "source-half": Message(
+            "the source lacks a half of this w31 (w3 = up, w1 = gate)",
+            expected="both halves in the source",
+            found="{missing}",
+        ),
+    },
+    Code.EXPERT_OUTSIDE_LAYER: (
+        "routed experts outside a 'layers.<i>.' component: no layer would load them"
+    ),
+    Code.LAYER_MISSING: Message(
+        "{count} MoE layer(s) have no routed experts at all",
+        expected="experts in MoE layers {layers}",
+        found="none in layers {missing}",
+    ),
+    Code.LAYER_INCOMPLETE: Message(
+        "MoE layer is missing {count} of {experts} experts",
+        expected="ids 0..{last}",
+        found="missing {missing}",
+    ),
+    Code.LAYER_UNEXPECTED: (
+        "layer {layer} is not a MoE layer under the config's rule (num_hidden_layers, "
+        "first_k_dense_replace, moe_layer_freq) but has routed experts"
+    ),
+    Code.LAYER_DUPLICATED: Message(
+        "layer {layer} has routed experts under two prefixes", expected="only {prefix}experts.*"
+    ),
+    Code.NO_EXPERTS: {
+        "source": Message(
+            "no routed-expert tensors found: not a Kimi-K3 MXFP4 checkpoint",
+            expected="experts.<id>.<w1|w2|w3>.<weight_packed|weight_scale> tensors in every "
+            "MoE layer",
+        ),
+        "output": Message(
+            "no routed-expert tensors under the contract's grammar: not a converted Kimi-K3 "
+            "MXFP4 checkpoint",
+            expected="experts.<id>.<w31|w2>.<weight_packed|weight_scale> in every MoE layer",
+        ),
+    },
+    Code.INVENTORY_MISSING: Message(
+        "tensor the model loads is missing{where}", expected="present (manifest {manifest})"
+    ),
+    Code.INVENTORY_DTYPE: Message(
+        "{place} tensor is not stored unquantized: the model loads it with an unquantized method",
+        expected="{dtypes}",
+        found="{dtype}",
+    ),
+    # -- the output directory and the run
+    Code.OUTPUT_NOT_DIRECTORY: {
+        "exists": "output path exists and is not a directory",
+        "folder": Message(
+            "a folder of the output path is not a directory",
+            expected="a directory",
+            found="{kind}",
+        ),
+        "verify": "output path {why}",
+    },
+    Code.OUTPUT_NOT_EMPTY: {
+        "convert": Message(
+            "output directory is not empty and is not a resumable run of this conversion"
+        ),
+        "convert-owned": Message(
+            "output directory is not empty and is not a resumable run of this conversion: it "
+            "holds the conversion of {owner}"
+        ),
+        "synth": Message(
+            "synth writes into an empty or new directory",
+            hint="choose another directory or remove this one first",
+        ),
+    },
+    Code.FOREIGN_OUTPUT: {
+        "force": Message(
+            "--force only removes files kimi-convert's own records (its ledger, journal or "
+            "checksums file in this directory) say it wrote, unchanged since; these are not: "
+            "{files}",
+            hint="move them out or choose another output directory; nothing was deleted",
+        ),
+        "finalize": (
+            "file in the output directory that this conversion did not write; the output is "
+            "not finalized while it is there"
+        ),
+    },
+    Code.OUTPUT_LOCKED: {
+        "take": "could not take the output lock",
+        "busy": Message(
+            "another conversion is writing this output directory ({who}); wait for it, or "
+            "remove {lock} if you are sure it is gone"
+        ),
+    },
+    Code.STATE_LOST: Message(
+        "the state folder {state} was removed or replaced during the run: there is no longer "
+        "a record of what this run wrote",
+        expected="the state folder this run made",
+        found="{kind}",
+        hint="find what removed it, then rerun: files kimi-convert cannot prove it wrote are "
+        "never deleted (choose an empty directory if it refuses)",
+    ),
+    Code.NO_SPACE: {
+        "output": Message(
+            "not enough free space for the output",
+            expected="{need} bytes free",
+            found="{free} bytes free",
+            hint="free space or choose another output directory; --dry-run shows the size",
+        ),
+        "downloads": Message(
+            "not enough free space for the downloads and the output",
+            expected="{need} bytes free",
+            found="{free} bytes free",
+            hint="pass --delete-source-shards and a smaller --max-source-window, or free "
+            "space; --dry-run shows the peak",
+        ),
+        "device": Message(
+            "no space left on the device (or file size limit reached)", found="{error}"
+        ),
+    },
+    Code.IO_ERROR: "I/O error: {error}",
+    Code.SOURCE_CHANGED: {
+        "copy": "source file changed while it was being copied",
+        "read": "source file {change}",
+    },
+    Code.SCALE_NAN: {
+        "convert": Message(
+            "{count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor",
+            expected="no 0xFF scale bytes",
+            found="{count}",
+        ),
+        "output": "{count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor",
+        "numerics": (
+            "{count} E8M0 scale byte(s) are 0xFF (NaN) in the {side}; first at byte {first} of "
+            "the tensor"
+        ),
+    },
+    Code.WINDOW_TOO_SMALL: Message(
+        "--max-source-window is too small for this checkpoint's layout",
+        expected="at least {need}",
+        found="{window}",
+        hint="rerun with --max-source-window {need}: downloaded in the order the output needs "
+        "them, that many source shards must be present at once (--dry-run shows it before "
+        "any download)",
+    ),
+    Code.OUTPUT_HEADER_TOO_LARGE: Message(
+        "planned shard header exceeds the safetensors limit",
+        expected="<= {limit}",
+        found="{length}",
+    ),
+    Code.STATE_FOLDER_INVALID: {
+        "state": Message(
+            "the state folder {state}/ is not a directory kimi-convert made",
+            expected="a directory, or nothing",
+            found="{kind}",
+            hint="move or remove {file} yourself (it is not this tool's to delete), then rerun; "
+            "nothing was changed",
+        ),
+        "lock": Message(
+            "the lock file is not a regular file kimi-convert made",
+            expected="a regular file, or nothing",
+            found="{kind}",
+            hint="remove {file} yourself if no conversion is running; nothing was changed",
+        ),
+    },
+    Code.PERMISSION_DENIED: {
+        "folder": Message(
+            "no permission to write here",
+            expected="a directory this user may write in",
+            hint="make it writable for this user, or choose another output directory",
+        ),
+        "write": "no permission: {error}",
+    },
+    Code.OUTPUT_OF_ANOTHER_SOURCE: Message(
+        "output directory holds the conversion of another source: {owner}",
+        hint="a rerun continues only the conversion of the same source; pass --force to "
+        "replace it (only files kimi-convert recorded writing are removed), or choose another "
+        "directory",
+    ),
+    Code.FILE_NAME_INVALID: Message(
+        "file name {why}: the output could not be published or verified with it",
+        expected="a plain name (UTF-8, no control characters or backslashes)",
+        found="{file!r}",
+    ),
+    # -- a converted checkpoint (verify, serve)
+    Code.INCOMPLETE_OUTPUT: {
+        "no-index": Message(
+            "no index: the conversion is incomplete (the index is written last) or this is not "
+            "a converted checkpoint",
+            expected="a complete conversion",
+            found="no index",
+        ),
+        "running": Message(
+            "no index: the conversion is incomplete (the index is written last) or this is not "
+            "a converted checkpoint",
+            expected="a complete conversion",
+            found="a conversion in progress or interrupted ({state}/ is there): rerun "
+            "kimi-convert to finish it",
+        ),
+    },
+    Code.BLOCK_MISSING: "config has no '{block}' block: not a converted checkpoint",
+    Code.BLOCK_FIELD: {
+        "not-object": Message("'{block}' must be an object", expected="an object", found="{kind}"),
+        "format-version": Message(
+            "{block}.format_version is not one this tool knows (a newer converter wrote it: "
+            "upgrade kimi-w31)",
+            expected="{known}",
+            found="{value!r}",
+        ),
+        "value": Message("{block}.{key} is wrong", expected="{want!r}", found="{value!r}"),
+        "positive": Message(
+            "{block}.{key} is not a positive number",
+            expected="a positive finite number",
+            found="{value!r}",
+        ),
+        "source-files": "{block}.source.files is not an object",
+    },
+    Code.BLOCK_MISMATCH: {
+        "activation": Message(
+            "{block}.activation is 'situ' but the model config's hidden_act is not",
+            expected="'situ'",
+            found="{act!r}",
+        ),
+        "config": Message(
+            "{block}.{key} disagrees with the model config's {config_key}",
+            expected="{want!r}",
+            found="{value!r}",
+        ),
+        "manifest": Message(
+            "{block}.{key} disagrees with manifest {manifest}",
+            expected="{want!r}",
+            found="{value!r}",
+        ),
+        "dims": Message(
+            "{block}.dims do not match the dimensions of the source config",
+            expected="{want}",
+            found="{value}",
+        ),
+        "manifest-hash": Message(
+            "{block}.manifest_sha256 is not the hash of manifest {manifest} (pass --manifest "
+            "with the one the conversion used)",
+            expected="{want}",
+            found="{value}",
+        ),
+    },
+    Code.NOT_WRAPPED: {
+        "no-base": Message(
+            "quantization_config with quant_method '{method}' must hold the original config "
+            "under 'base' (an object with a 'quant_method')",
+            found="{base!r}",
+        ),
+        "twice": "quantization_config is wrapped twice in '{method}'",
+        "not-wrapped": Message(
+            "quantization_config is not wrapped: a loader without the adapter would not refuse it",
+            expected="{method!r}",
+            found="{value!r}",
+        ),
+    },
+    Code.CHECKSUMS_INVALID: {
+        "missing": (
+            "the checksums file is missing: the output cannot be proven intact without the source"
+        ),
+        "not-file": "the checksums file is not a regular file",
+        "not-json": "the checksums file is not readable JSON ({error})",
+        "not-object": "the checksums file is not a JSON object",
+        "format": Message("unknown checksums file format", found="{value!r}"),
+        "algorithm": Message("unknown tensor checksum algorithm", found="{value!r}"),
+        "no-files": "the checksums file has no 'files' object",
+        "name": Message("recorded file name {why}; it is not opened", found="{name!r}"),
+        "record": Message("malformed record", found="{record}"),
+        "no-shard-record": "shard has no checksum record",
+        "no-tensor-record": "tensor has no recorded checksum",
+        "tensor-not-in-shard": "recorded tensor is not in the shard",
+    },
+    Code.FILE_SIZE_MISMATCH: {
+        "file": Message(
+            "file size differs from the conversion record", expected="{want}", found="{size}"
+        ),
+        "shard": Message(
+            "shard size differs from the conversion record", expected="{want}", found="{size}"
+        ),
+    },
+    Code.HEADER_HASH_MISMATCH: "shard header differs from the conversion record (sha256)",
+    Code.CHECKSUM_MISMATCH: {
+        "file": "file differs from the conversion record (sha256)",
+        "tensor": Message(
+            "tensor bytes differ from the conversion record (CRC-32): corrupt",
+            expected="{want}",
+            found="{crc}",
+        ),
+    },
+    Code.FILE_UNRECORDED: (
+        "file in the output that the checksums file does not record: the conversion did not "
+        "write it"
+    ),
+    Code.TENSOR_NOT_FROM_SOURCE: "tensor has no counterpart in the source",
+    Code.TENSOR_MISSING: "tensor the source requires is not in the output",
+    Code.BYTES_DIFFER: {
+        "tensor": Message(
+            "tensor bytes differ from the source", found="first difference at byte {pos}"
+        ),
+        "file": Message("file differs from the source", found="first difference at byte {pos}"),
+        "file-size": Message(
+            "file differs from the source (size)", expected="{want}", found="{size}"
+        ),
+    },
+    Code.W31_NOT_UP_GATE: Message(
+        "w31 is not concat([w3, w1]) of the source ([up; gate])",
+        expected="w3 bytes then w1 bytes",
+        found="first difference at byte {pos}, in the {half} half",
+    ),
+    Code.CONFIG_DIFFERS: {
+        "beyond-block": Message(
+            "config.json differs from the source config beyond the kimi_w31 block and the "
+            "wrapped quantization_config",
+            found="differs at {keys}",
+        ),
+        "unwrap": "the quantization_config wrapper cannot be undone ({error})",
+    },
+    Code.SOURCE_CHANGED_SINCE: {
+        "shard": Message(
+            "source shard is not the one the output was converted from (the source changed "
+            "since, or this is another source): not output corruption",
+            expected="{then}",
+            found="{now}",
+        ),
+        "tensor": Message(
+            "tensor differs from the source, whose shard changed since the conversion",
+            found="first difference at byte {pos}",
+        ),
+    },
+    Code.NUMERICS_DIFFER: Message(
+        "the converted expert computes a different function than the source expert",
+        expected="relative max error <= {rtol:g}",
+        found="{error:.3g} (cosine {cosine:.6f})",
+    ),
+    Code.NUMERICS_UNAVAILABLE: {
+        "no-expert": (
+            "no expert is complete in both the output and the source (see the checks above)"
+        ),
+        "fc1-order": Message(
+            "kimi_w31.fc1_order does not name 'up' and 'gate' once each", found="{order!r}"
+        ),
+        "situ": Message("the {side} side has no numeric {key}", found="{value!r}"),
+        "expert": "cannot compute this expert ({error})",
+    },
+    Code.NUMERICS_SELF_TEST: "the MXFP4/SiTU reference fails a known answer: {case}",
+    Code.TENSOR_DTYPE_DIFFERS: Message(
+        "dtype differs from the source", expected="{want}", found="{dtype}"
+    ),
+    Code.TENSOR_SHAPE_DIFFERS: {
+        "source-halves": Message(
+            "the source's w3 and w1 shapes differ: no w31 can be formed",
+            expected="{want}",
+            found="{shape}",
+        ),
+        "shape": Message("shape differs from the source", expected="{want}", found="{shape}"),
+    },
+    Code.FILE_NOT_FROM_SOURCE: (
+        "file in the output that the conversion of this source would not write"
+    ),
+    # -- a prebuilt kernel bundle
+    Code.KERNEL_BUNDLE_INVALID: {
+        "manifest": "no readable manifest ({error})",
+        "field": "{why}",
+    },
+    **{
+        code: Message(
+            "the bundle was built for another {field}", expected="{running}", found="{built}"
+        )
+        for code in (
+            Code.KERNEL_BUNDLE_ARCH,
+            Code.KERNEL_BUNDLE_FLASHINFER,
+            Code.KERNEL_BUNDLE_CUDA,
+            Code.KERNEL_BUNDLE_TORCH,
+            Code.KERNEL_BUNDLE_PYTHON,
+        )
+    },
+    Code.KERNEL_BUNDLE_NO_MODULE: (
+        "the bundle has no {variant} module (it has: {have}); build it with "
+        "`kimi-convert prebuild --precision {variant}`"
+    ),
+    Code.KERNEL_BUNDLE_SOURCES: Message(
+        "{module} was built from other sources or flags than this FlashInfer and plugin would "
+        "compile",
+        expected="{want}",
+        found="{built}",
+    ),
+    Code.KERNEL_BUNDLE_LIBRARY: Message(
+        "the library is missing or not the one the manifest records",
+        expected="{want}",
+        found="{digest}",
+    ),
+}
+
+# The fields of a Problem: a template may name them, and they are never facts to check.
+WHERE = frozenset({"file", "tensor", "expected", "found"})
+
+
+def message(code: Code, rule: str | None = None) -> Message:
+    """The message of `code` (in the situation `rule`, where the code has several)."""
+    entry = MESSAGES[code]
+    if isinstance(entry, Mapping):
+        if rule not in entry:
+            raise KeyError(f"{code.value}: rule {rule!r} is not one of {sorted(entry)}")
+        entry = entry[rule]
+    elif rule is not None:
+        raise KeyError(f"{code.value} has one message: no rule {rule!r}")
+    return entry if isinstance(entry, Message) else Message(entry)
+
+
+def rules(code: Code) -> list[str | None]:
+    """The situations `code` has messages for ([None]: one message)."""
+    entry = MESSAGES[code]
+    return list(entry) if isinstance(entry, Mapping) else [None]
+
+
+def _names(template: str | None) -> set[str]:
+    if template is None:
+        return set()
+    return {
+        name.split(".")[0].split("[")[0]
+        for _, name, _, _ in string.Formatter().parse(template)
+        if name
+    }
+
+
+def facts_of(code: Code, rule: str | None = None) -> frozenset[str]:
+    """The facts a call site must pass for this message (beyond file/tensor)."""
+    m = message(code, rule)
+    names = set().union(*(_names(t) for t in (m.what, m.expected, m.found, m.hint)))
+    return frozenset(names - {"file", "tensor"})
+
+
+class _Facts(dict):
+    # A fact a call site failed to pass shows as its name rather than losing the problem
+    # to a KeyError on the error path; tests/test_messages.py holds every call site to the
+    # facts its message names.
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+def _render(template: str | None, facts: _Facts) -> str | None:
+    return None if template is None else template.format_map(facts)
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def problem(
+    code: Code,
+    *,
+    rule: str | None = None,
+    file: object = None,
+    tensor: str | None = None,
+    expected: object = None,
+    found: object = None,
+    **facts: object,
+) -> Problem:
+    """The Problem for `code` with these facts: its words come from the code's message.
+    `expected`/`found` given here are facts of their own, for a message without templates
+    for them."""
+    m = message(code, rule)
+    values = _Facts(facts, file=_text(file), tensor=tensor)
+    values.update(expected=_text(expected), found=_text(found))
+    return Problem(
+        code,
+        _render(m.what, values) or "",
+        file=_text(file),
+        tensor=tensor,
+        expected=_render(m.expected, values) if m.expected is not None else _text(expected),
+        found=_render(m.found, values) if m.found is not None else _text(found),
+    )
+
+
+def fatal(code: Code, *, hint: str | None = None, **facts: object) -> Fatal:
+    """A single-problem error for `code` with these facts; its hint is the message's unless
+    the call site has one only it can word (what a rerun would keep, say)."""
+    p = problem(code, **facts)
+    m = message(code, facts.get("rule"))  # type: ignore[arg-type]
+    if hint is None and m.hint is not None:
+        values = _Facts(facts, file=p.file, tensor=p.tensor)
+        hint = m.hint.format_map(values)
+    return Fatal([p], hint=hint)
 
 
 # -- exit codes: they belong to the reason, never to the place that raises it -------------
