@@ -307,14 +307,25 @@ MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
     },
     Code.LINK_ESCAPES: {
         "output": "output path leads outside the output directory (a symlink?)",
-        "publish": Message(
-            "file is a symlink {where}: it would publish a file that is not published directly",
+        "publish-inside": Message(
+            "file is a symlink into a hidden or unpublished path of the source: it would "
+            "publish a file that is not published directly",
+            expected="a regular file, or a link to one of the source's own published files",
+            found="{kind}",
+        ),
+        "publish-outside": Message(
+            "file is a symlink outside the source: it would publish a file that is not "
+            "published directly",
             expected="a regular file, or a link to one of the source's own published files",
             found="{kind}",
         ),
     },
     Code.HUB_ERROR: {
-        "request": "{action} failed: {error}",
+        "request": Message(
+            "{action} failed: {error}",
+            hint="rerun the same command once the cause is fixed: finished output shards and "
+            "fully downloaded source shards are kept",
+        ),
         "no-commit": "the Hub did not report a commit for this revision",
         "no-size": "the Hub did not report size and content id for a file",
         "short-range": "the server returned a short range for the header",
@@ -340,6 +351,11 @@ MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
         "local": "shard named in the index is missing",
         "hub": "shard named in the index is missing from the repository",
         "served": "source: index names a shard that is not there",
+        "dangling": Message(
+            "shard named in the index is a symlink to nothing",
+            expected="a regular file (a shard may be a symlink to one, e.g. on another disk)",
+            found="{kind}",
+        ),
     },
     Code.INDEX_TENSOR_NOT_IN_SHARD: "index names a tensor its shard does not hold",
     Code.INDEX_TENSOR_MISSING: "tensor is missing from {index}",
