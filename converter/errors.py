@@ -282,6 +282,7 @@ MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
     },
     Code.FILE_UNREADABLE: {
         "read": "cannot read ({error})",
+        "served": "source: cannot read ({error})",
         "list": "cannot list ({error})",
     },
     Code.JSON_INVALID: {
@@ -304,6 +305,7 @@ MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
             "not a regular file (a converted checkpoint holds only regular files)",
             found="{kind}",
         ),
+        "served": "source: not a regular file",
     },
     Code.LINK_ESCAPES: {
         "output": "output path leads outside the output directory (a symlink?)",
@@ -532,7 +534,7 @@ MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
         "output": Message(
             "tensor under an 'experts' component is not a routed-expert tensor of the "
             "contract's grammar",
-            expected="{grammar}",
+            expected="experts.<id>.<w31|w2>.<weight_packed|weight_scale>",
         ),
     },
     Code.EXPERT_ID_RANGE: {
@@ -608,7 +610,8 @@ MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
             expected="a directory",
             found="{kind}",
         ),
-        "verify": "output path {why}",
+        "absent": "output path does not exist",
+        "not-directory": "output path is not a directory",
     },
     Code.OUTPUT_NOT_EMPTY: {
         "convert": Message(
@@ -882,7 +885,7 @@ MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
     Code.NUMERICS_DIFFER: Message(
         "the converted expert computes a different function than the source expert",
         expected="relative max error <= {rtol:g}",
-        found="{error:.3g} (cosine {cosine:.6f})",
+        found="{rel_error:.3g} (cosine {cosine:.6f})",
     ),
     Code.NUMERICS_UNAVAILABLE: {
         "no-expert": (
