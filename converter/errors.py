@@ -914,8 +914,8 @@ MESSAGES: dict[Code, Template | Mapping[str, Template]] = {
     ),
     # -- a prebuilt kernel bundle
     Code.KERNEL_BUNDLE_INVALID: {
-        "manifest": "no readable manifest ({error})",
-        "field": "{why}",
+        "unreadable": "no readable manifest ({error})",
+        "not-manifest": "not a kernel bundle manifest ({error})",
     },
     **{
         code: Message(

@@ -111,8 +111,22 @@ def _callee(call: ast.Call) -> str | None:
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
 
 
-def _codes(node: ast.expr) -> list[Code] | None:
-    """The codes a call site's first argument can be: `Code.X`, or `A if c else B`."""
+def _tables(tree: ast.Module) -> dict[str, list[Code]]:
+    """Module-level tables {key: Code.X, ...}: a site may pick its code from one."""
+    tables = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            codes = [_codes(v, {}) for v in node.value.values]
+            if codes and all(c is not None for c in codes):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        tables[target.id] = [c for cs in codes for c in cs]  # type: ignore[union-attr]
+    return tables
+
+
+def _codes(node: ast.expr, tables: dict[str, list[Code]]) -> list[Code] | None:
+    """The codes a call site's first argument can be: `Code.X`, `A if c else B`, or
+    `TABLE[key]` for a module-level table of codes."""
     if (
         isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Name)
@@ -121,16 +135,18 @@ def _codes(node: ast.expr) -> list[Code] | None:
     ):
         return [Code[node.attr]]
     if isinstance(node, ast.IfExp):
-        a, b = _codes(node.body), _codes(node.orelse)
+        a, b = _codes(node.body, tables), _codes(node.orelse, tables)
         return a + b if a is not None and b is not None else None
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        return tables.get(node.value.id)
     return None
 
 
-def _site_faults(path: Path, call: ast.Call) -> list[str]:
+def _site_faults(path: Path, call: ast.Call, tables: dict[str, list[Code]]) -> list[str]:
     at = f"{path.relative_to(ROOT)}:{call.lineno}"
     if not call.args:
         return [f"{at}: no code"]
-    codes = _codes(call.args[0])
+    codes = _codes(call.args[0], tables)
     if codes is None or len(call.args) != 1:
         return [f"{at}: the code must be written Code.X, and the rest passed as facts"]
     if any(k.arg is None for k in call.keywords):
@@ -159,9 +175,11 @@ def _site_faults(path: Path, call: ast.Call) -> list[str]:
 def test_every_call_site_passes_the_facts_its_message_names():
     faults = []
     for path in _sources():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        tables = _tables(tree)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _callee(node) in {"problem", "fatal"}:
-                faults += _site_faults(path, node)
+                faults += _site_faults(path, node, tables)
     assert faults == []
 
 
@@ -172,7 +190,8 @@ def test_the_checker_catches_free_text_a_missing_fact_and_an_unknown_rule():
     here = ROOT / "converter" / "x.py"
 
     def faults(src: str) -> list[str]:
-        return _site_faults(here, ast.parse(src.replace("CODE", f"Code.{code.name}")).body[0].value)
+        site = ast.parse(src.replace("CODE", f"Code.{code.name}")).body[0].value
+        return _site_faults(here, site, {})
 
     assert faults('problem(CODE, "some words", file=f)')
     assert any(fact in f for f in faults("problem(CODE, file=f)"))
