@@ -205,3 +205,15 @@ def test_the_checker_catches_free_text_a_missing_fact_and_an_unknown_rule():
 def test_where_fields_are_the_problem_fields():
     fields = set(errors.Problem.__dataclass_fields__) - {"code", "what"}
     assert fields == WHERE
+
+
+def test_the_catalog_refuses_a_key_twice_a_bad_field_and_an_unknown_code():
+    good = next(c for c in Code if rules(c) == [None]).value
+    with pytest.raises(ValueError):
+        errors._parse_catalog(f"{good}: one\n{good}: two\n")
+    with pytest.raises(ValueError):
+        errors._parse_catalog(f"{good}: one\n  wanted: x\n")
+    with pytest.raises(ValueError):
+        errors._parse_catalog("no-such-code-here: one\n")
+    parsed = errors._parse_catalog(f"{good}: one\n    two\n  found: {{x}}\n    y\n")
+    assert parsed == {Code(good): errors.Message("one two", found="{x} y")}
