@@ -251,9 +251,10 @@ output-inside-source: output directory is the source or inside it
   expected: a directory outside the source
   found: {source}
 file-missing/file: file is missing
-file-missing/no-weights: no {index} and no *.safetensors file in the source directory
+file-missing/no-weights: no model.safetensors.index.json and no *.safetensors file in the source
+    directory
 file-missing/hub-config: the repository has no config.json
-file-missing/hub-weights: the repository has no {index} or {single}
+file-missing/hub-weights: the repository has no model.safetensors.index.json or model.safetensors
 file-missing/recorded: file recorded by the conversion is missing
 file-missing/from-source: file of the source is missing from the output (or not a regular file)
 file-missing/served: source: no index and no *.safetensors file
@@ -261,7 +262,7 @@ file-unreadable/read: cannot read ({error})
 file-unreadable/served: source: cannot read ({error})
 file-unreadable/list: cannot list ({error})
 json-invalid/not-json: not valid JSON ({error})
-json-invalid/not-object: {name} is not a JSON object
+json-invalid/config-not-object: config.json is not a JSON object
 not-a-regular-file/file: not a regular file
   expected: a regular file
   found: {kind}
@@ -567,34 +568,34 @@ incomplete-output/running: no index: the conversion is incomplete (the index is 
   expected: a complete conversion
   found: a conversion in progress or interrupted ({state}/ is there): rerun kimi-convert to finish
     it
-block-missing: config has no '{block}' block: not a converted checkpoint
-block-field/not-object: '{block}' must be an object
+block-missing: config has no 'kimi_w31' block: not a converted checkpoint
+block-field/not-object: 'kimi_w31' must be an object
   expected: an object
   found: {kind}
-block-field/format-version: {block}.format_version is not one this tool knows (a newer converter
+block-field/format-version: kimi_w31.format_version is not one this tool knows (a newer converter
     wrote it: upgrade kimi-w31)
   expected: {known}
   found: {value!r}
-block-field/value: {block}.{key} is wrong
+block-field/value: kimi_w31.{key} is wrong
   expected: {want!r}
   found: {value!r}
-block-field/positive: {block}.{key} is not a positive number
+block-field/positive: kimi_w31.{key} is not a positive number
   expected: a positive finite number
   found: {value!r}
-block-field/source-files: {block}.source.files is not an object
-block-mismatch/activation: {block}.activation is 'situ' but the model config's hidden_act is not
+block-field/source-files: kimi_w31.source.files is not an object
+block-mismatch/activation: kimi_w31.activation is 'situ' but the model config's hidden_act is not
   expected: 'situ'
   found: {act!r}
-block-mismatch/config: {block}.{key} disagrees with the model config's {config_key}
+block-mismatch/config: kimi_w31.{key} disagrees with the model config's {config_key}
   expected: {want!r}
   found: {value!r}
-block-mismatch/manifest: {block}.{key} disagrees with manifest {manifest}
+block-mismatch/manifest: kimi_w31.{key} disagrees with manifest {manifest}
   expected: {want!r}
   found: {value!r}
-block-mismatch/dims: {block}.dims do not match the dimensions of the source config
+block-mismatch/dims: kimi_w31.dims do not match the dimensions of the source config
   expected: {want}
   found: {value}
-block-mismatch/manifest-hash: {block}.manifest_sha256 is not the hash of manifest {manifest} (pass
+block-mismatch/manifest-hash: kimi_w31.manifest_sha256 is not the hash of manifest {manifest} (pass
     --manifest with the one the conversion used)
   expected: {want}
   found: {value}

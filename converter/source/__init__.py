@@ -101,7 +101,11 @@ def read_source(root: Path, label: str, origin: SourceReader) -> Source:
     """Config, index and every shard header, all cross-checked; every problem before failing."""
     config = read_json(root / CONFIG_NAME)
     if not isinstance(config, dict):
-        raise fatal(Code.JSON_INVALID, rule="not-object", file=root / CONFIG_NAME, name=CONFIG_NAME)
+        raise fatal(
+            Code.JSON_INVALID,
+            rule="config-not-object",
+            file=root / CONFIG_NAME,
+        )
     index_metadata: dict = {}
     if origin.has_file(root, INDEX_NAME):
         weight_map, index_metadata = read_index(root / INDEX_NAME)
@@ -112,7 +116,7 @@ def read_source(root: Path, label: str, origin: SourceReader) -> Source:
     else:
         shard_files, weight_map = files_loaded_without_index(origin.top_level_names(root)), {}
         if not shard_files:
-            raise fatal(Code.FILE_MISSING, rule="no-weights", file=root, index=INDEX_NAME)
+            raise fatal(Code.FILE_MISSING, rule="no-weights", file=root)
 
     headers: dict[str, ShardHeader] = {}
     problems = []

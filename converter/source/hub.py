@@ -309,13 +309,7 @@ class HubOrigin:
         if CONFIG_NAME not in files:
             raise fatal(Code.FILE_MISSING, rule="hub-config", file=spec)
         if INDEX_NAME not in files and SINGLE_NAME not in files:
-            raise fatal(
-                Code.FILE_MISSING,
-                rule="hub-weights",
-                file=spec,
-                index=INDEX_NAME,
-                single=SINGLE_NAME,
-            )
+            raise fatal(Code.FILE_MISSING, rule="hub-weights", file=spec)
         # The same selection a local read makes: every non-weight file is copied.
         small_files = sorted(
             f

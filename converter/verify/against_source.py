@@ -80,7 +80,6 @@ def _check_block(
                     Code.BLOCK_MISMATCH,
                     rule="dims",
                     file=contract.CONFIG_NAME,
-                    block=contract.BLOCK_KEY,
                     want=_json(dims.values),
                     value=_json(block["dims"]),
                 )
@@ -94,7 +93,6 @@ def _check_block(
                     Code.BLOCK_MISMATCH,
                     rule="manifest-hash",
                     file=contract.CONFIG_NAME,
-                    block=contract.BLOCK_KEY,
                     manifest=out.manifest.name,
                     want=_json(out.manifest.sha256),
                     value=_json(block["manifest_sha256"]),
@@ -122,7 +120,6 @@ def _identity(recorded: object, served: dict[str, ShardHeader]) -> tuple[set[str
                 Code.BLOCK_FIELD,
                 rule="source-files",
                 file=contract.CONFIG_NAME,
-                block=contract.BLOCK_KEY,
             )
         ]
     changed, problems = set(), []

@@ -198,9 +198,8 @@ def _check_config(out: Output, explicit: Manifest | None, report: VerifyReport) 
             [
                 problem(
                     Code.JSON_INVALID,
-                    rule="not-object",
+                    rule="config-not-object",
                     file=contract.CONFIG_NAME,
-                    name=contract.CONFIG_NAME,
                 )
             ],
             "config unreadable",
@@ -243,7 +242,6 @@ def _block_vs_manifest(block: dict, manifest: Manifest) -> list[Problem]:
                     Code.BLOCK_MISMATCH,
                     rule="manifest",
                     file=contract.CONFIG_NAME,
-                    block=contract.BLOCK_KEY,
                     key=key,
                     manifest=manifest.name,
                     want=want,
