@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from . import fsio
-from .errors import Code, Fatal, fail
+from .errors import Code, Fatal, fatal
 
 _OWNER_MAX = 64 * 1024  # a lock we wrote names its owner in a few dozen bytes
 # Never through a link, never blocking on a FIFO planted in the lock's place.
@@ -69,7 +69,7 @@ class OutputLock:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             self._hold(fd, me)
             return
-        raise fail(Code.OUTPUT_LOCKED, "could not take the output lock", file=str(self.path))
+        raise fatal(Code.OUTPUT_LOCKED, rule="take", file=self.path)
 
     def _take_over_stale(self, me: dict) -> bool:
         """True if we now hold the lock, False if it vanished; raises if someone holds it."""
@@ -114,23 +114,13 @@ class OutputLock:
 
     def _busy(self, owner: dict | None) -> Fatal:
         who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
-        return fail(
-            Code.OUTPUT_LOCKED,
-            f"another conversion is writing this output directory ({who}); wait for "
-            f"it, or remove {self.path} if you are sure it is gone",
-            file=str(self.path.parent.parent),
+        return fatal(
+            Code.OUTPUT_LOCKED, rule="busy", file=self.path.parent.parent, who=who, lock=self.path
         )
 
     def _not_a_lock(self) -> Fatal:
-        found = fsio.describe(self.path)
-        return fail(
-            Code.STATE_FOLDER_INVALID,
-            "the lock file is not a regular file kimi-convert made",
-            file=str(self.path),
-            expected="a regular file, or nothing",
-            found=found,
-            hint=f"remove {self.path} yourself if no conversion is running; nothing was changed",
-        )
+        kind = fsio.describe(self.path)
+        return fatal(Code.STATE_FOLDER_INVALID, rule="lock", file=self.path, kind=kind)
 
     def release(self) -> None:
         """Let go of a lock we hold (a no-op otherwise: never remove another run's lock)."""

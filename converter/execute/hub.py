@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ..errors import Code, fail
+from ..errors import Code, fatal
 from ..hashing import Interrupted
 from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard, Plan
@@ -522,15 +522,7 @@ class HubExecutor(Executor):
         """Refuse, before any download, a window the pending shards' layout cannot run in."""
         need = fewest_slots(pending, sources.order)
         if pending and self.window < need:
-            raise fail(
-                Code.WINDOW_TOO_SMALL,
-                "--max-source-window is too small for this checkpoint's layout",
-                expected=f"at least {need}",
-                found=str(self.window),
-                hint=f"rerun with --max-source-window {need}: downloaded in "
-                "the order the output needs them, that many source shards must be "
-                "present at once (--dry-run shows it before any download)",
-            )
+            raise fatal(Code.WINDOW_TOO_SMALL, need=need, window=self.window)
 
     def _check_space(
         self, out_dir: Path, pending: list[OutputShard], order: list[str], sources: StreamedSources
@@ -545,15 +537,7 @@ class HubExecutor(Executor):
         if os.stat(storage).st_dev == os.stat(out_dir).st_dev:
             need += sum(s.file_size for s in pending)
         if need > free:
-            raise fail(
-                Code.NO_SPACE,
-                "not enough free space for the downloads and the output",
-                file=str(storage),
-                expected=f"{need} bytes free",
-                found=f"{free} bytes free",
-                hint="pass --delete-source-shards and a "
-                "smaller --max-source-window, or free space; --dry-run shows the peak",
-            )
+            raise fatal(Code.NO_SPACE, rule="downloads", file=storage, need=need, free=free)
 
 
 class _Stream:

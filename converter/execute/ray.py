@@ -20,24 +20,19 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import Code, Fatal, fail
+from ..errors import Code, Fatal, fatal
 from ..hashing import Interrupted
 from ..outdir import Ledger, ShardRecord
 from ..plan import OutputShard
 from . import Executor, OnDone
 from .shard import Hooks, Job, Outcome, ShardOutcome, SourceChanged, SourceFiles, commit, settle
 
-RAY_MISSING = (
-    "--executor ray needs Ray, an optional dependency: pip install ray (or install kimi-w31 "
-    "with its 'ray' extra) on the driver and on every node of the cluster"
-)
-
 
 def import_ray():
     try:
         import ray
     except ImportError:
-        raise fail(Code.USAGE, RAY_MISSING) from None
+        raise fatal(Code.USAGE, rule="ray-missing") from None
     return ray
 
 
@@ -58,12 +53,7 @@ def shard_task(
 
     try:
         if version != __version__:  # the plan fingerprint is only valid for one tool version
-            raise fail(
-                Code.USAGE,
-                "kimi-w31 on this node differs from the driver's",
-                expected=version,
-                found=__version__,
-            )
+            raise fatal(Code.USAGE, rule="ray-version", driver=version, node=__version__)
         sources = SourceFiles(Path(root), shard.source_files, header_sha256=headers)
         for f in shard.source_files:  # the same file as the driver saw, or nothing
             if list(sources.identity[f]) != list(identity[f]):

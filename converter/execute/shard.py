@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 
 from .. import contract, faults, fsio
-from ..errors import Code, Problem
+from ..errors import Code, Problem, problem
 from ..hashing import (
     Crc32,
     ScaleScan,
@@ -280,9 +280,9 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
     if nan:
         # Not marked done: a rerun must find the NaN scales again.
         tmp.unlink(missing_ok=True)
-        for problem in nan:
+        for p in nan:
             if hooks.on_scale_nan:
-                hooks.on_scale_nan(problem)
+                hooks.on_scale_nan(p)
         return None
     # Nothing derived from a source file that changed under us may be marked done.
     try:
@@ -303,13 +303,8 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
 
 
 def _nan_problem(tensor: str, file: str, scan: ScaleScan) -> Problem:
-    return Problem(
-        Code.SCALE_NAN,
-        f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {scan.first} of the tensor",
-        file=file,
-        tensor=tensor,
-        expected="no 0xFF scale bytes",
-        found=f"{scan.count}",
+    return problem(
+        Code.SCALE_NAN, rule="convert", file=file, tensor=tensor, count=scan.count, first=scan.first
     )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .. import contract
 from ..console import Progress, human
-from ..errors import Code, Problem
+from ..errors import Code, Problem, problem
 from ..hashing import CHUNK_SIZE, Crc32, ScaleScan, ShortRead, hash_ranges, shard_header_sha256
 from ..safetensors_format import ShardHeader, library_problem
 from .files import is_regular, load_checksums
@@ -69,9 +69,7 @@ def _jobs(out: Output, table: dict[str, dict]) -> tuple[list[_Job], list[Problem
     for name, header in out.headers.items():
         record = table.get(name)
         if record is None or "header_sha256" not in record:
-            problems.append(
-                Problem(Code.CHECKSUMS_INVALID, "shard has no checksum record", file=name)
-            )
+            problems.append(problem(Code.CHECKSUMS_INVALID, rule="no-shard-record", file=name))
         else:
             jobs.append(_Job(name, record, header, header.file_size))
     for name, record in table.items():
@@ -90,41 +88,20 @@ def _run(out: Output, job: _Job, stop: threading.Event, advance) -> list[Problem
             return _check_file(out, job, stop, advance)
         return _check_shard(out, job, stop, advance)
     except ShortRead as exc:
-        return [
-            Problem(
-                Code.FILE_TRUNCATED,
-                "file ended while it was being read (changed during verify?)",
-                file=job.file,
-                found=f"ended at byte {exc.offset}",
-            )
-        ]
+        return [problem(Code.FILE_TRUNCATED, rule="read", file=job.file, offset=exc.offset)]
     except OSError as exc:
-        return [
-            Problem(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror or exc})", file=job.file)
-        ]
+        error = exc.strerror or exc
+        return [problem(Code.FILE_UNREADABLE, rule="read", file=job.file, error=error)]
 
 
 def _check_file(out: Output, job: _Job, stop: threading.Event, advance) -> list[Problem]:
     record, size = job.record, job.size
     if size != record["size"]:
         advance(size)
-        return [
-            Problem(
-                Code.FILE_SIZE_MISMATCH,
-                "file size differs from the conversion record",
-                file=job.file,
-                expected=str(record["size"]),
-                found=str(size),
-            )
-        ]
+        want = record["size"]
+        return [problem(Code.FILE_SIZE_MISMATCH, rule="file", file=job.file, want=want, size=size)]
     if sha256_of(out.root / job.file, stop, advance) != record["sha256"]:
-        return [
-            Problem(
-                Code.CHECKSUM_MISMATCH,
-                "file differs from the conversion record (sha256)",
-                file=job.file,
-            )
-        ]
+        return [problem(Code.CHECKSUM_MISMATCH, rule="file", file=job.file)]
     return []
 
 
@@ -134,22 +111,16 @@ def _check_shard(out: Output, job: _Job, stop: threading.Event, advance) -> list
     problems = []
     if header.file_size != record["size"]:
         problems.append(
-            Problem(
+            problem(
                 Code.FILE_SIZE_MISMATCH,
-                "shard size differs from the conversion record",
+                rule="shard",
                 file=name,
-                expected=str(record["size"]),
-                found=str(header.file_size),
+                want=record["size"],
+                size=header.file_size,
             )
         )
     if shard_header_sha256(out.root / name) != record["header_sha256"]:
-        problems.append(
-            Problem(
-                Code.HEADER_HASH_MISMATCH,
-                "shard header differs from the conversion record (sha256)",
-                file=name,
-            )
-        )
+        problems.append(problem(Code.HEADER_HASH_MISMATCH, file=name))
     # The whole file is read here anyway: the library's own verdict on it costs a header
     # parse (the strict reader restates the library's rules; this is the consumer itself).
     refused = library_problem(out.root / name, header)
@@ -162,37 +133,33 @@ def _check_shard(out: Output, job: _Job, stop: threading.Event, advance) -> list
         want = recorded.get(tensor)
         if want is None:
             problems.append(
-                Problem(
-                    Code.CHECKSUMS_INVALID,
-                    "tensor has no recorded checksum",
-                    file=name,
-                    tensor=tensor,
-                )
+                problem(Code.CHECKSUMS_INVALID, rule="no-tensor-record", file=name, tensor=tensor)
             )
         elif want != crc:
             problems.append(
-                Problem(
+                problem(
                     Code.CHECKSUM_MISMATCH,
-                    "tensor bytes differ from the conversion record (CRC-32): corrupt",
+                    rule="tensor",
                     file=name,
                     tensor=tensor,
-                    expected=want,
-                    found=crc,
+                    want=want,
+                    crc=crc,
                 )
             )
     problems += [
-        Problem(Code.CHECKSUMS_INVALID, "recorded tensor is not in the shard", file=name, tensor=t)
+        problem(Code.CHECKSUMS_INVALID, rule="tensor-not-in-shard", file=name, tensor=t)
         for t in sorted(recorded.keys() - crcs.keys())
     ]
     for tensor, scan in scans.items():
         if scan.count:
             problems.append(
-                Problem(
+                problem(
                     Code.SCALE_NAN,
-                    f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {scan.first} "
-                    "of the tensor",
+                    rule="output",
                     file=name,
                     tensor=tensor,
+                    count=scan.count,
+                    first=scan.first,
                 )
             )
     return problems
