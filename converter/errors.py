@@ -240,6 +240,10 @@ manifest-invalid/entry: manifest is malformed: '{section}.{key}' must be {{"dtyp
     [formula, ...]}} with formulas like N, 2*N, K/32 over the symbols in 'dims'
 manifest-invalid/name: manifest is malformed: 'name' must be a string
 manifest-invalid/shape: manifest is malformed: {section}.{key}: {why}
+manifest-invalid/inventory: manifest is malformed: 'inventory' must be {{"dtypes": [str], "aliases":
+    {{str: str}}, "layer_prefix": str with {{L}}, "vision_block_prefix": str with {{B}},
+    "vision_blocks": [field, default], "groups": [{{"place": one of {places}, "names": [str],
+    optional "when"/"unless": config field}}]}}
 
 # -- finding and reading the source
 source-not-found/spec: source not found: expected a directory with model.safetensors.index.json or

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import contract
-from .errors import Code, Fatal, Problem, fail
+from .errors import Code, Problem, fatal, problem
 
 DEFAULT_MANIFEST = "kimi-k3"
 # Symbols every manifest must map to config fields: K (expert input width), N (expert
@@ -44,6 +44,7 @@ class TensorRule:
 
 # Where a group of the non-expert inventory applies (see `Inventory`).
 INVENTORY_PLACES = ("model", "layer", "kda", "mla", "dense", "moe", "vision_block")
+_PLACES = ", ".join(INVENTORY_PLACES)
 
 
 @dataclass(frozen=True)
@@ -100,55 +101,46 @@ def load_manifest(name_or_path: str) -> Manifest:
     elif looks_like_path:
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise fail(
-                Code.MANIFEST_NOT_FOUND,
-                "manifest file not found",
-                file=str(path),
-            )
+            raise fatal(Code.MANIFEST_NOT_FOUND, rule="file", file=path)
         data, label = path.read_bytes(), str(path)
     else:
-        raise fail(
+        raise fatal(
             Code.MANIFEST_NOT_FOUND,
-            f"unknown manifest {name_or_path!r}",
-            expected=" or ".join(available_manifests()) + " or a path to a .json file",
-            found=name_or_path,
+            rule="name",
+            name=name_or_path,
+            known=" or ".join(available_manifests()),
         )
     return parse_manifest(data, label)
 
 
 def parse_manifest(data: bytes, label: str) -> Manifest:
-    def bad(what: str) -> Fatal:
-        return fail(
-            Code.MANIFEST_INVALID,
-            f"manifest is malformed: {what}",
-            file=label,
-        )
-
     try:
         raw = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise bad(f"not valid JSON ({exc})") from None
+        raise fatal(Code.MANIFEST_INVALID, rule="not-json", file=label, error=exc) from None
     if not isinstance(raw, dict):
-        raise bad("not a JSON object")
+        raise fatal(Code.MANIFEST_INVALID, rule="not-object", file=label)
     for key, meaning in _SECTIONS.items():
         if key not in raw:
-            raise bad(f"it has no '{key}' ({meaning})")
+            raise fatal(Code.MANIFEST_INVALID, rule="no-key", file=label, key=key, meaning=meaning)
     dims = raw["dims"]
     if not isinstance(dims, dict) or not all(isinstance(v, str) for v in dims.values()):
-        raise bad("'dims' must map symbols to config field names")
+        raise fatal(Code.MANIFEST_INVALID, rule="dims", file=label)
     missing = [s for s in REQUIRED_DIMS if s not in dims]
     if missing:
-        raise bad(f"'dims' does not name the config field of {', '.join(missing)}")
+        raise fatal(
+            Code.MANIFEST_INVALID, rule="dims-missing", file=label, symbols=", ".join(missing)
+        )
     situ = raw["situ"]
     if not isinstance(situ, dict) or not all(
         isinstance(situ.get(k), (int, float)) for k in ("beta", "linear_beta")
     ):
-        raise bad("'situ' must give numbers 'beta' and 'linear_beta'")
+        raise fatal(Code.MANIFEST_INVALID, rule="situ", file=label)
     if raw.get("group_size", contract.GROUP_SIZE) != contract.GROUP_SIZE:
-        raise bad(f"'group_size' must be {contract.GROUP_SIZE} (MXFP4)")
+        raise fatal(Code.MANIFEST_INVALID, rule="group-size", file=label, group=contract.GROUP_SIZE)
     pinned = raw.get("pinned", {})
     if not isinstance(pinned, dict):
-        raise bad("'pinned' must map config fields to values")
+        raise fatal(Code.MANIFEST_INVALID, rule="pinned", file=label)
     rules = {}
     for section, projs in (
         ("source_tensors", (contract.GATE, contract.UP, contract.DOWN)),
@@ -158,7 +150,14 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
         want = {f"{p}.{s}" for p in projs for s in contract.SUFFIXES}
         if not isinstance(table, dict) or set(table) != want:
             found = sorted(table) if isinstance(table, dict) else table
-            raise bad(f"'{section}' must have exactly {sorted(want)}, found {found}")
+            raise fatal(
+                Code.MANIFEST_INVALID,
+                rule="section-keys",
+                file=label,
+                section=section,
+                want=sorted(want),
+                found=found,
+            )
         rules[section] = {}
         for key, rule in table.items():
             shape = rule.get("shape") if isinstance(rule, dict) else None
@@ -168,14 +167,13 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
                 or not isinstance(shape, list)
                 or not all(isinstance(t, str) and _formula_ok(t, dims) for t in shape)
             ):
-                raise bad(
-                    f'\'{section}.{key}\' must be {{"dtype": str, "shape": [formula, '
-                    "...]}} with formulas like N, 2*N, K/32 over the symbols in 'dims'"
+                raise fatal(
+                    Code.MANIFEST_INVALID, rule="entry", file=label, section=section, key=key
                 )
             rules[section][key] = TensorRule(rule["dtype"], tuple(shape))
     if not isinstance(raw["name"], str):
-        raise bad("'name' must be a string")
-    inventory = _parse_inventory(raw["inventory"], bad) if "inventory" in raw else None
+        raise fatal(Code.MANIFEST_INVALID, rule="name", file=label)
+    inventory = _parse_inventory(raw["inventory"], label) if "inventory" in raw else None
     return Manifest(
         name=raw["name"],
         sha256=hashlib.sha256(data).hexdigest(),
@@ -189,18 +187,12 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
     )
 
 
-def _parse_inventory(raw: Any, bad: Any) -> Inventory:
+def _parse_inventory(raw: Any, label: str) -> Inventory:
     def strings(value: Any) -> bool:
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
-    shape = (
-        '\'inventory\' must be {"dtypes": [str], "aliases": {str: str}, "layer_prefix": '
-        'str with {L}, "vision_block_prefix": str with {B}, "vision_blocks": [field, '
-        'default], "groups": [{"place": one of ' + ", ".join(INVENTORY_PLACES) + ", "
-        '"names": [str], optional "when"/"unless": config field}]}'
-    )
     if not isinstance(raw, dict):
-        raise bad(shape)
+        raise fatal(Code.MANIFEST_INVALID, rule="inventory", file=label, places=_PLACES)
     aliases, blocks, groups = raw.get("aliases"), raw.get("vision_blocks"), raw.get("groups")
     if (
         not strings(raw.get("dtypes"))
@@ -212,7 +204,7 @@ def _parse_inventory(raw: Any, bad: Any) -> Inventory:
         or type(blocks[1]) is not int
         or not isinstance(groups, list)
     ):
-        raise bad(shape)
+        raise fatal(Code.MANIFEST_INVALID, rule="inventory", file=label, places=_PLACES)
     parsed = []
     for group in groups:
         if (
@@ -222,7 +214,7 @@ def _parse_inventory(raw: Any, bad: Any) -> Inventory:
             or not set(group) <= {"place", "names", "when", "unless"}
             or not all(isinstance(group.get(k, ""), str) for k in ("when", "unless"))
         ):
-            raise bad(shape)
+            raise fatal(Code.MANIFEST_INVALID, rule="inventory", file=label, places=_PLACES)
         parsed.append(
             InventoryGroup(
                 group["place"], tuple(group["names"]), group.get("when"), group.get("unless")
@@ -318,11 +310,12 @@ def _dims(
             if key in contract.MOE_RULE_FIELDS:  # judged once, by `contract.layer_rule`
                 continue
             problems.append(
-                Problem(
+                problem(
                     Code.CONFIG_FIELD,
-                    f"config field {key} is missing or not a positive integer",
+                    rule="positive",
                     file=contract.CONFIG_NAME,
-                    found="missing or null" if value is None else repr(value),
+                    key=key,
+                    value="missing or null" if value is None else repr(value),
                 )
             )
         else:
@@ -331,24 +324,26 @@ def _dims(
         value = fields[key]
         if type(value) is not type(pinned) or value != pinned:
             problems.append(
-                Problem(
+                problem(
                     Code.PINNED_MISMATCH,
-                    f"config field {key} does not match manifest {manifest.name}",
                     file=contract.CONFIG_NAME,
-                    expected=repr(pinned),
-                    found=repr(value),
+                    key=key,
+                    manifest=manifest.name,
+                    want=pinned,
+                    value=value,
                 )
             )
     for symbol in ("K", "N"):
         value = values.get(symbol)
         if value is not None and value % manifest.group_size:
             problems.append(
-                Problem(
+                problem(
                     Code.CONFIG_FIELD,
-                    f"{manifest.dims[symbol]} is not a "
-                    f"multiple of the MXFP4 group size {manifest.group_size}",
+                    rule="group",
                     file=contract.CONFIG_NAME,
-                    found=str(value),
+                    key=manifest.dims[symbol],
+                    group=manifest.group_size,
+                    value=value,
                 )
             )
     problems.extend(_situ_problems(manifest, fields))
@@ -366,22 +361,25 @@ def _situ_problems(manifest: Manifest, fields: Mapping[str, Any]) -> list[Proble
         value = fields[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             problems.append(
-                Problem(
+                problem(
                     Code.SITU_MISMATCH,
-                    f"config has no numeric {key}",
+                    rule="not-numeric",
                     file=contract.CONFIG_NAME,
-                    expected=repr(want),
-                    found=repr(value),
+                    key=key,
+                    want=want,
+                    value=value,
                 )
             )
         elif float(value) != want:
             problems.append(
-                Problem(
+                problem(
                     Code.SITU_MISMATCH,
-                    f"{key} does not match manifest {manifest.name}",
+                    rule="value",
                     file=contract.CONFIG_NAME,
-                    expected=repr(want),
-                    found=repr(value),
+                    key=key,
+                    manifest=manifest.name,
+                    want=want,
+                    value=value,
                 )
             )
     return problems

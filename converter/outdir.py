@@ -34,7 +34,7 @@ from typing import NoReturn
 
 from . import contract, faults, fsio
 from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
-from .errors import Code, Fatal, Problem, fail
+from .errors import Code, Fatal, fatal, problem
 from .hashing import CHUNK_SIZE, TENSOR_HASH, sha256_bytes, sha256_file, shard_header_sha256
 from .lock import OutputLock
 
@@ -307,48 +307,28 @@ class OutputDir:
         directory (a link would lead writes and deletions elsewhere), no write permission,
         or the conversion of another source without --force. Deletes nothing."""
         if os.path.lexists(self.root) and not os.path.isdir(self.root):
-            raise fail(
-                Code.OUTPUT_NOT_DIRECTORY,
-                "output path exists and is not a directory",
-                file=str(self.root),
-            )
+            raise fatal(Code.OUTPUT_NOT_DIRECTORY, rule="exists", file=self.root)
         state = fsio.lkind(self.state)
         if state not in (None, "directory"):
-            raise fail(
+            raise fatal(
                 Code.STATE_FOLDER_INVALID,
-                f"the state folder {STATE_DIR}/ is not a directory kimi-convert made",
-                file=str(self.state),
-                expected="a directory, or nothing",
-                found=fsio.describe(self.state),
-                hint=f"move or remove {self.state} yourself (it is not this tool's to "
-                "delete), then rerun; nothing was changed",
+                rule="state",
+                file=self.state,
+                state=STATE_DIR,
+                kind=fsio.describe(self.state),
             )
         base = fsio.nearest_existing(self.state)
         if not os.path.isdir(base):
-            raise fail(
-                Code.OUTPUT_NOT_DIRECTORY,
-                "a folder of the output path is not a directory",
-                file=str(base),
-                expected="a directory",
-                found=fsio.describe(base),
+            raise fatal(
+                Code.OUTPUT_NOT_DIRECTORY, rule="folder", file=base, kind=fsio.describe(base)
             )
         if not os.access(base, os.W_OK | os.X_OK):
-            raise fail(
-                Code.PERMISSION_DENIED,
-                "no permission to write here",
-                file=str(base),
-                expected="a directory this user may write in",
-                hint="make it writable for this user, or choose another output directory",
-            )
+            raise fatal(Code.PERMISSION_DENIED, rule="folder", file=base)
         if mode is Mode.OTHER_SOURCE and not force:
-            raise fail(
+            raise fatal(
                 Code.OUTPUT_OF_ANOTHER_SOURCE,
-                "output directory holds the conversion of another source: "
-                f"{(found.owner() if found else None) or 'unknown'}",
-                file=str(self.root),
-                hint="a rerun continues only the conversion of the same source; pass --force "
-                "to replace it (only files kimi-convert recorded writing are removed), or "
-                "choose another directory",
+                file=self.root,
+                owner=(found.owner() if found else None) or "unknown",
             )
 
     # -- claiming --------------------------------------------------------------------------
@@ -416,24 +396,19 @@ class OutputDir:
                     "this one holds files kimi-convert has no record of writing"
                 )
                 owner = found.owner()
-                raise fail(
-                    Code.OUTPUT_NOT_EMPTY,
-                    "output directory is not empty and is not a resumable run of this conversion"
-                    + (f": it holds the conversion of {owner}" if owner else ""),
-                    file=str(self.root),
-                    hint=hint,
-                )
+                if owner:
+                    raise fatal(
+                        Code.OUTPUT_NOT_EMPTY,
+                        rule="convert-owned",
+                        file=self.root,
+                        owner=owner,
+                        hint=hint,
+                    )
+                raise fatal(Code.OUTPUT_NOT_EMPTY, rule="convert", file=self.root, hint=hint)
             if foreign:
                 shown = ", ".join(str(p.relative_to(self.root)) for p in foreign[:5])
                 more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-                raise fail(
-                    Code.FOREIGN_OUTPUT,
-                    "--force only removes files kimi-convert's own "
-                    "records (its ledger, journal or checksums file in this directory) "
-                    "say it wrote, unchanged since; these are not: " + shown + more,
-                    file=str(self.root),
-                    hint="move them out or choose another output directory; nothing was deleted",
-                )
+                raise fatal(Code.FOREIGN_OUTPUT, rule="force", file=self.root, files=shown + more)
             self._remove_ours(entries, found.ours())
         for path in self.state.iterdir():  # another plan's ledger and temporaries
             if path.name not in (_LOCK, _PARTIALS):  # the partials are still to be removed
@@ -494,14 +469,7 @@ class OutputDir:
     def check_free_space(self, needed: int) -> None:
         free = shutil.disk_usage(self.root).free
         if needed > free:
-            raise fail(
-                Code.NO_SPACE,
-                "not enough free space for the output",
-                file=str(self.root),
-                expected=f"{needed} bytes free",
-                found=f"{free} bytes free",
-                hint="free space or choose another output directory; --dry-run shows the size",
-            )
+            raise fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
 
     # -- finishing -------------------------------------------------------------------------
     def finalize(self, files: list[FinalFile]) -> int:
@@ -519,16 +487,7 @@ class OutputDir:
         strays = foreign
         if strays:
             raise Fatal(
-                [
-                    Problem(
-                        Code.FOREIGN_OUTPUT,
-                        "file in the output directory that this "
-                        "conversion did not write; the output is not finalized while "
-                        "it is there",
-                        file=str(p),
-                    )
-                    for p in strays[:20]
-                ],
+                [problem(Code.FOREIGN_OUTPUT, rule="finalize", file=p) for p in strays[:20]],
                 hint="move it out of the output directory, then rerun the same "
                 "command: finished shards are kept",
             )
@@ -583,11 +542,7 @@ class OutputDir:
 
     def _write_final(self, path: Path, f: FinalFile) -> None:
         if not _inside(self.root, path):  # a symlinked folder must not lead writes elsewhere
-            raise fail(
-                Code.LINK_ESCAPES,
-                "output path leads outside the output directory (a symlink?)",
-                file=str(path),
-            )
+            raise fatal(Code.LINK_ESCAPES, rule="output", file=path)
         self._created += fsio.make_dirs(path.parent)
         tmp = self.tmp / (path.name + ".partial")
         try:
@@ -603,10 +558,10 @@ class OutputDir:
                             digest.update(chunk)
                             out.write(chunk)
                     if digest.hexdigest() != f.sha256:
-                        raise fail(
+                        raise fatal(
                             Code.SOURCE_CHANGED,
-                            "source file changed while it was being copied",
-                            file=str(f.copy_from),
+                            rule="copy",
+                            file=f.copy_from,
                             hint=self.resume_hint("make sure nothing writes to the source"),
                         )
                 out.flush()
@@ -625,35 +580,29 @@ class OutputDir:
         name = path if path is not None else exc.filename
         file = None if name is None else os.fsdecode(name)
         if self._state_made and not fsio.is_real_dir(self.state):
-            return fail(
-                Code.STATE_LOST,
-                f"the state folder {self.state} was removed or replaced during the "
-                "run: there is no longer a record of what this run wrote",
-                file=file,
-                expected="the state folder this run made",
-                found=fsio.describe(self.state),
-                hint="find what removed it, then rerun: files kimi-convert cannot prove "
-                "it wrote are never deleted (choose an empty directory if it refuses)",
+            return fatal(
+                Code.STATE_LOST, file=file, state=self.state, kind=fsio.describe(self.state)
             )
         if exc.errno in PERMISSION_ERRNOS:
-            return fail(
+            return fatal(
                 Code.PERMISSION_DENIED,
-                f"no permission: {exc.strerror or exc}",
+                rule="write",
                 file=file,
+                error=exc.strerror or exc,
                 hint=self.resume_hint("make the output directory writable for this user"),
             )
         if exc.errno in SPACE_ERRNOS:
-            return fail(
+            return fatal(
                 Code.NO_SPACE,
-                "no space left on the device (or file size limit reached)",
+                rule="device",
                 file=file,
-                found=os.strerror(exc.errno),
+                error=os.strerror(exc.errno),
                 hint=self.resume_hint("free some space"),
             )
-        return fail(
+        return fatal(
             Code.IO_ERROR,
-            f"I/O error: {exc.strerror or exc}",
             file=file,
+            error=exc.strerror or exc,
             hint=self.resume_hint("fix the cause"),
         )
 

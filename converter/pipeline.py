@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import __version__
 from . import contract
-from .errors import Code, Fatal, Problem, fail
+from .errors import Code, Fatal, Problem, fatal
 from .execute import Executor
 from .execute.local import LocalExecutor
 from .execute.shard import (
@@ -156,23 +156,13 @@ class Reporter:
 def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
     """Resolve, read headers, validate, plan: no writes. Raises with every problem."""
     if opts.max_shard_size <= 0:
-        raise fail(
-            Code.USAGE,
-            "--max-shard-size must be positive",
-            found=str(opts.max_shard_size),
-        )
+        raise fatal(Code.USAGE, rule="max-shard-size", size=opts.max_shard_size)
     manifest = load_manifest(opts.manifest)
     found = opts.origin.resolve(opts.source, opts.revision)
     root = found.root
     out = Path(os.path.realpath(opts.out.expanduser()))  # a link loop: no exception
     if out == root or root in out.parents:
-        raise fail(
-            Code.OUTPUT_INSIDE_SOURCE,
-            "output directory is the source or inside it",
-            file=str(out),
-            expected="a directory outside the source",
-            found=str(root),
-        )
+        raise fatal(Code.OUTPUT_INSIDE_SOURCE, file=out, source=root)
     with gc_paused():
         source = read_source(root, opts.source, found.reader)
         table, problems = validate_source(source, manifest)
@@ -284,10 +274,11 @@ def _run(
     try:
         opts.executor.run(plan.shards, job, run.ledger, on_done)
     except SourceChanged as exc:  # worded while the state it describes still holds
-        raise fail(
+        raise fatal(
             Code.SOURCE_CHANGED,
-            f"source file {exc.detail}",
+            rule="read",
             file=exc.file,
+            change=exc.detail,
             hint=run.resume_hint("make sure nothing writes to the source"),
         ) from None
     finally:

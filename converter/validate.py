@@ -12,12 +12,12 @@ expected one needs no per-expert bookkeeping.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from . import contract
 from .console import id_ranges
-from .errors import Code, Problem
+from .errors import Code, Problem, problem
 from .manifest import Dims, Expectation, ExpertSpec, Inventory, Manifest, expect
 from .safetensors_format import TensorInfo
 from .source import Source
@@ -60,38 +60,19 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
     marks = contract.marks(config)
     if marks:
         problems.append(
-            Problem(
-                Code.ALREADY_MARKED,
-                "config already carries the kimi_w31 "
-                "markers: this checkpoint is converted already, or tampered "
-                "with",
-                file=contract.CONFIG_NAME,
-                expected="no kimi_w31 block or wrapper",
-                found=", ".join(marks),
-            )
+            problem(Code.ALREADY_MARKED, file=contract.CONFIG_NAME, marks=", ".join(marks))
         )
     if not any(
         isinstance(contract.get(h, "quantization_config"), dict)
         for h in (config, contract.text_config(config))
     ):
         problems.append(
-            Problem(
-                Code.NO_QUANTIZATION_CONFIG,
-                "config has no quantization_config: this is not an MXFP4 checkpoint",
-                file=contract.CONFIG_NAME,
-            )
+            problem(Code.NO_QUANTIZATION_CONFIG, rule="source", file=contract.CONFIG_NAME)
         )
     act = contract.config_value(config, "hidden_act")
     if act != contract.FIXED_FIELDS["activation"]:
         problems.append(
-            Problem(
-                Code.SITU_MISMATCH,
-                "config's hidden_act is not 'situ': the converted block would announce an "
-                "activation the model does not use",
-                file=contract.CONFIG_NAME,
-                expected="'situ'",
-                found=repr(act),
-            )
+            problem(Code.SITU_MISMATCH, rule="hidden-act", file=contract.CONFIG_NAME, act=act)
         )
     # Bounded by the source's own tensor count: nothing is built from a config size above it.
     bound = sum(len(h.tensors) for h in source.headers.values())
@@ -139,16 +120,7 @@ def check_expert_tensors(
                 w31_tail = f"{verdict.expert}.{contract.FUSED}.{verdict.key[3:]}"
                 fusions[tail] = Fusion(w31_tail, verdict.key[:2] == contract.UP)
         if type(verdict) is Problem:
-            problems.append(
-                Problem(
-                    verdict.code,
-                    verdict.what,
-                    file=file,
-                    tensor=name,
-                    expected=verdict.expected,
-                    found=verdict.found,
-                )
-            )
+            problems.append(replace(verdict, file=file, tensor=name))
             continue
         tails = tails_by_prefix.get(prefix)
         if tails is None:
@@ -157,24 +129,18 @@ def check_expert_tensors(
         tails.append(tail)
         if info.dtype != verdict.dtype:
             problems.append(
-                Problem(
-                    Code.EXPERT_DTYPE,
-                    "wrong dtype",
-                    file=file,
-                    tensor=name,
-                    expected=verdict.dtype,
-                    found=info.dtype,
+                problem(
+                    Code.EXPERT_DTYPE, file=file, tensor=name, want=verdict.dtype, dtype=info.dtype
                 )
             )
         if verdict.shape is not None and info.shape != verdict.shape:
             problems.append(
-                Problem(
+                problem(
                     Code.EXPERT_SHAPE,
-                    "wrong shape",
                     file=file,
                     tensor=name,
-                    expected=str(list(verdict.shape)),
-                    found=str(list(info.shape)),
+                    want=list(verdict.shape),
+                    shape=list(info.shape),
                 )
             )
     problems += _check_layers(
@@ -192,29 +158,24 @@ def _judge_tail(
         f"<{'|'.join(contract.SUFFIXES)}>"
     )
     if parsed is None:
-        return Problem(
-            Code.EXPERT_NAME,
-            "tensor under an 'experts' component that is not a "
-            "routed-expert tensor of the contract's grammar",
-            expected=grammar,
-            found=repr("experts." + tail),
-        )
+        return problem(Code.EXPERT_NAME, rule="source", grammar=grammar, tail="experts." + tail)
     key = f"{parsed.proj}.{parsed.suffix}"
     if key not in rules:
-        what = (
+        why = (
             "w1/w3 expert tensor left in a converted checkpoint"
             if converted
             else "fused w31 tensor in a source checkpoint"
         )
-        return Problem(
-            Code.EXPERT_TENSOR_UNEXPECTED, what, expected=" / ".join(sorted(rules)), found=key
+        return problem(
+            Code.EXPERT_TENSOR_UNEXPECTED,
+            rule="source",
+            why=why,
+            allowed=" / ".join(sorted(rules)),
+            key=key,
         )
     if num_experts is not None and parsed.expert >= num_experts:
-        return Problem(
-            Code.EXPERT_ID_RANGE,
-            "expert id out of range",
-            expected=f"< {num_experts}",
-            found=str(parsed.expert),
+        return problem(
+            Code.EXPERT_ID_RANGE, rule="expert", experts=num_experts, expert=parsed.expert
         )
     return _Verdict(parsed.expert, key, rules[key].dtype, rules[key].shape)
 
@@ -238,36 +199,16 @@ def _check_layers(
         layer = layer_of[prefix]
         where = f"{prefix}experts.*"
         if layer is None:
-            problems.append(
-                Problem(
-                    Code.EXPERT_OUTSIDE_LAYER,
-                    "routed experts outside a 'layers.<i>.' component: no layer would load them",
-                    tensor=where,
-                )
-            )
+            problems.append(problem(Code.EXPERT_OUTSIDE_LAYER, tensor=where))
             continue
         if layer in by_layer:
             problems.append(
-                Problem(
-                    Code.LAYER_DUPLICATED,
-                    f"layer {layer} has routed experts under two prefixes",
-                    tensor=where,
-                    expected=f"only {by_layer[layer]}experts.*",
-                )
+                problem(Code.LAYER_DUPLICATED, tensor=where, layer=layer, prefix=by_layer[layer])
             )
             continue
         by_layer[layer] = prefix
         if layer not in moe_layers and layer not in extra:
-            problems.append(
-                Problem(
-                    Code.LAYER_UNEXPECTED,
-                    f"layer {layer} is not a MoE layer "
-                    "under the config's rule (num_hidden_layers, "
-                    "first_k_dense_replace, moe_layer_freq) but has routed "
-                    "experts",
-                    tensor=where,
-                )
-            )
+            problems.append(problem(Code.LAYER_UNEXPECTED, tensor=where, layer=layer))
             continue
         table.layers[prefix] = layer
         # Every accepted tail has an id below E and a key of the rules, so E x rules distinct
@@ -284,22 +225,15 @@ def _check_layers(
     missing = sorted(moe_layers - set(by_layer))
     if missing:
         problems.append(
-            Problem(
+            problem(
                 Code.LAYER_MISSING,
-                f"{len(missing)} MoE layer(s) have no routed experts at all",
-                expected=f"experts in layers {id_ranges(sorted(moe_layers))}",
-                found=f"none in layers {id_ranges(missing)}",
+                count=len(missing),
+                layers=id_ranges(sorted(moe_layers)),
+                missing=id_ranges(missing),
             )
         )
     if not table.experts_fused:
-        problems.append(
-            Problem(
-                Code.NO_EXPERTS,
-                "no routed-expert tensors found: not a Kimi-K3 MXFP4 checkpoint",
-                expected="experts.<id>.<w1|w2|w3>."
-                "<weight_packed|weight_scale> tensors in every MoE layer",
-            )
-        )
+        problems.append(problem(Code.NO_EXPERTS, rule="source"))
     return problems
 
 
@@ -311,20 +245,21 @@ def _missing_in_layer(
         missing = sorted(set(range(num_experts)) - set(experts))
         if missing:
             problems.append(
-                Problem(
+                problem(
                     Code.LAYER_INCOMPLETE,
-                    f"MoE layer is missing {len(missing)} of {num_experts} experts",
                     tensor=f"{prefix}experts.*",
-                    expected=f"ids 0..{num_experts - 1}",
-                    found=f"missing {id_ranges(missing)}",
+                    count=len(missing),
+                    experts=num_experts,
+                    last=num_experts - 1,
+                    missing=id_ranges(missing),
                 )
             )
     for expert, parts in sorted(experts.items()):
         for key in sorted(set(rules) - parts):
             problems.append(
-                Problem(
+                problem(
                     Code.EXPERT_PARTNER_MISSING,
-                    "expert tensor is missing (its partners exist)",
+                    rule="expert",
                     tensor=f"{prefix}experts.{expert}.{key}",
                 )
             )
@@ -359,26 +294,20 @@ def check_inventory(
             missing.setdefault(pattern, []).append(index)
         elif hit[1].dtype not in inventory.dtypes:
             problems.append(
-                Problem(
+                problem(
                     Code.INVENTORY_DTYPE,
-                    f"{place} tensor is not stored unquantized: the model loads it with an "
-                    "unquantized method",
                     file=hit[0],
                     tensor=hit[1].name,
-                    expected=" or ".join(sorted(inventory.dtypes)),
-                    found=hit[1].dtype,
+                    place=place,
+                    dtypes=" or ".join(sorted(inventory.dtypes)),
+                    dtype=hit[1].dtype,
                 )
             )
     for pattern, ids in missing.items():
         unit = "blocks" if "{B}" in pattern else "layers"
         where = f" in {unit} {id_ranges(ids)}" if ids != [-1] else ""
         problems.append(
-            Problem(
-                Code.INVENTORY_MISSING,
-                f"tensor the model loads is missing{where}",
-                tensor=pattern,
-                expected=f"present (manifest {expected.manifest})",
-            )
+            problem(Code.INVENTORY_MISSING, tensor=pattern, where=where, manifest=expected.manifest)
         )
     return problems
 
