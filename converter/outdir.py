@@ -188,10 +188,27 @@ class FinalFiles:
 
 
 @dataclass(frozen=True)
-class Records:
-    """What this tool's own records in an output directory say, read at once
-    (`OutputDir.read_records`): every decision about the directory (its mode, whose it is,
-    which files are ours) is made from one reading, not from files re-read step by step."""
+class Standing:
+    """What stands at the output path, seen without following links: the facts every
+    refusal before a write is judged on (`OutputDir.check_usable`)."""
+
+    root_is_other: bool  # the output path is there and is not a directory
+    state: str | None  # what the state folder is (`fsio.lkind`; None: nothing)
+    state_shown: str  # the same, in words a user can act on
+    base: Path  # the state folder, or its closest folder that exists
+    base_is_dir: bool
+    base_shown: str
+    base_writable: bool
+
+
+@dataclass(frozen=True)
+class Survey:
+    """The output directory read at once (`OutputDir.survey`): what stands there and what
+    this tool's own records in it say. Every decision about the directory (may it be
+    written, its mode, whose it is, which files are ours) is made from one reading, not
+    from paths probed and files re-read step by step."""
+
+    standing: Standing
 
     ledger_head: dict  # the ledger's first line: plan fingerprint and source key
     ledger: dict[str, ShardRecord]  # shards an unfinished run recorded
@@ -271,14 +288,26 @@ class OutputDir:
         self.warnings: list[str] = []
 
     # -- reading, no lock needed ---------------------------------------------------------
-    def read_records(self) -> Records:
-        """Every record of ours in the directory, read together (links never followed)."""
+    def survey(self) -> Survey:
+        """What stands at the output path and every record of ours there, read together
+        (links never followed); nothing is judged here."""
         ledger, checksums, journal, config = (
             fsio.read_if_regular(p)
             for p in (self.ledger_path, self.checksums, self.journal_path, self.root / CONFIG_NAME)
         )
+        base = fsio.nearest_existing(self.state)
+        standing = Standing(
+            os.path.lexists(self.root) and not os.path.isdir(self.root),
+            fsio.lkind(self.state),
+            fsio.describe(self.state),
+            base,
+            os.path.isdir(base),
+            fsio.describe(base),
+            os.access(base, os.W_OK | os.X_OK),
+        )
         head, records = Ledger.parse(ledger)
-        return Records(
+        return Survey(
+            standing,
             head,
             records,
             _json_object(checksums) or {},
@@ -294,41 +323,36 @@ class OutputDir:
         """What a run of this plan does here (a run and `--dry-run` alike): the mode and the
         records of shards to prove before keeping them; refuses what it must refuse. The
         conversion of another source is replaced (with --force only), as a fresh run."""
-        found = self.read_records()
+        found = self.survey()
         mode, records = found.previous(fingerprint, source)
-        self.check_usable(mode, force, found)
+        self.check_usable(found, mode, force)
         return (Mode.FRESH, records) if mode is Mode.OTHER_SOURCE else (mode, records)
 
-    def check_usable(
-        self, mode: Mode | None = None, force: bool = False, found: Records | None = None
-    ) -> None:
+    def check_usable(self, found: Survey, mode: Mode | None = None, force: bool = False) -> None:
         """Refuse, before anything is written (and in --dry-run alike), an output path this
         run could not or must not write: not a directory, a state folder that is not a real
         directory (a link would lead writes and deletions elsewhere), no write permission,
         or the conversion of another source without --force. Deletes nothing."""
-        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+        where = found.standing
+        if where.root_is_other:
             raise fatal(Code.OUTPUT_NOT_DIRECTORY, rule="exists", file=self.root)
-        state = fsio.lkind(self.state)
-        if state not in (None, "directory"):
+        if where.state not in (None, "directory"):
             raise fatal(
                 Code.STATE_FOLDER_INVALID,
                 rule="state",
                 file=self.state,
                 state=STATE_DIR,
-                kind=fsio.describe(self.state),
+                kind=where.state_shown,
             )
-        base = fsio.nearest_existing(self.state)
-        if not os.path.isdir(base):
+        if not where.base_is_dir:
             raise fatal(
-                Code.OUTPUT_NOT_DIRECTORY, rule="folder", file=base, kind=fsio.describe(base)
+                Code.OUTPUT_NOT_DIRECTORY, rule="folder", file=where.base, kind=where.base_shown
             )
-        if not os.access(base, os.W_OK | os.X_OK):
-            raise fatal(Code.PERMISSION_DENIED, rule="folder", file=base)
+        if not where.base_writable:
+            raise fatal(Code.PERMISSION_DENIED, rule="folder", file=where.base)
         if mode is Mode.OTHER_SOURCE and not force:
             raise fatal(
-                Code.OUTPUT_OF_ANOTHER_SOURCE,
-                file=self.root,
-                owner=(found.owner() if found else None) or "unknown",
+                Code.OUTPUT_OF_ANOTHER_SOURCE, file=self.root, owner=found.owner() or "unknown"
             )
 
     # -- claiming --------------------------------------------------------------------------
@@ -361,7 +385,7 @@ class OutputDir:
         self.resume_decision(fingerprint, source, force)
         self._created += fsio.make_dirs(self.state)  # the root too, where it is missing
         if not fsio.is_real_dir(self.state):  # replaced since `check_usable`: still refuse
-            self.check_usable()
+            self.check_usable(self.survey())
         self._state_made = True
         self._lock = OutputLock(self.lock_path)
         self._lock.acquire()  # on any failure from here the caller calls `abandon`
@@ -385,7 +409,7 @@ class OutputDir:
         (removed with --force). The state folder of another plan is reset."""
         entries = self._entries()
         if entries:
-            found = self.read_records()
+            found = self.survey()
             foreign = self._foreign(entries, found.ours())
             if not force:
                 hint = (
@@ -415,7 +439,7 @@ class OutputDir:
                 fsio.remove(path)  # the state folder is a real directory (`claim`)
 
     def _foreign(self, entries: list[Path], recorded: Mapping[str, tuple]) -> list[Path]:
-        """The files under `entries` that our records (`Records.ours`) do not name with their
+        """The files under `entries` that our records (`Survey.ours`) do not name with their
         current size."""
         foreign = []
         for entry in entries:
@@ -480,7 +504,7 @@ class OutputDir:
         strays = [
             p for p in self._all_files(entries) if str(p.relative_to(self.root)) not in expected
         ]
-        foreign = self._foreign(strays, self.read_records().ours()) if strays else []
+        foreign = self._foreign(strays, self.survey().ours()) if strays else []
         # Files our records say we wrote that this conversion no longer has (the source
         # dropped them): ours to remove, after the index (the output stops looking complete).
         dropped = [p for p in strays if p not in foreign]
