@@ -26,8 +26,8 @@ from .execute import Executor
 from .execute.local import LocalExecutor
 from .execute.shard import (
     Hooks,
-    Job,
     Outcome,
+    ShardContext,
     ShardOutcome,
     SourceChanged,
     SourceFiles,
@@ -230,11 +230,11 @@ def preview(
     (read-only: no lock, nothing written). Refuses what the run would refuse."""
     identity = identity or SourceId("", "")
     mode, records = out.resume_decision(plan.fingerprint, identity, force)
-    job = Job(sources, out.root, out.tmp, rehash=rehash)
+    context = ShardContext(sources, out.root, out.tmp, rehash=rehash)
     result = Preview(mode)
     for shard in plan.shards:
         record = records.get(shard.name)
-        reason = why_not_kept(shard, record, job)
+        reason = why_not_kept(shard, record, context)
         if reason is None:
             result.keep.append(shard.name)
         else:
@@ -266,13 +266,13 @@ def _run(
     hooks = Hooks(
         on_bytes=reporter.advance, on_scale_nan=scale_problems.append, before_write=run.begin_writes
     )
-    job = Job(
+    context = ShardContext(
         sources, run.root, run.tmp, hooks=hooks, check_scales=opts.check_scales, rehash=opts.rehash
     )
     reporter.start(plan.output_bytes, len(plan.shards))
     started = time.perf_counter()
     try:
-        opts.executor.run(plan.shards, job, run.ledger, on_done)
+        opts.executor.run(plan.shards, context, run.ledger, on_done)
     except SourceChanged as exc:  # worded while the state it describes still holds
         raise fatal(
             Code.SOURCE_CHANGED,

@@ -43,8 +43,8 @@ from ..plan import OutputShard, Plan
 from ..source import SourceReader
 from . import DownloadProgress, Executor, OnDone
 from .shard import (
-    Job,
     Outcome,
+    ShardContext,
     ShardOutcome,
     SourceFiles,
     commit,
@@ -396,7 +396,7 @@ class HubExecutor(Executor):
     """Streams shards from a `Remote` (the Hub's, with `--download`) through a bounded window.
 
     The pipeline tells it, in this order, the source (`source_files`) and the claimed output
-    (`claimed`); `run` then gets the same source back in `job.sources`.
+    (`claimed`); `run` then gets the same source back in `context.sources`.
     """
 
     window: int = DEFAULT_WINDOW
@@ -486,9 +486,9 @@ class HubExecutor(Executor):
             self.tally.remove_partials(self._sources.remote.partials, out)
 
     def run(
-        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+        self, shards: list[OutputShard], context: ShardContext, ledger: Ledger, on_done: OnDone
     ) -> list[ShardOutcome]:
-        sources, journal = job.sources, self._journal
+        sources, journal = context.sources, self._journal
         if not isinstance(sources, StreamedSources) or journal is None:  # a wiring error
             raise TypeError("run() takes the sources of source_files(), after claimed()")
         results: list[ShardOutcome] = []
@@ -496,7 +496,7 @@ class HubExecutor(Executor):
         pending, reasons = [], {}
         for shard in shards:
             record = ledger.done.get(shard.name)
-            reason = why_not_kept(shard, record, job)
+            reason = why_not_kept(shard, record, context)
             if reason is None:
                 result = ShardOutcome(shard.name, Outcome.KEPT, record)
                 results.append(result)
@@ -512,9 +512,9 @@ class HubExecutor(Executor):
             for f in sources.order:
                 if f not in window.feeds and os.path.lexists(sources.root / f):
                     self.tally.delete(sources, f)
-        self._check_space(job.out_dir, pending, window.order, sources)
+        self._check_space(context.out_dir, pending, window.order, sources)
         # 3. Stream.
-        stream = _Stream(self, pending, window, sources, job, ledger, journal, reasons, on_done)
+        stream = _Stream(self, pending, window, sources, context, ledger, journal, reasons, on_done)
         results += stream.run()
         return results
 
@@ -554,13 +554,13 @@ class _Stream:
         pending: list[OutputShard],
         window: Window,
         sources: StreamedSources,
-        job: Job,
+        context: ShardContext,
         ledger: Ledger,
         journal: OutputDir,
         reasons: dict[str, str | None],
         on_done: OnDone,
     ) -> None:
-        self.ex, self.window, self.sources, self.job = ex, window, sources, job
+        self.ex, self.window, self.sources, self.context = ex, window, sources, context
         self.ledger, self.journal, self.reasons, self.on_done = ledger, journal, reasons, on_done
         self.remote, self.tally = sources.remote, ex.tally
         self.by_name = {s.name: s for s in pending}
@@ -572,7 +572,7 @@ class _Stream:
         self.pool = ThreadPoolExecutor(max_workers=max(1, ex.workers), thread_name_prefix="shard")
 
     def measure(self) -> None:
-        self.tally.measure(self.remote.storage, self.job.out_dir)
+        self.tally.measure(self.remote.storage, self.context.out_dir)
 
     def run(self) -> list[ShardOutcome]:
         progress = self.ex.download_progress
@@ -610,7 +610,7 @@ class _Stream:
         """Writes stop at their next chunk, downloads at their next chunk of data (the client
         then removes its temporary file itself); the caller's `finally` waits a little for
         them, then removes whatever partial downloads are left. A write's own error wins."""
-        self.job.stop.set()
+        self.context.stop.set()
         for fut in self.writes:
             fut.cancel()
         wait(list(self.writes))
@@ -620,7 +620,7 @@ class _Stream:
             raise real[0] from None
 
     def _start_downloads(self) -> None:
-        window, stop = self.window, self.job.stop
+        window, stop = self.window, self.context.stop
         while (
             window.queue
             and len(window.live) < self.ex.window
@@ -632,7 +632,7 @@ class _Stream:
 
     def _fetch(self, file: str) -> None:
         """Download one source shard (a no-op if present); progress and partials reported."""
-        stop, progress = self.job.stop, self.ex.download_progress
+        stop, progress = self.context.stop, self.ex.download_progress
         if stop.is_set():
             raise Interrupted()
         reported = 0
@@ -657,7 +657,9 @@ class _Stream:
         self.measure()  # a whole source shard more on disk
         for name in self.window.arrive(file):
             shard = self.by_name[name]
-            self.writes[self.pool.submit(write, shard, self.job, self.reasons.get(name))] = shard
+            self.writes[self.pool.submit(write, shard, self.context, self.reasons.get(name))] = (
+                shard
+            )
 
     def _written(self, shard: OutputShard, result: ShardOutcome) -> None:
         commit(result, self.ledger)

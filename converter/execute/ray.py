@@ -25,7 +25,16 @@ from ..hashing import Interrupted
 from ..outdir import Ledger, ShardRecord
 from ..plan import OutputShard
 from . import Executor, OnDone
-from .shard import Hooks, Job, Outcome, ShardOutcome, SourceChanged, SourceFiles, commit, settle
+from .shard import (
+    Hooks,
+    Outcome,
+    ShardContext,
+    ShardOutcome,
+    SourceChanged,
+    SourceFiles,
+    commit,
+    settle,
+)
 
 
 def import_ray():
@@ -63,7 +72,7 @@ def shard_task(
                     "source on one shared filesystem at the same path?)",
                 )
         nan: list = []
-        job = Job(
+        context = ShardContext(
             sources,
             Path(out_dir),
             Path(tmp_dir),
@@ -72,7 +81,7 @@ def shard_task(
             rehash=rehash,
         )
         try:
-            result = settle(shard, ShardRecord.from_json(record), job)
+            result = settle(shard, ShardRecord.from_json(record), context)
         finally:
             sources.close()
         return {
@@ -115,7 +124,7 @@ class RayExecutor(Executor):
     num_cpus: int | None = None  # only for a local runtime
 
     def run(
-        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+        self, shards: list[OutputShard], context: ShardContext, ledger: Ledger, on_done: OnDone
     ) -> list[ShardOutcome]:
         """Submit every shard; record results as they come. Ray places one task per free CPU
         across the cluster (`--workers` does not apply)."""
@@ -137,13 +146,13 @@ class RayExecutor(Executor):
         task = ray.remote(num_cpus=1, max_retries=2)(shard_task)
         # Temporaries of this driver's tasks only: a task of a killed earlier driver that Ray
         # has not reaped yet can never write into, or rename from, the files of this run.
-        run_tmp = job.tmp_dir / f"ray-{uuid.uuid4().hex[:12]}"
+        run_tmp = context.tmp_dir / f"ray-{uuid.uuid4().hex[:12]}"
         run_tmp.mkdir()
         # Tasks cannot reach the driver's directory state: the output stops looking complete
         # before any task may change it.
-        if job.hooks.before_write:
-            job.hooks.before_write()
-        sources = job.sources
+        if context.hooks.before_write:
+            context.hooks.before_write()
+        sources = context.sources
         pending: dict = {}
         results: list[ShardOutcome] = []
         try:
@@ -160,16 +169,16 @@ class RayExecutor(Executor):
                     str(sources.root),
                     identity,
                     headers,
-                    str(job.out_dir),
+                    str(context.out_dir),
                     str(run_tmp),
                     record.to_json() if record else None,
-                    job.check_scales,
-                    job.rehash,
+                    context.check_scales,
+                    context.rehash,
                     __version__,
                 )
                 pending[ref] = shard
             while pending:
-                if job.stop.is_set():
+                if context.stop.is_set():
                     raise Interrupted()
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
                 for ref in ready:
@@ -178,8 +187,8 @@ class RayExecutor(Executor):
                     if data["status"] == "error":
                         _raise(data)
                     for problem in data["nan"]:
-                        if job.hooks.on_scale_nan:
-                            job.hooks.on_scale_nan(problem)
+                        if context.hooks.on_scale_nan:
+                            context.hooks.on_scale_nan(problem)
                     outcome = Outcome(data["status"])
                     result = ShardOutcome(
                         shard.name,
@@ -189,12 +198,12 @@ class RayExecutor(Executor):
                         data["reason"],
                     )
                     commit(result, ledger)
-                    if job.hooks.on_bytes and outcome is Outcome.WRITTEN:
-                        job.hooks.on_bytes(shard.file_size)
+                    if context.hooks.on_bytes and outcome is Outcome.WRITTEN:
+                        context.hooks.on_bytes(shard.file_size)
                     results.append(result)
                     on_done(result)
         except BaseException:
-            job.stop.set()
+            context.stop.set()
             for ref in pending:
                 ray.cancel(ref, force=False)
             raise

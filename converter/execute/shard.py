@@ -114,8 +114,9 @@ class Hooks:
 
 
 @dataclass
-class Job:
-    """What every shard of one run shares."""
+class ShardContext:
+    """What every shard of one run is settled in: the source files, where shards go, the
+    stop signal, the progress hooks, and what proving a kept shard re-reads."""
 
     sources: SourceFiles
     out_dir: Path
@@ -141,27 +142,29 @@ class ShardOutcome:
     redo_reason: str | None = None  # why an earlier run's shard was not kept
 
 
-def settle(shard: OutputShard, record: ShardRecord | None, job: Job) -> ShardOutcome:
+def settle(shard: OutputShard, record: ShardRecord | None, context: ShardContext) -> ShardOutcome:
     """Keep the shard if `record` is proven for it, else write it."""
-    reason = why_not_kept(shard, record, job)
+    reason = why_not_kept(shard, record, context)
     if reason is None:
         return ShardOutcome(shard.name, Outcome.KEPT, record)
-    return write(shard, job, reason if record is not None else None)
+    return write(shard, context, reason if record is not None else None)
 
 
-def why_not_kept(shard: OutputShard, record: ShardRecord | None, job: Job) -> str | None:
+def why_not_kept(
+    shard: OutputShard, record: ShardRecord | None, context: ShardContext
+) -> str | None:
     """None if an earlier run's shard may be kept; else the reason it must be written. (The
     Hub executor asks this before it downloads, and writes once the sources are there.)"""
     if record is None:
         return "not written yet"
-    return prove(shard, record, job)
+    return prove(shard, record, context)
 
 
-def write(shard: OutputShard, job: Job, reason: str | None = None) -> ShardOutcome:
+def write(shard: OutputShard, context: ShardContext, reason: str | None = None) -> ShardOutcome:
     """Write the shard (it was not kept: `reason` says why, None if it never existed)."""
-    if job.hooks.before_write:
-        job.hooks.before_write()
-    new = write_shard(shard, job)
+    if context.hooks.before_write:
+        context.hooks.before_write()
+    new = write_shard(shard, context)
     if new is None:
         return ShardOutcome(shard.name, Outcome.REJECTED, redo_reason=reason)
     return ShardOutcome(shard.name, Outcome.WRITTEN, new, shard.file_size, reason)
@@ -177,10 +180,10 @@ def commit(result: ShardOutcome, ledger: Ledger) -> None:
             ledger.forget(result.shard)
 
 
-def prove(shard: OutputShard, record: ShardRecord, job: Job) -> str | None:
+def prove(shard: OutputShard, record: ShardRecord, context: ShardContext) -> str | None:
     """None if the recorded shard is proven to be this plan's shard; else why not."""
-    path = job.out_dir / shard.name
-    if record.sources != job.sources.fingerprint(shard.source_files):
+    path = context.out_dir / shard.name
+    if record.sources != context.sources.fingerprint(shard.source_files):
         return "its source files changed since it was written"
     try:
         if path.is_symlink() or not path.is_file():
@@ -194,14 +197,14 @@ def prove(shard: OutputShard, record: ShardRecord, job: Job) -> str | None:
         return "the file cannot be read"
     if record.header_sha256 != sha256_bytes(shard.header):
         return "its record belongs to another layout"
-    if not job.rehash:
+    if not context.rehash:
         return None
     ranges, offset = [], len(shard.header)
     for t in shard.tensors:
         ranges.append((t.name, offset, offset + t.nbytes))
         offset += t.nbytes
     try:
-        hashes, _ = crc32_of_ranges(path, ranges, job.stop, job.hooks.on_bytes)
+        hashes, _ = crc32_of_ranges(path, ranges, context.stop, context.hooks.on_bytes)
     except ShortRead:
         return "the file is truncated"
     return None if hashes == record.tensors else "its data differ from the recorded checksums"
@@ -218,10 +221,10 @@ class _Either(threading.Event):
         return super().is_set() or self.run_stop.is_set()
 
 
-def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
+def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None:
     """Write one shard; None if its scales hold NaN (then it is neither kept nor recorded)."""
-    sources, hooks = job.sources, job.hooks
-    tmp = job.tmp_dir / f"{shard.name}.partial"
+    sources, hooks = context.sources, context.hooks
+    tmp = context.tmp_dir / f"{shard.name}.partial"
     fd = fsio.create_fresh(tmp)  # never through a link planted in the state folder
     hashes: dict[str, Crc32] = {}
     scans: dict[str, ScaleScan] = {}
@@ -232,17 +235,17 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
         faults.fault_point("shard.header")
         if hooks.on_bytes:
             hooks.on_bytes(len(shard.header))
-        jobs = []
+        feeds = []
         for tensor in shard.tensors:
             h = hashes[tensor.name] = Crc32()
             targets: tuple = (h,)
-            if contract.is_e8m0_scale(tensor.name, tensor.dtype, job.check_scales):
+            if contract.is_e8m0_scale(tensor.name, tensor.dtype, context.check_scales):
                 scans[tensor.name] = ScaleScan()
                 targets = (h, scans[tensor.name])
             ranges = [(sources.fd(p.file), p.offset, p.length, p.file) for p in tensor.pieces]
-            jobs.append((targets, ranges))
-        stop_hasher = _Either(job.stop)
-        hasher = RangeHasher(jobs, stop_hasher)  # checksums computed beside the copy
+            feeds.append((targets, ranges))
+        stop_hasher = _Either(context.stop)
+        hasher = RangeHasher(feeds, stop_hasher)  # checksums computed beside the copy
         try:
             for tensor in shard.tensors:
                 for piece in tensor.pieces:
@@ -251,7 +254,7 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
                         piece.offset,
                         piece.length,
                         fd,
-                        job.stop,
+                        context.stop,
                         hooks.on_bytes,
                         piece.file,
                     )
@@ -269,7 +272,7 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.filename is None:  # write(2) and fsync(2) errors name no file: this one
-            exc.filename = str(job.out_dir / shard.name)
+            exc.filename = str(context.out_dir / shard.name)
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -290,8 +293,8 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
     except SourceChanged:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, job.out_dir / shard.name)
-    fsio.fsync_dir(job.out_dir)
+    os.replace(tmp, context.out_dir / shard.name)
+    fsio.fsync_dir(context.out_dir)
     faults.fault_point("shard.renamed")
     return ShardRecord(
         shard=shard.name,

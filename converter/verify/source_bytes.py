@@ -28,7 +28,7 @@ LEVEL = "source"
 
 
 @dataclass
-class _ShardJob:
+class _ShardComparison:
     """The tensors of one output shard to compare, and how many bytes they hold."""
 
     file: str
@@ -49,16 +49,18 @@ def compare_with_source(
     shard a loader opens, and why some cannot be (`served.py`); `changed`: the shards that
     changed since the conversion (a difference there is blamed on the source)."""
     expected = expected_tensors(served[0])
-    problems, jobs = _match_tensors(out, expected)
+    problems, comparisons = _match_tensors(out, expected)
     problems = served[1] + problems
     del expected
     files, file_problems = _match_files(out, source)
-    total = sum(job.nbytes for job in jobs) + sum(size for _, size in files)
-    compared = sum(len(j.tensors) for j in jobs)
+    total = sum(comparison.nbytes for comparison in comparisons) + sum(size for _, size in files)
+    compared = sum(len(j.tensors) for j in comparisons)
     with Progress(progress_mode, "verify --source", total) as progress:
         problems += run_jobs(
-            lambda job, stop: _compare_shard(out, source, changed, job, stop, progress.advance),
-            jobs,
+            lambda comparison, stop: _compare_shard(
+                out, source, changed, comparison, stop, progress.advance
+            ),
+            comparisons,
             workers,
         )
         file_problems += run_jobs(
@@ -84,11 +86,11 @@ def compare_with_source(
 
 def _match_tensors(
     out: Output, expected: dict[str, Expected]
-) -> tuple[list[Problem], list[_ShardJob]]:
+) -> tuple[list[Problem], list[_ShardComparison]]:
     """Names, dtypes and shapes; the tensors whose bytes are to be compared, by shard."""
-    problems, jobs, seen = [], [], set()
+    problems, comparisons, seen = [], [], set()
     for file, header in out.headers.items():
-        job = _ShardJob(file)
+        comparison = _ShardComparison(file)
         for name, info in header.tensors.items():
             seen.add(name)
             want = expected.get(name)
@@ -99,16 +101,16 @@ def _match_tensors(
             if unlike is not None:
                 problems.append(unlike)
                 continue
-            job.tensors.append((name, want))
-            job.nbytes += info.nbytes
-        jobs.append(job)
+            comparison.tensors.append((name, want))
+            comparison.nbytes += info.nbytes
+        comparisons.append(comparison)
     # Tensors of shards that did not parse are not counted missing: structure said why.
     unread = set(out.shard_names) - out.headers.keys()
     if not unread:
         problems += [
             problem(Code.TENSOR_MISSING, tensor=name) for name in sorted(expected.keys() - seen)
         ]
-    return problems, jobs
+    return problems, comparisons
 
 
 def _unlike(file: str, name: str, info: TensorInfo, want: Expected) -> Problem | None:
@@ -147,24 +149,29 @@ def _unlike(file: str, name: str, info: TensorInfo, want: Expected) -> Problem |
 
 
 def _compare_shard(
-    out: Output, source: Source, changed: set[str], job: _ShardJob, stop: threading.Event, advance
+    out: Output,
+    source: Source,
+    changed: set[str],
+    comparison: _ShardComparison,
+    stop: threading.Event,
+    advance,
 ) -> list[Problem]:
-    header = out.headers[job.file]
+    header = out.headers[comparison.file]
     bufs, problems = Buffers(), []
     with OpenFiles() as files:
         try:
-            fd = files.fd(out.root / job.file)
-            for name, want in job.tensors:
+            fd = files.fd(out.root / comparison.file)
+            for name, want in comparison.tensors:
                 info = header.tensors[name]
                 right = [
                     (files.fd(source.root / p.file), p.info.begin, p.info.nbytes, p.file)
                     for p in want.parts
                 ]
                 pos = compare_ranges(
-                    (fd, info.begin, info.nbytes, job.file), right, bufs, stop, advance
+                    (fd, info.begin, info.nbytes, comparison.file), right, bufs, stop, advance
                 )
                 if pos is not None:
-                    problems.append(_differs(job.file, name, want, pos, changed))
+                    problems.append(_differs(comparison.file, name, want, pos, changed))
         except ShortRead as exc:
             problems.append(
                 problem(Code.FILE_TRUNCATED, rule="read", file=exc.file, offset=exc.offset)
@@ -174,7 +181,7 @@ def _compare_shard(
                 problem(
                     Code.FILE_UNREADABLE,
                     rule="read",
-                    file=exc.filename or job.file,
+                    file=exc.filename or comparison.file,
                     error=exc.strerror or exc,
                 )
             )
