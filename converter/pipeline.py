@@ -201,7 +201,7 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     source, manifest, plan = prepare(opts)
     identity = source_id(source, source.reader)
     planned = {f: h.header_sha256 for f, h in source.headers.items()}
-    sources = opts.executor.source_files(source.root, source.shard_files, planned, source.reader)
+    sources = opts.executor.open_sources(source.root, source.shard_files, planned, source.reader)
     out = OutputDir(opts.out)
     result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
     try:

@@ -59,7 +59,8 @@ class OutputShard:
         return len(self.header) + self.data_size
 
     @cached_property
-    def source_files(self) -> list[str]:
+    def input_files(self) -> list[str]:
+        """The source shard files this shard's bytes are copied from, sorted."""
         return sorted({p.file for t in self.tensors for p in t.pieces})
 
 

@@ -55,7 +55,7 @@ class Executor(Protocol):
     def claimed(self, out: OutputDir) -> None:
         """Called once the output directory is this run's, before its free-space check."""
 
-    def source_files(
+    def open_sources(
         self,
         root: Path,
         shard_files: list[str],

@@ -137,7 +137,7 @@ def download_order(shards: list[OutputShard], file_order: list[str]) -> list[str
     rank = {f: i for i, f in enumerate(file_order)}
     order: dict[str, None] = {}
     for shard in shards:
-        for f in sorted(shard.source_files, key=lambda f: rank.get(f, len(rank))):
+        for f in sorted(shard.input_files, key=lambda f: rank.get(f, len(rank))):
             order.setdefault(f)
     return list(order)
 
@@ -153,9 +153,9 @@ class Window:
         self.queue = list(reversed(self.order))  # popped from the end: next first
         self.feeds: dict[str, set[str]] = {f: set() for f in self.order}
         for s in shards:
-            for f in s.source_files:
+            for f in s.input_files:
                 self.feeds[f].add(s.name)
-        self._needs = {s.name: set(s.source_files) for s in shards}
+        self._needs = {s.name: set(s.input_files) for s in shards}
         self._arrived: set[str] = set()
         self.live: set[str] = set()
 
@@ -187,7 +187,7 @@ class Window:
 def fewest_slots(shards: list[OutputShard], file_order: list[str]) -> int:
     """Fewest live source shards with which in-order streaming never stalls: the window
     replayed one source shard at a time, each output shard finished as soon as it is ready."""
-    window, files = Window(shards, file_order), {s.name: s.source_files for s in shards}
+    window, files = Window(shards, file_order), {s.name: s.input_files for s in shards}
     most = 0
     while window.queue:
         f = window.take()
@@ -395,7 +395,7 @@ class Tally:
 class HubExecutor(Executor):
     """Streams shards from a `Remote` (the Hub's, with `--download`) through a bounded window.
 
-    The pipeline tells it, in this order, the source (`source_files`) and the claimed output
+    The pipeline tells it, in this order, the source (`open_sources`) and the claimed output
     (`claimed`); `run` then gets the same source back in `context.sources`.
     """
 
@@ -409,7 +409,7 @@ class HubExecutor(Executor):
     # The claimed output: it records partial downloads.
     _journal: OutputDir | None = field(default=None, init=False, repr=False)
 
-    def source_files(
+    def open_sources(
         self,
         root: Path,
         shard_files: list[str],
@@ -490,7 +490,7 @@ class HubExecutor(Executor):
     ) -> list[ShardOutcome]:
         sources, journal = context.sources, self._journal
         if not isinstance(sources, StreamedSources) or journal is None:  # a wiring error
-            raise TypeError("run() takes the sources of source_files(), after claimed()")
+            raise TypeError("run() takes the sources of open_sources(), after claimed()")
         results: list[ShardOutcome] = []
         # 1. What is already done: proven as a local run proves it, before any download.
         pending, reasons = [], {}
@@ -666,7 +666,7 @@ class _Stream:
         self.results.append(result)
         self.on_done(result)
         self.measure()  # the high-water mark: before any source is freed
-        for f in self.window.finish(shard.name, shard.source_files):
+        for f in self.window.finish(shard.name, shard.input_files):
             if self.ex.delete_source_shards and result.outcome is Outcome.WRITTEN:
                 self.sources.drop(f)
                 self.tally.delete(self.sources, f)

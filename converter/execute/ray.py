@@ -63,8 +63,8 @@ def shard_task(
     try:
         if version != __version__:  # the plan fingerprint is only valid for one tool version
             raise fatal(Code.USAGE, rule="ray-version", driver=version, node=__version__)
-        sources = SourceFiles(Path(root), shard.source_files, header_sha256=headers)
-        for f in shard.source_files:  # the same file as the driver saw, or nothing
+        sources = SourceFiles(Path(root), shard.input_files, header_sha256=headers)
+        for f in shard.input_files:  # the same file as the driver saw, or nothing
             if list(sources.identity[f]) != list(identity[f]):
                 raise SourceChanged(
                     f,
@@ -158,10 +158,10 @@ class RayExecutor(Executor):
         try:
             for shard in sorted(shards, key=lambda s: -s.file_size):  # largest first
                 record = ledger.done.get(shard.name)
-                identity = sources.fingerprint(shard.source_files)
+                identity = sources.fingerprint(shard.input_files)
                 headers = {
                     f: sources.header_sha256[f]
-                    for f in shard.source_files
+                    for f in shard.input_files
                     if f in sources.header_sha256
                 }
                 ref = task.remote(

@@ -183,7 +183,7 @@ def commit(result: ShardOutcome, ledger: Ledger) -> None:
 def prove(shard: OutputShard, record: ShardRecord, context: ShardContext) -> str | None:
     """None if the recorded shard is proven to be this plan's shard; else why not."""
     path = context.out_dir / shard.name
-    if record.sources != context.sources.fingerprint(shard.source_files):
+    if record.sources != context.sources.fingerprint(shard.input_files):
         return "its source files changed since it was written"
     try:
         if path.is_symlink() or not path.is_file():
@@ -289,7 +289,7 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
         return None
     # Nothing derived from a source file that changed under us may be marked done.
     try:
-        sources.check_unchanged(shard.source_files)
+        sources.check_unchanged(shard.input_files)
     except SourceChanged:
         tmp.unlink(missing_ok=True)
         raise
@@ -301,7 +301,7 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
         size=shard.file_size,
         header_sha256=sha256_bytes(shard.header),
         tensors={name: h.hexdigest() for name, h in hashes.items()},
-        sources=sources.fingerprint(shard.source_files),
+        sources=sources.fingerprint(shard.input_files),
     )
 
 

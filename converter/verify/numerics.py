@@ -65,7 +65,7 @@ def check_numerics(
         report.add("numerics", LEVEL, title, problems, "not run")
         return
     src, conv = sides
-    out_files, src_files = out.tensor_files(), _source_files(source)
+    out_files, src_files = out.tensor_files(), _source_tensor_files(source)
     rng = np.random.default_rng(seed)
     worst = 0.0
     with Progress(progress_mode, "verify --numerics", len(chosen), unit="experts") as progress:
@@ -177,7 +177,7 @@ def _choose(out: Output, source: Source, sample: int | None, seed: int) -> list[
     return sorted(random.Random(seed).sample(candidates, sample))
 
 
-def _source_files(source: Source) -> dict[str, str]:
+def _source_tensor_files(source: Source) -> dict[str, str]:
     return {n: f for f, h in source.headers.items() for n in h.tensors}
 
 
