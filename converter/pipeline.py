@@ -25,9 +25,9 @@ from .errors import Code, Fatal, Problem, fatal
 from .execute import Executor
 from .execute.local import LocalExecutor
 from .execute.shard import (
-    Hooks,
     Outcome,
     ShardContext,
+    ShardEvents,
     ShardOutcome,
     SourceChanged,
     SourceFiles,
@@ -263,11 +263,16 @@ def _run(
             result.outcomes.append(outcome)
         reporter.shard_done(outcome)
 
-    hooks = Hooks(
+    events = ShardEvents(
         on_bytes=reporter.advance, on_scale_nan=scale_problems.append, before_write=run.begin_writes
     )
     context = ShardContext(
-        sources, run.root, run.tmp, hooks=hooks, check_scales=opts.check_scales, rehash=opts.rehash
+        sources,
+        run.root,
+        run.tmp,
+        events=events,
+        check_scales=opts.check_scales,
+        rehash=opts.rehash,
     )
     reporter.start(plan.output_bytes, len(plan.shards))
     started = time.perf_counter()

@@ -26,9 +26,9 @@ from ..outdir import Ledger, ShardRecord
 from ..plan import OutputShard
 from . import Executor, OnDone
 from .shard import (
-    Hooks,
     Outcome,
     ShardContext,
+    ShardEvents,
     ShardOutcome,
     SourceChanged,
     SourceFiles,
@@ -76,7 +76,7 @@ def shard_task(
             sources,
             Path(out_dir),
             Path(tmp_dir),
-            hooks=Hooks(on_scale_nan=nan.append),
+            events=ShardEvents(on_scale_nan=nan.append),
             check_scales=check_scales,
             rehash=rehash,
         )
@@ -150,8 +150,8 @@ class RayExecutor(Executor):
         run_tmp.mkdir()
         # Tasks cannot reach the driver's directory state: the output stops looking complete
         # before any task may change it.
-        if context.hooks.before_write:
-            context.hooks.before_write()
+        if context.events.before_write:
+            context.events.before_write()
         sources = context.sources
         pending: dict = {}
         results: list[ShardOutcome] = []
@@ -187,8 +187,8 @@ class RayExecutor(Executor):
                     if data["status"] == "error":
                         _raise(data)
                     for problem in data["nan"]:
-                        if context.hooks.on_scale_nan:
-                            context.hooks.on_scale_nan(problem)
+                        if context.events.on_scale_nan:
+                            context.events.on_scale_nan(problem)
                     outcome = Outcome(data["status"])
                     result = ShardOutcome(
                         shard.name,
@@ -198,8 +198,8 @@ class RayExecutor(Executor):
                         data["reason"],
                     )
                     commit(result, ledger)
-                    if context.hooks.on_bytes and outcome is Outcome.WRITTEN:
-                        context.hooks.on_bytes(shard.file_size)
+                    if context.events.on_bytes and outcome is Outcome.WRITTEN:
+                        context.events.on_bytes(shard.file_size)
                     results.append(result)
                     on_done(result)
         except BaseException:

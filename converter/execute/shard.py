@@ -105,8 +105,9 @@ class SourceFiles:
 
 
 @dataclass
-class Hooks:
-    """Callbacks for progress; all optional and called from worker threads."""
+class ShardEvents:
+    """What a run is told as its shards progress: callbacks, all optional, called from
+    worker threads."""
 
     on_bytes: Callable[[int], None] | None = None  # bytes written (or re-read to prove)
     on_scale_nan: Callable[[Problem], None] | None = None
@@ -116,13 +117,13 @@ class Hooks:
 @dataclass
 class ShardContext:
     """What every shard of one run is settled in: the source files, where shards go, the
-    stop signal, the progress hooks, and what proving a kept shard re-reads."""
+    stop signal, the progress events, and what proving a kept shard re-reads."""
 
     sources: SourceFiles
     out_dir: Path
     tmp_dir: Path
     stop: threading.Event = field(default_factory=threading.Event)
-    hooks: Hooks = field(default_factory=Hooks)
+    events: ShardEvents = field(default_factory=ShardEvents)
     check_scales: bool = False  # also non-expert U8 `*.weight_scale` (E8M0 experts: always)
     rehash: bool = False  # prove kept shards by re-hashing their data too
 
@@ -162,8 +163,8 @@ def why_not_kept(
 
 def write(shard: OutputShard, context: ShardContext, reason: str | None = None) -> ShardOutcome:
     """Write the shard (it was not kept: `reason` says why, None if it never existed)."""
-    if context.hooks.before_write:
-        context.hooks.before_write()
+    if context.events.before_write:
+        context.events.before_write()
     new = write_shard(shard, context)
     if new is None:
         return ShardOutcome(shard.name, Outcome.REJECTED, redo_reason=reason)
@@ -204,7 +205,7 @@ def prove(shard: OutputShard, record: ShardRecord, context: ShardContext) -> str
         ranges.append((t.name, offset, offset + t.nbytes))
         offset += t.nbytes
     try:
-        hashes, _ = crc32_of_ranges(path, ranges, context.stop, context.hooks.on_bytes)
+        hashes, _ = crc32_of_ranges(path, ranges, context.stop, context.events.on_bytes)
     except ShortRead:
         return "the file is truncated"
     return None if hashes == record.tensors else "its data differ from the recorded checksums"
@@ -223,7 +224,7 @@ class _Either(threading.Event):
 
 def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None:
     """Write one shard; None if its scales hold NaN (then it is neither kept nor recorded)."""
-    sources, hooks = context.sources, context.hooks
+    sources, events = context.sources, context.events
     tmp = context.tmp_dir / f"{shard.name}.partial"
     fd = fsio.create_fresh(tmp)  # never through a link planted in the state folder
     hashes: dict[str, Crc32] = {}
@@ -233,8 +234,8 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
         _reserve(fd, shard.file_size)
         write_all(fd, memoryview(shard.header))
         faults.fault_point("shard.header")
-        if hooks.on_bytes:
-            hooks.on_bytes(len(shard.header))
+        if events.on_bytes:
+            events.on_bytes(len(shard.header))
         feeds = []
         for tensor in shard.tensors:
             h = hashes[tensor.name] = Crc32()
@@ -255,7 +256,7 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
                         piece.length,
                         fd,
                         context.stop,
-                        hooks.on_bytes,
+                        events.on_bytes,
                         piece.file,
                     )
                     faults.fault_point("shard.piece")  # between the w3 and w1 halves of a w31
@@ -284,8 +285,8 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
         # Not marked done: a rerun must find the NaN scales again.
         tmp.unlink(missing_ok=True)
         for p in nan:
-            if hooks.on_scale_nan:
-                hooks.on_scale_nan(p)
+            if events.on_scale_nan:
+                events.on_scale_nan(p)
         return None
     # Nothing derived from a source file that changed under us may be marked done.
     try:

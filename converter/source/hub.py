@@ -219,12 +219,13 @@ class PartialCreated(logging.Filter):
 
 
 class DownloadBar:
-    """The progress hook `hf_hub_download` drives (its `tqdm_class`), reduced to what it calls.
+    """The progress bar `hf_hub_download` drives (its `tqdm_class`), reduced to what it calls.
 
     `on_open` runs when the bar is made: the temporary file exists by then and no byte has
     been written to it. `on_bytes` gets every increment (negative when the client rewinds a
     retry). Once `stop` is set the next increment raises, so the client ends the download
-    at its next chunk and removes its own temporary file. A class with no hooks is silent.
+    at its next chunk and removes its own temporary file. A class bound to no callbacks is
+    silent.
     """
 
     on_open: Callable[[], None] | None = None
@@ -247,12 +248,12 @@ class DownloadBar:
         stop: Callable[[], bool] | None = None,
     ) -> type[DownloadBar]:
         """A bar class for one download (huggingface_hub wants a class, not an object)."""
-        hooks = {
+        callbacks = {
             "on_open": staticmethod(on_open) if on_open else None,
             "on_bytes": staticmethod(on_bytes) if on_bytes else None,
             "stop": staticmethod(stop) if stop else None,
         }
-        return type("DownloadBar", (cls,), hooks)
+        return type("DownloadBar", (cls,), callbacks)
 
     def update(self, n: int | float | None = 1) -> None:
         if self.stop is not None and self.stop():
