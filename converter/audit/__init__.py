@@ -1,4 +1,5 @@
-"""`kimi-convert verify OUT`: prove a converted checkpoint complete, intact and correct.
+"""The audit behind `kimi-convert verify OUT`: prove a converted checkpoint complete, intact
+and correct.
 
 Levels; each includes the structure level, `--source` includes `--checksums` where the output
 has a checksums file, `--numerics` needs `--source`:
