@@ -217,3 +217,27 @@ def test_the_catalog_refuses_a_key_twice_a_bad_field_and_an_unknown_code():
         errors._parse_catalog("no-such-code-here: one\n")
     parsed = errors._parse_catalog(f"{good}: one\n    two\n  found: {{x}}\n    y\n")
     assert parsed == {Code(good): errors.Message("one two", found="{x} y")}
+
+
+def test_no_call_site_writes_message_text():
+    """Problems are built by `problem`/`fatal` only: a `Problem(code, "words")`, or the old
+    `fail`/`usage` with free text, would put the message back at the call site."""
+    written = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in _NOT_YET:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and _callee(node) in {"Problem", "fail", "usage"}:
+                written.append(f"{rel}:{node.lineno}")
+    assert written == []
+
+
+_NOT_YET = {
+    "converter/validate.py",
+    "converter/manifest.py",
+    "converter/contract.py",
+    "converter/pipeline.py",
+    "converter/outdir.py",
+    "converter/fsio.py",
+}
