@@ -524,10 +524,9 @@ no-space/device: no space left on the device (or file size limit reached)
 io-error: I/O error: {error}
 source-changed/copy: source file changed while it was being copied
 source-changed/read: source file {change}
-scale-nan/convert: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
+scale-nan/tensor: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
   expected: no 0xFF scale bytes
   found: {count}
-scale-nan/output: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
 scale-nan/numerics: {count} E8M0 scale byte(s) are 0xFF (NaN) in the {side}; first at byte {first}
     of the tensor
 window-too-small: --max-source-window is too small for this checkpoint's layout
@@ -685,19 +684,19 @@ file-not-from-source: file in the output that the conversion of this source woul
 # -- a prebuilt kernel bundle (adapter: kimi-convert prebuild --out, KIMI_W31_KERNELS)
 kernel-bundle-invalid/unreadable: no readable manifest ({error})
 kernel-bundle-invalid/not-manifest: not a kernel bundle manifest ({error})
-kernel-bundle-arch: the bundle was built for another {field}
+kernel-bundle-arch: the bundle was built for another GPU architecture
   expected: {running}
   found: {built}
-kernel-bundle-flashinfer: the bundle was built for another {field}
+kernel-bundle-flashinfer: the bundle was built for another FlashInfer version
   expected: {running}
   found: {built}
-kernel-bundle-cuda: the bundle was built for another {field}
+kernel-bundle-cuda: the bundle was built for another CUDA version
   expected: {running}
   found: {built}
-kernel-bundle-torch: the bundle was built for another {field}
+kernel-bundle-torch: the bundle was built for another torch version
   expected: {running}
   found: {built}
-kernel-bundle-python: the bundle was built for another {field}
+kernel-bundle-python: the bundle was built for another Python version
   expected: {running}
   found: {built}
 kernel-bundle-no-module: the bundle has no {variant} module (it has: {have}); build it with

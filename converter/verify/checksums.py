@@ -155,7 +155,7 @@ def _check_shard(out: Output, job: _Job, stop: threading.Event, advance) -> list
             problems.append(
                 problem(
                     Code.SCALE_NAN,
-                    rule="output",
+                    rule="tensor",
                     file=name,
                     tensor=tensor,
                     count=scan.count,
