@@ -712,6 +712,8 @@ kernel-bundle-library: the library is missing or not the one the manifest record
 
 
 def _parse_catalog(text: str) -> dict[Code, Message | dict[str, Message]]:
+    """{code: message} or {code: {rule: message}}; refuses an unknown code or field, and a
+    key given twice."""
     entries: dict[str, dict[str, str]] = {}
     entry: dict[str, str] = {}
     field_name = "what"
@@ -738,7 +740,8 @@ def _parse_catalog(text: str) -> dict[Code, Message | dict[str, Message]]:
         m = Message(**fields)
         if rule:
             variants = table.setdefault(Code(value), {})
-            assert isinstance(variants, dict), key  # a code has one message or rules, not both
+            if not isinstance(variants, dict):
+                raise ValueError(f"catalog: {key} has rules and a plain message")
             variants[rule] = m
         else:
             if Code(value) in table:

@@ -232,6 +232,8 @@ def test_the_catalog_refuses_a_key_twice_a_bad_field_and_an_unknown_code():
         errors._parse_catalog(f"{good}: one\n  wanted: x\n")
     with pytest.raises(ValueError):
         errors._parse_catalog("no-such-code-here: one\n")
+    with pytest.raises(ValueError):
+        errors._parse_catalog(f"{good}: one\n{good}/a-rule: two\n")
     parsed = errors._parse_catalog(f"{good}: one\n    two\n  found: {{x}}\n    y\n")
     assert parsed == {Code(good): errors.Message("one two", found="{x} y")}
 
