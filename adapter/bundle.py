@@ -156,7 +156,6 @@ def stack_problems(manifest: Manifest, running: Stack, where: str = MANIFEST) ->
         problem(
             _FIELD_CODE[name],
             file=where,
-            field=name,
             running=getattr(running, name),
             built=getattr(manifest.stack, name),
         )

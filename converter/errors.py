@@ -528,10 +528,9 @@ no-space/device: no space left on the device (or file size limit reached)
 io-error: I/O error: {error}
 source-changed/copy: source file changed while it was being copied
 source-changed/read: source file {change}
-scale-nan/convert: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
+scale-nan/tensor: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
   expected: no 0xFF scale bytes
   found: {count}
-scale-nan/output: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
 scale-nan/numerics: {count} E8M0 scale byte(s) are 0xFF (NaN) in the {side}; first at byte {first}
     of the tensor
 window-too-small: --max-source-window is too small for this checkpoint's layout
@@ -689,19 +688,19 @@ file-not-from-source: file in the output that the conversion of this source woul
 # -- a prebuilt kernel bundle (adapter: kimi-convert prebuild --out, KIMI_W31_KERNELS)
 kernel-bundle-invalid/unreadable: no readable manifest ({error})
 kernel-bundle-invalid/not-manifest: not a kernel bundle manifest ({error})
-kernel-bundle-arch: the bundle was built for another {field}
+kernel-bundle-arch: the bundle was built for another GPU architecture
   expected: {running}
   found: {built}
-kernel-bundle-flashinfer: the bundle was built for another {field}
+kernel-bundle-flashinfer: the bundle was built for another FlashInfer version
   expected: {running}
   found: {built}
-kernel-bundle-cuda: the bundle was built for another {field}
+kernel-bundle-cuda: the bundle was built for another CUDA version
   expected: {running}
   found: {built}
-kernel-bundle-torch: the bundle was built for another {field}
+kernel-bundle-torch: the bundle was built for another torch version
   expected: {running}
   found: {built}
-kernel-bundle-python: the bundle was built for another {field}
+kernel-bundle-python: the bundle was built for another Python version
   expected: {running}
   found: {built}
 kernel-bundle-no-module: the bundle has no {variant} module (it has: {have}); build it with
@@ -717,6 +716,8 @@ kernel-bundle-library: the library is missing or not the one the manifest record
 
 
 def _parse_catalog(text: str) -> dict[Code, Message | dict[str, Message]]:
+    """{code: message} or {code: {rule: message}}; refuses an unknown code or field, and a
+    key given twice."""
     entries: dict[str, dict[str, str]] = {}
     entry: dict[str, str] = {}
     field_name = "what"
@@ -743,7 +744,8 @@ def _parse_catalog(text: str) -> dict[Code, Message | dict[str, Message]]:
         m = Message(**fields)
         if rule:
             variants = table.setdefault(Code(value), {})
-            assert isinstance(variants, dict), key  # a code has one message or rules, not both
+            if not isinstance(variants, dict):
+                raise ValueError(f"catalog: {key} has rules and a plain message")
             variants[rule] = m
         else:
             if Code(value) in table:

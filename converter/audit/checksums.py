@@ -157,7 +157,7 @@ def _check_shard(out: Output, check: _FileCheck, stop: threading.Event, advance)
             problems.append(
                 problem(
                     Code.SCALE_NAN,
-                    rule="output",
+                    rule="tensor",
                     file=name,
                     tensor=tensor,
                     count=scan.count,

@@ -308,7 +308,7 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
 
 def _nan_problem(tensor: str, file: str, scan: ScaleScan) -> Problem:
     return problem(
-        Code.SCALE_NAN, rule="convert", file=file, tensor=tensor, count=scan.count, first=scan.first
+        Code.SCALE_NAN, rule="tensor", file=file, tensor=tensor, count=scan.count, first=scan.first
     )
 
 
