@@ -323,10 +323,17 @@ class OutputDir:
         """What a run of this plan does here (a run and `--dry-run` alike): the mode and the
         records of shards to prove before keeping them; refuses what it must refuse. The
         conversion of another source is replaced (with --force only), as a fresh run."""
+        mode, records, _ = self._decide(fingerprint, source, force)
+        return mode, records
+
+    def _decide(
+        self, fingerprint: str, source: SourceId, force: bool
+    ) -> tuple[Mode, dict[str, ShardRecord], Survey]:
+        """`resume_decision`, with the survey it was made from."""
         found = self.survey()
         mode, records = found.previous(fingerprint, source)
         self.check_usable(found, mode, force)
-        return (Mode.FRESH, records) if mode is Mode.OTHER_SOURCE else (mode, records)
+        return (Mode.FRESH if mode is Mode.OTHER_SOURCE else mode), records, found
 
     def check_usable(self, found: Survey, mode: Mode | None = None, force: bool = False) -> None:
         """Refuse, before anything is written (and in --dry-run alike), an output path this
@@ -392,9 +399,9 @@ class OutputDir:
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
         faults.fault_point("lock.acquired")
-        mode, records = self.resume_decision(fingerprint, source, force)
+        mode, records, found = self._decide(fingerprint, source, force)
         if mode is Mode.FRESH:
-            self._make_room(force)
+            self._make_room(force, found)  # what was just read, under the lock
         # One path for every mode: the ledger is rewritten (atomically) with the records just
         # read under the lock; a torn last line of an interrupted run is left behind with it.
         ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
@@ -404,12 +411,11 @@ class OutputDir:
         faults.fault_point("ledger.opened")
         return mode, ledger
 
-    def _make_room(self, force: bool) -> None:
+    def _make_room(self, force: bool, found: Survey) -> None:
         """A fresh run: the directory must be empty, or hold only files we recorded writing
         (removed with --force). The state folder of another plan is reset."""
         entries = self._entries()
         if entries:
-            found = self.survey()
             foreign = self._foreign(entries, found.ours())
             if not force:
                 hint = (
