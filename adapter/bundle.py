@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..converter.errors import Code, Problem
+from ..converter.errors import Code, Problem, problem
 
 FORMAT = "kimi-w31-kernels/1"
 MANIFEST = "manifest.json"
@@ -97,8 +97,10 @@ class Manifest:
         except BundleError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            what = f"not a kernel bundle manifest ({exc})"
-            raise BundleError([Problem(Code.KERNEL_BUNDLE_INVALID, what, where)]) from None
+            refused = problem(
+                Code.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc
+            )
+            raise BundleError([refused]) from None
 
     def module(self, variant: str) -> Module | None:
         return next((m for m in self.modules if m.variant == variant), None)
@@ -151,12 +153,11 @@ def current_stack(arch: str) -> Stack:
 def stack_problems(manifest: Manifest, running: Stack, where: str = MANIFEST) -> list[Problem]:
     """One problem per stack field that differs (each with its own code)."""
     return [
-        Problem(
+        problem(
             _FIELD_CODE[name],
-            f"the bundle was built for another {name}",
-            where,
-            expected=getattr(running, name),
-            found=getattr(manifest.stack, name),
+            file=where,
+            running=getattr(running, name),
+            built=getattr(manifest.stack, name),
         )
         for name in STACK_FIELDS
         if getattr(manifest.stack, name) != getattr(running, name)
@@ -181,8 +182,9 @@ def check(
     try:
         text = (root / MANIFEST).read_text()
     except OSError as exc:
+        error = exc.strerror
         raise BundleError(
-            [Problem(Code.KERNEL_BUNDLE_INVALID, f"no readable manifest ({exc.strerror})", where)]
+            [problem(Code.KERNEL_BUNDLE_INVALID, rule="unreadable", file=where, error=error)]
         ) from None
     manifest = Manifest.from_json(text, where)
     problems = stack_problems(manifest, running, where)
@@ -190,24 +192,18 @@ def check(
     if module is None:
         have = ", ".join(m.variant for m in manifest.modules) or "none"
         problems.append(
-            Problem(
-                Code.KERNEL_BUNDLE_NO_MODULE,
-                f"the bundle has no {variant} module (it has: {have}); build it with "
-                f"`kimi-convert prebuild --precision {variant}`",
-                where,
-            )
+            problem(Code.KERNEL_BUNDLE_NO_MODULE, file=where, variant=variant, have=have)
         )
     if problems or module is None:
         raise BundleError(problems)
     if source_hash is not None and module.source_hash != source_hash:
         problems.append(
-            Problem(
+            problem(
                 Code.KERNEL_BUNDLE_SOURCES,
-                f"{module.name} was built from other sources or flags than this FlashInfer and "
-                "plugin would compile",
-                where,
-                expected=source_hash[:16],
-                found=module.source_hash[:16],
+                file=where,
+                module=module.name,
+                want=source_hash[:16],
+                built=module.source_hash[:16],
             )
         )
     library = root / module.file
@@ -217,12 +213,11 @@ def check(
         digest = f"unreadable ({exc.strerror})"
     if digest != module.sha256:
         problems.append(
-            Problem(
+            problem(
                 Code.KERNEL_BUNDLE_LIBRARY,
-                "the library is missing or not the one the manifest records",
-                str(library),
-                expected=module.sha256[:16],
-                found=digest[:16],
+                file=library,
+                want=module.sha256[:16],
+                digest=digest[:16],
             )
         )
     if problems:

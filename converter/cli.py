@@ -18,7 +18,8 @@ from rich.table import Table
 
 from . import console
 from .console import err, human, out, parse_size, run_guarded
-from .errors import EXIT_OK, Code, fail
+from .contract import GROUP_SIZE
+from .errors import EXIT_OK, Code, fatal
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
@@ -201,17 +202,12 @@ def _origin_and_executor(
             if v
         ]
         if given:
-            raise fail(Code.USAGE, f"{', '.join(given)} only apply with --download")
+            raise fatal(Code.USAGE, rule="download-options", options=", ".join(given))
     if ray_address and executor != "ray":
-        raise fail(Code.USAGE, "--ray-address only applies with --executor ray")
+        raise fatal(Code.USAGE, rule="ray-address")
     if executor == "ray":
         if download:
-            raise fail(
-                Code.USAGE,
-                "--download and --executor ray do not combine: download "
-                "first (hf download ... --local-dir on shared storage), then convert on "
-                "Ray",
-            )
+            raise fatal(Code.USAGE, rule="download-with-ray")
         from .execute.ray import RayExecutor, import_ray
 
         import_ray()  # say so before anything else happens
@@ -534,12 +530,7 @@ def synth(
 
     def body() -> None:
         if output.exists() and (not output.is_dir() or any(output.iterdir())):
-            raise fail(
-                Code.OUTPUT_NOT_EMPTY,
-                "synth writes into an empty or new directory",
-                file=str(output.resolve()),
-                hint="choose another directory or remove this one first",
-            )
+            raise fatal(Code.OUTPUT_NOT_EMPTY, rule="synth", file=output.resolve())
         spec = cli_spec(
             layers=layers,
             dense_layers=dense_layers,
@@ -553,16 +544,10 @@ def synth(
             seed=seed,
         )
         kk, nn = spec.k, spec.n
-        if kk % 32 or nn % 32:
-            raise fail(
-                Code.USAGE,
-                "--k and --n must be multiples of 32 (the MXFP4 group size)",
-            )
+        if kk % GROUP_SIZE or nn % GROUP_SIZE:
+            raise fatal(Code.USAGE, rule="synth-group", group=GROUP_SIZE)
         if not spec.moe_layers():
-            raise fail(
-                Code.USAGE,
-                "no MoE layer: raise --layers or lower --dense-layers / --moe-every",
-            )
+            raise fatal(Code.USAGE, rule="synth-no-moe")
         started = time.perf_counter()
         info = synth_checkpoint(output, spec)
         err.print(

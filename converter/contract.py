@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from .errors import Code, Problem
+from .errors import Code, Problem, problem
 
 # -- the config block and the wrapper -----------------------------------------------------
 
@@ -152,20 +152,21 @@ def config_problems(cfg: Any, keys: Any, whole: bool = False) -> list[Problem]:
         if not whole:
             return []
         return [
-            Problem(
+            problem(
                 Code.CONFIG_FIELD,
-                "text_config must be an object (SGLang builds the text model from it)",
+                rule="text-config",
                 file=CONFIG_NAME,
-                found=type(inner).__name__,
+                kind=type(inner).__name__,
             )
         ]
     problems = [
-        Problem(
+        problem(
             Code.CONFIG_FIELD,
-            f"config field {key} at the top level of a {KIMI_K3_MODEL_TYPE} config: SGLang "
-            "takes it from text_config only and cannot load this config",
+            rule="top-level",
             file=CONFIG_NAME,
-            found=repr(cfg[key]),
+            key=key,
+            model_type=KIMI_K3_MODEL_TYPE,
+            value=cfg[key],
         )
         for key in KIMI_K3_PROPERTIES
         if whole and key in cfg and cfg.get("model_type") == KIMI_K3_MODEL_TYPE
@@ -180,14 +181,13 @@ def config_problems(cfg: Any, keys: Any, whole: bool = False) -> list[Problem]:
         for name in (key, alias):
             if name in cfg and name is not None and not _same(cfg[name], value):
                 problems.append(
-                    Problem(
+                    problem(
                         Code.CONFIG_CONFLICT,
-                        f"config field {name} at the top level disagrees with what SGLang's "
-                        f"Kimi-K3 model reads (text_config.{key}, or its default); it never "
-                        "reads the top-level copy",
+                        rule="top-level",
                         file=CONFIG_NAME,
-                        expected=repr(value),
-                        found=repr(cfg[name]),
+                        key=name,
+                        want=value,
+                        value=cfg[name],
                     )
                 )
     return problems
@@ -198,14 +198,15 @@ def _where(cfg: Mapping) -> str:
 
 
 def _conflict(first: str, second: str, inner: Mapping) -> Problem:
-    a, b = first.rsplit(".", 1)[-1], second.rsplit(".", 1)[-1]
-    return Problem(
+    a, b = first.rsplit(".", 1)[-1], second.rsplit(".", 1)[-1]  # as `inner` spells them
+    return problem(
         Code.CONFIG_CONFLICT,
-        f"config fields {first} and {second} give one value two ways (SGLang reads both, in "
-        "different places)",
+        rule="alias",
         file=CONFIG_NAME,
-        expected=f"{a} = {inner[a]!r}",
-        found=f"{b} = {inner[b]!r}",
+        first=first,
+        second=second,
+        first_value=inner[a],
+        second_value=inner[b],
     )
 
 
@@ -286,23 +287,12 @@ def _wrapper_problems(qc: Mapping) -> list[Problem]:
     base = qc.get("base")
     if not isinstance(base, Mapping) or not isinstance(base.get("quant_method"), str):
         return [
-            Problem(
-                Code.NOT_WRAPPED,
-                f"quantization_config with quant_method "
-                f"'{WRAPPER_METHOD}' must hold the original config under 'base' (an "
-                "object with a 'quant_method')",
-                file=CONFIG_NAME,
-                found=repr(base),
+            problem(
+                Code.NOT_WRAPPED, rule="no-base", file=CONFIG_NAME, method=WRAPPER_METHOD, base=base
             )
         ]
     if base["quant_method"] == WRAPPER_METHOD:
-        return [
-            Problem(
-                Code.NOT_WRAPPED,
-                f"quantization_config is wrapped twice in '{WRAPPER_METHOD}'",
-                file=CONFIG_NAME,
-            )
-        ]
+        return [problem(Code.NOT_WRAPPED, rule="twice", file=CONFIG_NAME, method=WRAPPER_METHOD)]
     return []
 
 
@@ -338,74 +328,59 @@ def check_block(cfg: Any) -> list[Problem]:
     """Every problem with the `kimi_w31` block and its agreement with the model config."""
     block = find_block(cfg)
 
-    def bad(code: Code, what: str, expected: Any = None, found: Any = None) -> Problem:
-        return Problem(code, what, file=CONFIG_NAME, expected=expected, found=found)
-
     if block is None:
-        return [
-            bad(
-                Code.BLOCK_MISSING, f"config has no '{BLOCK_KEY}' block: not a converted checkpoint"
-            )
-        ]
+        return [problem(Code.BLOCK_MISSING, file=CONFIG_NAME)]
     if not isinstance(block, Mapping):
-        return [
-            bad(
-                Code.BLOCK_FIELD,
-                f"'{BLOCK_KEY}' must be an object",
-                "an object",
-                type(block).__name__,
-            )
-        ]
+        kind = type(block).__name__
+        return [problem(Code.BLOCK_FIELD, rule="not-object", file=CONFIG_NAME, kind=kind)]
     problems = []
     version = block.get("format_version")
     if type(version) is not int or version not in FORMAT_VERSIONS:
         problems.append(
-            bad(
+            problem(
                 Code.BLOCK_FIELD,
-                f"{BLOCK_KEY}.format_version is not one this "
-                "tool knows (a newer converter wrote it: upgrade kimi-w31)",
-                " or ".join(map(str, FORMAT_VERSIONS)),
-                repr(version),
+                rule="format-version",
+                file=CONFIG_NAME,
+                known=" or ".join(map(str, FORMAT_VERSIONS)),
+                value=version,
             )
         )
     for key, want in FIXED_FIELDS.items():
         found = block.get(key)
         if found != want or type(found) is not type(want):
             problems.append(
-                bad(Code.BLOCK_FIELD, f"{BLOCK_KEY}.{key} is wrong", repr(want), repr(found))
+                problem(
+                    Code.BLOCK_FIELD,
+                    rule="value",
+                    file=CONFIG_NAME,
+                    key=key,
+                    want=want,
+                    value=found,
+                )
             )
     for key, config_key in SITU_CONFIG_KEYS.items():
         value = block.get(key)
         if not _is_number(value) or not math.isfinite(value) or value <= 0:
             problems.append(
-                bad(
-                    Code.BLOCK_FIELD,
-                    f"{BLOCK_KEY}.{key} is not a positive number",
-                    "a positive finite number",
-                    repr(value),
-                )
+                problem(Code.BLOCK_FIELD, rule="positive", file=CONFIG_NAME, key=key, value=value)
             )
             continue
         in_config = config_value(cfg, config_key)
         if not _is_number(in_config) or float(in_config) != float(value):
             problems.append(
-                bad(
+                problem(
                     Code.BLOCK_MISMATCH,
-                    f"{BLOCK_KEY}.{key} disagrees with the model config's {config_key}",
-                    repr(in_config),
-                    repr(value),
+                    rule="config",
+                    file=CONFIG_NAME,
+                    key=key,
+                    config_key=config_key,
+                    want=in_config,
+                    value=value,
                 )
             )
     act = config_value(cfg, "hidden_act")
     if act != FIXED_FIELDS["activation"]:
-        problems.append(
-            bad(
-                Code.BLOCK_MISMATCH,
-                f"{BLOCK_KEY}.activation is 'situ' but the model config's hidden_act is not",
-                "'situ'",
-                repr(act),
-            )
-        )
+        problems.append(problem(Code.BLOCK_MISMATCH, rule="activation", file=CONFIG_NAME, act=act))
     return problems
 
 
@@ -420,23 +395,18 @@ def check_wrapped(cfg: Any) -> list[Problem]:
         if not isinstance(qc, Mapping) or qc.get("quant_method") != WRAPPER_METHOD:
             found = qc.get("quant_method") if isinstance(qc, Mapping) else qc
             problems.append(
-                Problem(
+                problem(
                     Code.NOT_WRAPPED,
-                    "quantization_config is not wrapped: a "
-                    "loader without the adapter would not refuse it",
+                    rule="not-wrapped",
                     file=CONFIG_NAME,
-                    expected=repr(WRAPPER_METHOD),
-                    found=repr(found),
+                    method=WRAPPER_METHOD,
+                    value=found,
                 )
             )
         else:
             problems.extend(_wrapper_problems(qc))
     if not seen:
-        problems.append(
-            Problem(
-                Code.NO_QUANTIZATION_CONFIG, "config has no quantization_config", file=CONFIG_NAME
-            )
-        )
+        problems.append(problem(Code.NO_QUANTIZATION_CONFIG, rule="output", file=CONFIG_NAME))
     return problems
 
 
@@ -579,13 +549,24 @@ def layer_rule(cfg: Any, bound: int | None = None) -> tuple[LayerRule, list[Prob
     for key, minimum in MOE_RULE_FIELDS.items():
         value = config_value(cfg, key)
         if not is_config_int(value) or value < minimum:
+            shown = "missing or null" if value is None else repr(value)
             problems.append(
-                Problem(
+                problem(
                     Code.CONFIG_FIELD,
-                    f"config field {key} must be an integer >= {minimum}"
-                    + (" (without it SGLang builds no MoE layer)" if key == "num_experts" else ""),
+                    rule="num-experts",
                     file=CONFIG_NAME,
-                    found="missing or null" if value is None else repr(value),
+                    key=key,
+                    minimum=minimum,
+                    value=shown,
+                )
+                if key == "num_experts"
+                else problem(
+                    Code.CONFIG_FIELD,
+                    rule="integer",
+                    file=CONFIG_NAME,
+                    key=key,
+                    minimum=minimum,
+                    value=shown,
                 )
             )
         else:
@@ -614,12 +595,8 @@ def bound_problem(what: str, value: int, bound: int | None, found: str = "") -> 
     `bound` (the tensors the checkpoint holds), else None."""
     if bound is None or value <= bound:
         return None
-    return Problem(
-        Code.CONFIG_BOUND,
-        "config describes more routed experts than the checkpoint has tensors",
-        file=CONFIG_NAME,
-        expected=f"{what} <= {bound}",
-        found=found or str(value),
+    return problem(
+        Code.CONFIG_BOUND, file=CONFIG_NAME, field=what, bound=bound, value=found or value
     )
 
 

@@ -6,10 +6,16 @@ act on the reason without matching message text. `Fatal` carries one or more of 
 of deep code to the command line, which prints their causes (`CONSEQUENCES`: what follows
 from another reason is counted, not repeated) and exits with the code `EXIT_CODES` gives
 their reasons: raise sites never choose an exit code.
+
+Each reason's message lives beside it (`MESSAGES`, as the safetensors library keeps each
+error's message with its variant): a call site names the code and passes the facts,
+`problem(Code.HEADER_TOO_LARGE, file=name, length=n)`, and never writes message text. Where
+one code covers several situations, a `rule` fact picks the situation's message.
 """
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -169,6 +175,677 @@ class Problem:
         fields = {k: v for k, v in self.__dict__.items() if v is not None}
         fields["code"] = self.code.value
         return fields
+
+
+# -- messages: each reason's words, over the facts its call sites pass ----------------------
+@dataclass(frozen=True)
+class Message:
+    """Templates (`str.format` over named facts) for a problem's `what`, and for its
+    `expected`/`found`/`hint` where the code always words them the same way. A call site
+    passes `expected`/`found` itself only where the message has no template for them."""
+
+    what: str
+    expected: str | None = None
+    found: str | None = None
+    hint: str | None = None
+
+
+# Every reason's message, keyed by its code as `--json` shows it, and `code/rule` where one
+# code covers several situations. An entry is `key: what`, then `  expected:`, `  found:` and
+# `  hint:` lines where the code words them itself; a line indented four spaces continues the
+# one before. Templates are `str.format` over the facts a call site passes (`{{` is a brace).
+# Text rather than a dict of calls: one line per thing said, read like the catalog it is.
+_CATALOG = """
+# -- what the user asked for
+usage/ray-address: --ray-address only applies with --executor ray
+usage/download-options: {options} only apply with --download
+usage/download-with-ray: --download and --executor ray do not combine: download first (hf download
+    ... --local-dir on shared storage), then convert on Ray
+usage/synth-group: --k and --n must be multiples of {group} (the MXFP4 group size)
+usage/synth-no-moe: no MoE layer: raise --layers or lower --dense-layers / --moe-every
+usage/ray-missing: --executor ray needs Ray, an optional dependency: pip install ray (or install
+    kimi-w31 with its 'ray' extra) on the driver and on every node of the cluster
+usage/ray-version: kimi-w31 on this node differs from the driver's
+  expected: {driver}
+  found: {node}
+usage/hub-repo-id: --download needs a Hugging Face repo id (org/name)
+usage/revision-local: --revision {revision!r} applies to a Hugging Face repo id, not to a local
+    directory
+usage/max-shard-size: --max-shard-size must be positive
+  found: {size}
+usage/numerics-source: --numerics needs --source SRC: it computes each expert from the source and
+    from the output
+usage/sample: the number of experts to sample must be at least 1 (or all)
+  found: {sample}
+usage/workers: workers must be at least 1
+  found: {workers}
+usage/numerics-options: {options} only apply with --numerics
+usage/experts-with-all: --experts and --all do not combine: sample N experts, or check all
+usage/source-is-output: --source is the output directory itself
+manifest-not-found/name: unknown manifest {name!r}
+  expected: {known} or a path to a .json file
+  found: {name}
+manifest-not-found/file: manifest file not found
+manifest-invalid/not-json: manifest is malformed: not valid JSON ({error})
+manifest-invalid/not-object: manifest is malformed: not a JSON object
+manifest-invalid/no-key: manifest is malformed: it has no '{key}' ({meaning})
+manifest-invalid/dims: manifest is malformed: 'dims' must map symbols to config field names
+manifest-invalid/dims-missing: manifest is malformed: 'dims' does not name the config field of
+    {symbols}
+manifest-invalid/situ: manifest is malformed: 'situ' must give numbers 'beta' and 'linear_beta'
+manifest-invalid/group-size: manifest is malformed: 'group_size' must be {group} (MXFP4)
+manifest-invalid/pinned: manifest is malformed: 'pinned' must map config fields to values
+manifest-invalid/section-keys: manifest is malformed: '{section}' must have exactly {want}
+manifest-invalid/entry: manifest is malformed: '{section}.{key}' must be {{"dtype": str, "shape":
+    [formula, ...]}} with formulas like N, 2*N, K/32 over the symbols in 'dims'
+manifest-invalid/name: manifest is malformed: 'name' must be a string
+manifest-invalid/shape: manifest is malformed: {section}.{key}: {why}
+manifest-invalid/inventory: manifest is malformed: 'inventory' must be {{"dtypes": [str], "aliases":
+    {{str: str}}, "layer_prefix": str with {{L}}, "vision_block_prefix": str with {{B}},
+    "vision_blocks": [field, default], "groups": [{{"place": one of {places}, "names": [str],
+    optional "when"/"unless": config field}}]}}
+
+# -- finding and reading the source
+source-not-found/spec: source not found: expected a directory with model.safetensors.index.json or
+    model.safetensors, or a Hugging Face repo id (org/name) in the local cache
+source-not-found/not-directory: source is not a directory
+source-not-in-cache: {where!r} is not a local directory and is not in the local Hugging Face cache
+  hint: download it first (`hf download {command}`), stream it with --download, or pass a directory
+output-inside-source: output directory is the source or inside it
+  expected: a directory outside the source
+  found: {source}
+file-missing/file: file is missing
+file-missing/no-weights: no model.safetensors.index.json and no *.safetensors file in the source
+    directory
+file-missing/hub-config: the repository has no config.json
+file-missing/hub-weights: the repository has no model.safetensors.index.json or model.safetensors
+file-missing/recorded: file recorded by the conversion is missing
+file-missing/from-source: file of the source is missing from the output (or not a regular file)
+file-missing/served: source: no index and no *.safetensors file
+file-unreadable/read: cannot read ({error})
+file-unreadable/served: source: cannot read ({error})
+file-unreadable/list: cannot list ({error})
+json-invalid/not-json: not valid JSON ({error})
+json-invalid/config-not-object: config.json is not a JSON object
+not-a-regular-file/file: not a regular file
+  expected: a regular file
+  found: {kind}
+not-a-regular-file/shard: shard is not a regular file
+  expected: a regular file (a shard may be a symlink to one, e.g. on another disk)
+  found: {kind}
+not-a-regular-file/publish: not a regular file: it cannot be copied into the output
+  expected: a regular file
+  found: {kind}
+not-a-regular-file/output: not a regular file (a converted checkpoint holds only regular files)
+  found: {kind}
+not-a-regular-file/served: source: not a regular file
+link-escapes/output: output path leads outside the output directory (a symlink?)
+link-escapes/publish-inside: file is a symlink into a hidden or unpublished path of the source: it
+    would publish a file that is not published directly
+  expected: a regular file, or a link to one of the source's own published files
+  found: {kind}
+link-escapes/publish-outside: file is a symlink outside the source: it would publish a file that is
+    not published directly
+  expected: a regular file, or a link to one of the source's own published files
+  found: {kind}
+hub-error/request: {action} failed: {error}
+  hint: rerun the same command once the cause is fixed: finished output shards and fully downloaded
+    source shards are kept
+hub-error/no-commit: the Hub did not report a commit for this revision
+hub-error/no-size: the Hub did not report size and content id for a file
+hub-error/short-range: the server returned a short range for the header
+hub-gated: the repository is gated: accept its terms on the Hub and log in (hf auth login)
+hub-not-found: repository not found (or private: log in with hf auth login or set HF_TOKEN)
+hub-revision: revision not found in the repository
+  expected: a branch, tag or commit
+  found: {revision}
+  hint: check --revision (without it: the default branch, main)
+
+# -- the index
+index-invalid/no-weight-map: index has no weight_map object
+index-invalid/served: source: index without a readable weight_map
+weight-map-entry-unsafe: weight_map entry {why}
+  found: {shard!r}
+shard-missing/local: shard named in the index is missing
+shard-missing/hub: shard named in the index is missing from the repository
+shard-missing/served: source: index names a shard that is not there
+shard-missing/dangling: shard named in the index is a symlink to nothing
+  expected: a regular file (a shard may be a symlink to one, e.g. on another disk)
+  found: {kind}
+index-tensor-not-in-shard: index names a tensor its shard does not hold
+index-tensor-missing: tensor is missing from {index}
+index-wrong-shard: tensor is in a different shard than the index says
+  expected: {owner}
+  found: {file}
+index-total-size: metadata.total_size is not the sum of the tensors' bytes
+  expected: {data}
+  found: {total!r}
+shard-unreferenced: safetensors file the index does not reference
+shard-not-loaded/index: index names {count} shard(s) that loaders never open: they load only
+    top-level *.safetensors files, so these tensors would not be served
+  expected: top-level file names (move the shards, or links to them, to the top)
+  found: {shards}
+shard-not-loaded/served: source: index names a shard loaders never open
+tensor-in-two-shards: tensor is in two shards and there is no index to say which one serves
+  expected: only in {first}
+
+# -- safetensors headers (one per rule, as the library's own reader)
+header-too-small: file too small for a safetensors header
+  expected: at least 8 bytes
+  found: {size} bytes
+header-length-zero: header length is 0
+header-too-large: header length exceeds the 100 MB limit
+  expected: <= {limit}
+  found: {length}
+header-beyond-file: header length is larger than the file
+  expected: <= {room}
+  found: {length}
+header-not-utf8: header is not UTF-8 ({error})
+header-not-json/not-object: header is not a JSON object
+header-not-json/syntax: header is not valid JSON ({error})
+header-not-json/surrogate: header has a string with a lone UTF-16 surrogate escape (not valid
+    Unicode)
+  found: {text}
+header-duplicate-key: header has duplicate key {key!r}
+header-metadata: __metadata__ must map strings to strings
+header-entry: entry must have exactly dtype, shape and data_offsets
+header-dtype: unknown dtype
+  expected: a safetensors dtype
+  found: {dtype!r}
+header-shape: shape must be a list of non-negative integers
+  found: {shape!r}
+header-offsets/two-integers: data_offsets must be two integers
+  found: {offsets!r}
+header-offsets/order: data_offsets out of order or negative
+  found: {offsets!r}
+header-size-mismatch: byte size disagrees with dtype and shape
+  expected: {want} bytes for {dtype}{shape}
+  found: {size} bytes
+header-overlap: data_offsets overlaps the previous tensor
+  expected: start at {want}
+  found: {begin}
+header-gap: data_offsets leaves a gap
+  expected: start at {want}
+  found: {begin}
+file-truncated/header: file is truncated
+  expected: {want} bytes
+  found: {size} bytes
+file-truncated/read: file ended while it was being read (changed during verify?)
+  found: ended at byte {offset}
+file-trailing-bytes: file has trailing bytes
+  expected: {want} bytes
+  found: {size} bytes
+header-overflow/elements: element count overflows a usize (2^64 - 1)
+  found: {dtype}{shape}
+header-overflow/bits: size in bits overflows a usize (2^64 - 1)
+  found: {dtype}{shape}
+header-sub-byte: {count} elements of {dtype} do not fill whole bytes
+  found: {dtype}{shape}
+header-library-refuses/open: the safetensors library cannot open this file ({error})
+header-library-refuses/reads-differently: the safetensors library reads this tensor differently from
+    the strict reader
+  expected: {ours!r}
+  found: {theirs!r}
+header-library-refuses/tensor: the safetensors library cannot read the {side}'s tensor ({error})
+
+# -- the config
+no-quantization-config/source: config has no quantization_config: this is not an MXFP4 checkpoint
+no-quantization-config/output: config has no quantization_config
+already-marked: config already carries the kimi_w31 markers: this checkpoint is converted already,
+    or tampered with
+  expected: no kimi_w31 block or wrapper
+  found: {marks}
+config-field/text-config: text_config must be an object (SGLang builds the text model from it)
+  found: {kind}
+config-field/top-level: config field {key} at the top level of a {model_type} config: SGLang takes
+    it from text_config only and cannot load this config
+  found: {value!r}
+config-field/integer: config field {key} must be an integer >= {minimum}
+  found: {value}
+config-field/num-experts: config field {key} must be an integer >= {minimum} (without it SGLang
+    builds no MoE layer)
+  found: {value}
+config-field/positive: config field {key} is missing or not a positive integer
+  found: {value}
+config-field/group: {key} is not a multiple of the MXFP4 group size {group}
+  found: {value}
+pinned-mismatch: config field {key} does not match manifest {manifest}
+  expected: {want!r}
+  found: {value!r}
+situ-mismatch/hidden-act: config's hidden_act is not 'situ': the converted block would announce an
+    activation the model does not use
+  expected: 'situ'
+  found: {act!r}
+situ-mismatch/not-numeric: config has no numeric {key}
+  expected: {want!r}
+  found: {value!r}
+situ-mismatch/value: {key} does not match manifest {manifest}
+  expected: {want!r}
+  found: {value!r}
+config-conflict/alias: config fields {first} and {second} give one value two ways (SGLang reads
+    both, in different places)
+  expected: {first} = {first_value!r}
+  found: {second} = {second_value!r}
+config-conflict/top-level: config field {key} at the top level disagrees with what SGLang's Kimi-K3
+    model reads (text_config.{key}, or its default); it never reads the top-level copy
+  expected: {want!r}
+  found: {value!r}
+config-bound: config describes more routed experts than the checkpoint has tensors
+  expected: {field} <= {bound}
+  found: {value}
+
+# -- routed experts and MoE layers
+expert-name/source: tensor under an 'experts' component that is not a routed-expert tensor of the
+    contract's grammar
+  expected: {grammar}
+  found: {tail!r}
+expert-name/output: tensor under an 'experts' component is not a routed-expert tensor of the
+    contract's grammar
+  expected: experts.<id>.<w31|w2>.<weight_packed|weight_scale>
+expert-id-range/expert: expert id out of range
+  expected: < {experts}
+  found: {expert}
+expert-id-range/layer: expert ids beyond the config's num_experts
+  expected: ids 0..{last}
+  found: ids {ids}
+expert-tensor-unexpected/source: {why}
+  expected: {allowed}
+  found: {key}
+expert-tensor-unexpected/output: w1/w3 expert tensor left in a converted checkpoint (it must be
+    fused into w31)
+expert-dtype: wrong dtype
+  expected: {want}
+  found: {dtype}
+expert-shape: wrong shape
+  expected: {want}
+  found: {shape}
+expert-partner-missing/expert: expert tensor is missing (its partners exist)
+expert-partner-missing/plan: w1/w3 half without its partner
+expert-partner-missing/source-half: the source lacks a half of this w31 (w3 = up, w1 = gate)
+  expected: both halves in the source
+  found: {missing}
+expert-outside-layer: routed experts outside a 'layers.<i>.' component: no layer would load them
+layer-missing: {count} MoE layer(s) have no routed experts at all
+  expected: experts in MoE layers {layers}
+  found: none in layers {missing}
+layer-incomplete: MoE layer is missing {count} of {experts} experts
+  expected: ids 0..{last}
+  found: missing {missing}
+layer-unexpected: layer {layer} is not a MoE layer under the config's rule (num_hidden_layers,
+    first_k_dense_replace, moe_layer_freq) but has routed experts
+layer-duplicated: layer {layer} has routed experts under two prefixes
+  expected: only {prefix}experts.*
+no-experts/source: no routed-expert tensors found: not a Kimi-K3 MXFP4 checkpoint
+  expected: experts.<id>.<w1|w2|w3>.<weight_packed|weight_scale> tensors in every MoE layer
+no-experts/output: no routed-expert tensors under the contract's grammar: not a converted Kimi-K3
+    MXFP4 checkpoint
+  expected: experts.<id>.<w31|w2>.<weight_packed|weight_scale> in every MoE layer
+inventory-missing: tensor the model loads is missing{where}
+  expected: present (manifest {manifest})
+inventory-dtype: {place} tensor is not stored unquantized: the model loads it with an unquantized
+    method
+  expected: {dtypes}
+  found: {dtype}
+
+# -- the output directory and the run
+output-not-directory/exists: output path exists and is not a directory
+output-not-directory/folder: a folder of the output path is not a directory
+  expected: a directory
+  found: {kind}
+output-not-directory/absent: output path does not exist
+output-not-directory/not-directory: output path is not a directory
+output-not-empty/convert: output directory is not empty and is not a resumable run of this
+    conversion
+output-not-empty/convert-owned: output directory is not empty and is not a resumable run of this
+    conversion: it holds the conversion of {owner}
+output-not-empty/synth: synth writes into an empty or new directory
+  hint: choose another directory or remove this one first
+foreign-output/force: --force only removes files kimi-convert's own records (its ledger, journal or
+    checksums file in this directory) say it wrote, unchanged since; these are not: {files}
+  hint: move them out or choose another output directory; nothing was deleted
+foreign-output/finalize: file in the output directory that this conversion did not write; the output
+    is not finalized while it is there
+output-locked/take: could not take the output lock
+output-locked/busy: another conversion is writing this output directory ({who}); wait for it, or
+    remove {lock} if you are sure it is gone
+state-lost: the state folder {state} was removed or replaced during the run: there is no longer a
+    record of what this run wrote
+  expected: the state folder this run made
+  found: {kind}
+  hint: find what removed it, then rerun: files kimi-convert cannot prove it wrote are never deleted
+    (choose an empty directory if it refuses)
+no-space/output: not enough free space for the output
+  expected: {need} bytes free
+  found: {free} bytes free
+  hint: free space or choose another output directory; --dry-run shows the size
+no-space/downloads: not enough free space for the downloads and the output
+  expected: {need} bytes free
+  found: {free} bytes free
+  hint: pass --delete-source-shards and a smaller --max-source-window, or free space; --dry-run
+    shows the peak
+no-space/device: no space left on the device (or file size limit reached)
+  found: {error}
+io-error: I/O error: {error}
+source-changed/copy: source file changed while it was being copied
+source-changed/read: source file {change}
+scale-nan/tensor: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
+  expected: no 0xFF scale bytes
+  found: {count}
+scale-nan/numerics: {count} E8M0 scale byte(s) are 0xFF (NaN) in the {side}; first at byte {first}
+    of the tensor
+window-too-small: --max-source-window is too small for this checkpoint's layout
+  expected: at least {need}
+  found: {window}
+  hint: rerun with --max-source-window {need}: downloaded in the order the output needs them, that
+    many source shards must be present at once (--dry-run shows it before any download)
+output-header-too-large: planned shard header exceeds the safetensors limit
+  expected: <= {limit}
+  found: {length}
+state-folder-invalid/state: the state folder {state}/ is not a directory kimi-convert made
+  expected: a directory, or nothing
+  found: {kind}
+  hint: move or remove {file} yourself (it is not this tool's to delete), then rerun; nothing was
+    changed
+state-folder-invalid/lock: the lock file is not a regular file kimi-convert made
+  expected: a regular file, or nothing
+  found: {kind}
+  hint: remove {file} yourself if no conversion is running; nothing was changed
+permission-denied/folder: no permission to write here
+  expected: a directory this user may write in
+  hint: make it writable for this user, or choose another output directory
+permission-denied/write: no permission: {error}
+output-of-another-source: output directory holds the conversion of another source: {owner}
+  hint: a rerun continues only the conversion of the same source; pass --force to replace it (only
+    files kimi-convert recorded writing are removed), or choose another directory
+file-name-invalid: file name {why}: the output could not be published or verified with it
+  expected: a plain name (UTF-8, no control characters or backslashes)
+  found: {file!r}
+
+# -- a converted checkpoint (verify, serve)
+incomplete-output/no-index: no index: the conversion is incomplete (the index is written last) or
+    this is not a converted checkpoint
+  expected: a complete conversion
+  found: no index
+incomplete-output/running: no index: the conversion is incomplete (the index is written last) or
+    this is not a converted checkpoint
+  expected: a complete conversion
+  found: a conversion in progress or interrupted ({state}/ is there): rerun kimi-convert to finish
+    it
+block-missing: config has no 'kimi_w31' block: not a converted checkpoint
+block-field/not-object: 'kimi_w31' must be an object
+  expected: an object
+  found: {kind}
+block-field/format-version: kimi_w31.format_version is not one this tool knows (a newer converter
+    wrote it: upgrade kimi-w31)
+  expected: {known}
+  found: {value!r}
+block-field/value: kimi_w31.{key} is wrong
+  expected: {want!r}
+  found: {value!r}
+block-field/positive: kimi_w31.{key} is not a positive number
+  expected: a positive finite number
+  found: {value!r}
+block-field/source-files: kimi_w31.source.files is not an object
+block-mismatch/activation: kimi_w31.activation is 'situ' but the model config's hidden_act is not
+  expected: 'situ'
+  found: {act!r}
+block-mismatch/config: kimi_w31.{key} disagrees with the model config's {config_key}
+  expected: {want!r}
+  found: {value!r}
+block-mismatch/manifest: kimi_w31.{key} disagrees with manifest {manifest}
+  expected: {want!r}
+  found: {value!r}
+block-mismatch/dims: kimi_w31.dims do not match the dimensions of the source config
+  expected: {want}
+  found: {value}
+block-mismatch/manifest-hash: kimi_w31.manifest_sha256 is not the hash of manifest {manifest} (pass
+    --manifest with the one the conversion used)
+  expected: {want}
+  found: {value}
+not-wrapped/no-base: quantization_config with quant_method '{method}' must hold the original config
+    under 'base' (an object with a 'quant_method')
+  found: {base!r}
+not-wrapped/twice: quantization_config is wrapped twice in '{method}'
+not-wrapped/not-wrapped: quantization_config is not wrapped: a loader without the adapter would not
+    refuse it
+  expected: {method!r}
+  found: {value!r}
+checksums-invalid/missing: the checksums file is missing: the output cannot be proven intact without
+    the source
+checksums-invalid/not-file: the checksums file is not a regular file
+checksums-invalid/not-json: the checksums file is not readable JSON ({error})
+checksums-invalid/not-object: the checksums file is not a JSON object
+checksums-invalid/format: unknown checksums file format
+  found: {value!r}
+checksums-invalid/algorithm: unknown tensor checksum algorithm
+  found: {value!r}
+checksums-invalid/no-files: the checksums file has no 'files' object
+checksums-invalid/name: recorded file name {why}; it is not opened
+  found: {name!r}
+checksums-invalid/record: malformed record
+  found: {record}
+checksums-invalid/no-shard-record: shard has no checksum record
+checksums-invalid/no-tensor-record: tensor has no recorded checksum
+checksums-invalid/tensor-not-in-shard: recorded tensor is not in the shard
+file-size-mismatch/file: file size differs from the conversion record
+  expected: {want}
+  found: {size}
+file-size-mismatch/shard: shard size differs from the conversion record
+  expected: {want}
+  found: {size}
+header-hash-mismatch: shard header differs from the conversion record (sha256)
+checksum-mismatch/file: file differs from the conversion record (sha256)
+checksum-mismatch/tensor: tensor bytes differ from the conversion record (CRC-32): corrupt
+  expected: {want}
+  found: {crc}
+file-unrecorded: file in the output that the checksums file does not record: the conversion did not
+    write it
+tensor-not-from-source: tensor has no counterpart in the source
+tensor-missing: tensor the source requires is not in the output
+bytes-differ/tensor: tensor bytes differ from the source
+  found: first difference at byte {pos}
+bytes-differ/file: file differs from the source
+  found: first difference at byte {pos}
+bytes-differ/file-size: file differs from the source (size)
+  expected: {want}
+  found: {size}
+w31-not-up-gate: w31 is not concat([w3, w1]) of the source ([up; gate])
+  expected: w3 bytes then w1 bytes
+  found: first difference at byte {pos}, in the {half} half
+config-differs/beyond-block: config.json differs from the source config beyond the kimi_w31 block
+    and the wrapped quantization_config
+  found: differs at {keys}
+config-differs/unwrap: the quantization_config wrapper cannot be undone ({error})
+source-changed-since/shard: source shard is not the one the output was converted from (the source
+    changed since, or this is another source): not output corruption
+  expected: {then}
+  found: {now}
+source-changed-since/tensor: tensor differs from the source, whose shard changed since the
+    conversion
+  found: first difference at byte {pos}
+numerics-differ: the converted expert computes a different function than the source expert
+  expected: relative max error <= {rtol:g}
+  found: {rel_error:.3g} (cosine {cosine:.6f})
+numerics-unavailable/no-expert: no expert is complete in both the output and the source (see the
+    checks above)
+numerics-unavailable/fc1-order: kimi_w31.fc1_order does not name 'up' and 'gate' once each
+  found: {order!r}
+numerics-unavailable/situ: the {side} side has no numeric {key}
+  found: {value!r}
+numerics-unavailable/expert: cannot compute this expert ({error})
+numerics-self-test: the MXFP4/SiTU reference fails a known answer: {case}
+tensor-dtype-differs: dtype differs from the source
+  expected: {want}
+  found: {dtype}
+tensor-shape-differs/source-halves: the source's w3 and w1 shapes differ: no w31 can be formed
+  expected: {want}
+  found: {shape}
+tensor-shape-differs/shape: shape differs from the source
+  expected: {want}
+  found: {shape}
+file-not-from-source: file in the output that the conversion of this source would not write
+
+# -- a prebuilt kernel bundle (adapter: kimi-convert prebuild --out, KIMI_W31_KERNELS)
+kernel-bundle-invalid/unreadable: no readable manifest ({error})
+kernel-bundle-invalid/not-manifest: not a kernel bundle manifest ({error})
+kernel-bundle-arch: the bundle was built for another GPU architecture
+  expected: {running}
+  found: {built}
+kernel-bundle-flashinfer: the bundle was built for another FlashInfer version
+  expected: {running}
+  found: {built}
+kernel-bundle-cuda: the bundle was built for another CUDA version
+  expected: {running}
+  found: {built}
+kernel-bundle-torch: the bundle was built for another torch version
+  expected: {running}
+  found: {built}
+kernel-bundle-python: the bundle was built for another Python version
+  expected: {running}
+  found: {built}
+kernel-bundle-no-module: the bundle has no {variant} module (it has: {have}); build it with
+    `kimi-convert prebuild --precision {variant}`
+kernel-bundle-sources: {module} was built from other sources or flags than this FlashInfer and
+    plugin would compile
+  expected: {want}
+  found: {built}
+kernel-bundle-library: the library is missing or not the one the manifest records
+  expected: {want}
+  found: {digest}
+"""
+
+
+def _parse_catalog(text: str) -> dict[Code, Message | dict[str, Message]]:
+    """{code: message} or {code: {rule: message}}; refuses an unknown code or field, and a
+    key given twice."""
+    entries: dict[str, dict[str, str]] = {}
+    entry: dict[str, str] = {}
+    field_name = "what"
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        if line.startswith("    "):  # continues the field before
+            entry[field_name] += " " + line.strip()
+            continue
+        head, _, rest = line.strip().partition(": ")
+        if line.startswith("  "):
+            field_name = head
+            if field_name not in ("expected", "found", "hint") or field_name in entry:
+                raise ValueError(f"catalog: bad line {line!r}")
+        else:
+            if head in entries:
+                raise ValueError(f"catalog: {head} twice")
+            entry = entries[head] = {}
+            field_name = "what"
+        entry[field_name] = rest
+    table: dict[Code, Message | dict[str, Message]] = {}
+    for key, fields in entries.items():
+        value, _, rule = key.partition("/")
+        m = Message(**fields)
+        if rule:
+            variants = table.setdefault(Code(value), {})
+            if not isinstance(variants, dict):
+                raise ValueError(f"catalog: {key} has rules and a plain message")
+            variants[rule] = m
+        else:
+            if Code(value) in table:
+                raise ValueError(f"catalog: {key} has rules and a plain message")
+            table[Code(value)] = m
+    return table
+
+
+MESSAGES = _parse_catalog(_CATALOG)
+
+# The fields of a Problem: a template may name them, and they are never facts to check.
+WHERE = frozenset({"file", "tensor", "expected", "found"})
+
+
+def message(code: Code, rule: str | None = None) -> Message:
+    """The message of `code` (in the situation `rule`, where the code has several)."""
+    entry = MESSAGES[code]
+    if isinstance(entry, Message):
+        if rule is not None:
+            raise KeyError(f"{code.value} has one message: no rule {rule!r}")
+        return entry
+    if rule not in entry:
+        raise KeyError(f"{code.value}: rule {rule!r} is not one of {sorted(entry)}")
+    return entry[rule]
+
+
+def rules(code: Code) -> list[str | None]:
+    """The situations `code` has messages for ([None]: one message)."""
+    entry = MESSAGES[code]
+    return [None] if isinstance(entry, Message) else list(entry)
+
+
+def _names(template: str | None) -> set[str]:
+    if template is None:
+        return set()
+    return {
+        name.split(".")[0].split("[")[0]
+        for _, name, _, _ in string.Formatter().parse(template)
+        if name
+    }
+
+
+def facts_of(code: Code, rule: str | None = None) -> frozenset[str]:
+    """The facts a call site must pass for this message (beyond file/tensor)."""
+    m = message(code, rule)
+    names = set().union(*(_names(t) for t in (m.what, m.expected, m.found, m.hint)))
+    return frozenset(names - {"file", "tensor"})
+
+
+class _Facts(dict):
+    # A fact a call site failed to pass shows as its name rather than losing the problem
+    # to a KeyError on the error path; tests/test_messages.py holds every call site to the
+    # facts its message names.
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+def _render(template: str | None, facts: _Facts) -> str | None:
+    return None if template is None else template.format_map(facts)
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def problem(
+    code: Code,
+    *,
+    rule: str | None = None,
+    file: object = None,
+    tensor: str | None = None,
+    expected: object = None,
+    found: object = None,
+    **facts: object,
+) -> Problem:
+    """The Problem for `code` with these facts: its words come from the code's message.
+    `expected`/`found` given here are facts of their own, for a message without templates
+    for them."""
+    m = message(code, rule)
+    values = _Facts(facts, file=_text(file), tensor=tensor)
+    values.update(expected=_text(expected), found=_text(found))
+    return Problem(
+        code,
+        _render(m.what, values) or "",
+        file=_text(file),
+        tensor=tensor,
+        expected=_render(m.expected, values) if m.expected is not None else _text(expected),
+        found=_render(m.found, values) if m.found is not None else _text(found),
+    )
+
+
+def fatal(code: Code, *, hint: str | None = None, **facts: object) -> Fatal:
+    """A single-problem error for `code` with these facts; its hint is the message's unless
+    the call site has one only it can word (what a rerun would keep, say)."""
+    p = problem(code, **facts)
+    m = message(code, facts.get("rule"))  # type: ignore[arg-type]
+    if hint is None and m.hint is not None:
+        values = _Facts(facts, file=p.file, tensor=p.tensor)
+        hint = m.hint.format_map(values)
+    return Fatal([p], hint=hint)
 
 
 # -- exit codes: they belong to the reason, never to the place that raises it -------------

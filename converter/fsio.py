@@ -98,6 +98,15 @@ def read_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bytes:
         return fh.read()
 
 
+def read_if_regular(path: str | os.PathLike[str]) -> bytes | None:
+    """The content of a record file of ours, or None when it is missing, is not a regular
+    file, or is a link (never followed): a record that cannot be read is no record."""
+    try:
+        return read_regular(path, follow=False)
+    except OSError:
+        return None
+
+
 def is_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bool:
     """Whether the path is a regular file (never opens it)."""
     try:
@@ -123,6 +132,22 @@ def remove(path: str | os.PathLike[str]) -> None:
         shutil.rmtree(path)
     else:
         os.unlink(path)
+
+
+def make_dirs(path: Path) -> list[Path]:
+    """mkdir -p where nothing is there (links not followed: what stands is left as it is),
+    0755 whatever the umask (others must read it). Returns the folders made, outermost first."""
+    made = []
+    for p in reversed((path, *path.parents)):
+        if os.path.lexists(p):
+            continue
+        try:
+            os.mkdir(p, 0o755)
+        except FileExistsError:  # made meanwhile by someone else: not ours
+            continue
+        os.chmod(p, 0o755)
+        made.append(p)
+    return made
 
 
 def nearest_existing(path: Path) -> Path:
@@ -157,3 +182,24 @@ def create_fresh(path: str | os.PathLike[str], mode: int = 0o644) -> int:
     create is exclusive and does not follow links, so no write can land elsewhere."""
     remove(path)
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+
+
+def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
+    """Replace `path` with `data`, fsynced first: a reader sees the old file or the new one,
+    never a torn one (the temporary is made in `tmp_dir`, see `create_fresh`)."""
+    tmp = tmp_dir / (path.name + ".partial")
+    with os.fdopen(create_fresh(tmp), "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the directory's entries (a rename, an unlink) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -109,18 +109,18 @@ Range = tuple[int, int, int, str]  # (fd, offset, length, file name for messages
 
 
 def hash_ranges(
-    jobs: list[tuple[tuple, list[Range]]],
+    feeds: list[tuple[tuple, list[Range]]],
     view: memoryview,
     stop: threading.Event | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Feed each job's ranges, in order, to its targets' `update`, through `view`.
+    """Pass each feed's ranges, in order, to its targets' `update`, through `view`.
 
-    A job is (targets, ranges): every target (a `Crc32`, a hashlib object, a `ScaleScan`)
-    sees the job's bytes in order. The one reading loop behind every checksum we compute.
+    A feed is (targets, ranges): every target (a `Crc32`, a hashlib object, a `ScaleScan`)
+    sees the feed's bytes in order. The one reading loop behind every checksum we compute.
     """
     size = len(view)
-    for targets, ranges in jobs:
+    for targets, ranges in feeds:
         for fd, offset, length, what in ranges:
             end = offset + length
             while offset < end:
@@ -144,7 +144,7 @@ def crc32_of_ranges(
     scan: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, str], dict[str, ScaleScan]]:
     """CRC-32 of each named [begin, end) range of one file (and 0xFF scans where `scan`)."""
-    jobs, hashes, scans = [], {}, {}
+    feeds, hashes, scans = [], {}, {}
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
@@ -155,8 +155,8 @@ def crc32_of_ranges(
             if scan is not None and scan(name):
                 scans[name] = ScaleScan()
                 targets = (hashes[name], scans[name])
-            jobs.append((targets, [(fd, begin, end - begin, str(path))]))
-        hash_ranges(jobs, memoryview(bytearray(CHUNK_SIZE)), stop, progress)
+            feeds.append((targets, [(fd, begin, end - begin, str(path))]))
+        hash_ranges(feeds, memoryview(bytearray(CHUNK_SIZE)), stop, progress)
     finally:
         os.close(fd)
     return {name: h.hexdigest() for name, h in hashes.items()}, scans

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from . import fsio
-from .errors import Code, Fatal, fail
+from .errors import Code, Fatal, fatal
 
+_OWNER_MAX = 64 * 1024  # a lock we wrote names its owner in a few dozen bytes
 # Never through a link, never blocking on a FIFO planted in the lock's place.
 _FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
@@ -68,7 +69,7 @@ class OutputLock:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             self._hold(fd, me)
             return
-        raise fail(Code.OUTPUT_LOCKED, "could not take the output lock", file=str(self.path))
+        raise fatal(Code.OUTPUT_LOCKED, rule="take", file=self.path)
 
     def _take_over_stale(self, me: dict) -> bool:
         """True if we now hold the lock, False if it vanished; raises if someone holds it."""
@@ -77,15 +78,15 @@ class OutputLock:
         except FileNotFoundError:
             return False
         except OSError as exc:  # a link (ELOOP) or anything else that cannot be a lock
-            raise self._not_a_lock(fsio.describe(self.path)) from exc
+            raise self._not_a_lock() from exc
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise self._not_a_lock(fsio.describe(self.path))
+                raise self._not_a_lock()
             if not _flock(fd):  # the owner is alive (or another run is taking over)
-                raise self._busy(self._owner())
+                raise self._busy(_owner(fd))
             if not self._is_current(fd):  # released and recreated while we waited
                 return False
-            owner = self._owner()
+            owner = _owner(fd)
             pid = owner.get("pid") if owner else None
             if not (
                 owner and owner.get("host") == me["host"] and type(pid) is int and not _alive(pid)
@@ -113,29 +114,13 @@ class OutputLock:
 
     def _busy(self, owner: dict | None) -> Fatal:
         who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
-        return fail(
-            Code.OUTPUT_LOCKED,
-            f"another conversion is writing this output directory ({who}); wait for "
-            f"it, or remove {self.path} if you are sure it is gone",
-            file=str(self.path.parent.parent),
+        return fatal(
+            Code.OUTPUT_LOCKED, rule="busy", file=self.path.parent.parent, who=who, lock=self.path
         )
 
-    def _not_a_lock(self, found: str) -> Fatal:
-        return fail(
-            Code.STATE_FOLDER_INVALID,
-            "the lock file is not a regular file kimi-convert made",
-            file=str(self.path),
-            expected="a regular file, or nothing",
-            found=found,
-            hint=f"remove {self.path} yourself if no conversion is running; nothing was changed",
-        )
-
-    def _owner(self) -> dict | None:
-        try:
-            owner = json.loads(fsio.read_regular(self.path, follow=False))
-        except (OSError, ValueError):
-            return None
-        return owner if isinstance(owner, dict) else None
+    def _not_a_lock(self) -> Fatal:
+        kind = fsio.describe(self.path)
+        return fatal(Code.STATE_FOLDER_INVALID, rule="lock", file=self.path, kind=kind)
 
     def release(self) -> None:
         """Let go of a lock we hold (a no-op otherwise: never remove another run's lock)."""
@@ -147,3 +132,13 @@ class OutputLock:
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self._fd = None
+
+
+def _owner(fd: int) -> dict | None:
+    """Who the lock file open on `fd` (a regular file, checked) names; read from that fd, so
+    it is the very file whose `flock` was asked, not whatever the path holds by now."""
+    try:
+        owner = json.loads(os.pread(fd, _OWNER_MAX, 0))
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None

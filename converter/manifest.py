@@ -14,15 +14,13 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import contract
-from .console import id_ranges
-from .errors import Code, Fatal, Problem, fail
-from .safetensors_format import TensorInfo
+from .errors import Code, Problem, fatal, problem
 
 DEFAULT_MANIFEST = "kimi-k3"
 # Symbols every manifest must map to config fields: K (expert input width), N (expert
@@ -46,6 +44,7 @@ class TensorRule:
 
 # Where a group of the non-expert inventory applies (see `Inventory`).
 INVENTORY_PLACES = ("model", "layer", "kda", "mla", "dense", "moe", "vision_block")
+_PLACES = ", ".join(INVENTORY_PLACES)
 
 
 @dataclass(frozen=True)
@@ -102,55 +101,46 @@ def load_manifest(name_or_path: str) -> Manifest:
     elif looks_like_path:
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise fail(
-                Code.MANIFEST_NOT_FOUND,
-                "manifest file not found",
-                file=str(path),
-            )
+            raise fatal(Code.MANIFEST_NOT_FOUND, rule="file", file=path)
         data, label = path.read_bytes(), str(path)
     else:
-        raise fail(
+        raise fatal(
             Code.MANIFEST_NOT_FOUND,
-            f"unknown manifest {name_or_path!r}",
-            expected=" or ".join(available_manifests()) + " or a path to a .json file",
-            found=name_or_path,
+            rule="name",
+            name=name_or_path,
+            known=" or ".join(available_manifests()),
         )
     return parse_manifest(data, label)
 
 
 def parse_manifest(data: bytes, label: str) -> Manifest:
-    def bad(what: str) -> Fatal:
-        return fail(
-            Code.MANIFEST_INVALID,
-            f"manifest is malformed: {what}",
-            file=label,
-        )
-
     try:
         raw = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise bad(f"not valid JSON ({exc})") from None
+        raise fatal(Code.MANIFEST_INVALID, rule="not-json", file=label, error=exc) from None
     if not isinstance(raw, dict):
-        raise bad("not a JSON object")
+        raise fatal(Code.MANIFEST_INVALID, rule="not-object", file=label)
     for key, meaning in _SECTIONS.items():
         if key not in raw:
-            raise bad(f"it has no '{key}' ({meaning})")
+            raise fatal(Code.MANIFEST_INVALID, rule="no-key", file=label, key=key, meaning=meaning)
     dims = raw["dims"]
     if not isinstance(dims, dict) or not all(isinstance(v, str) for v in dims.values()):
-        raise bad("'dims' must map symbols to config field names")
+        raise fatal(Code.MANIFEST_INVALID, rule="dims", file=label)
     missing = [s for s in REQUIRED_DIMS if s not in dims]
     if missing:
-        raise bad(f"'dims' does not name the config field of {', '.join(missing)}")
+        raise fatal(
+            Code.MANIFEST_INVALID, rule="dims-missing", file=label, symbols=", ".join(missing)
+        )
     situ = raw["situ"]
     if not isinstance(situ, dict) or not all(
         isinstance(situ.get(k), (int, float)) for k in ("beta", "linear_beta")
     ):
-        raise bad("'situ' must give numbers 'beta' and 'linear_beta'")
+        raise fatal(Code.MANIFEST_INVALID, rule="situ", file=label)
     if raw.get("group_size", contract.GROUP_SIZE) != contract.GROUP_SIZE:
-        raise bad(f"'group_size' must be {contract.GROUP_SIZE} (MXFP4)")
+        raise fatal(Code.MANIFEST_INVALID, rule="group-size", file=label, group=contract.GROUP_SIZE)
     pinned = raw.get("pinned", {})
     if not isinstance(pinned, dict):
-        raise bad("'pinned' must map config fields to values")
+        raise fatal(Code.MANIFEST_INVALID, rule="pinned", file=label)
     rules = {}
     for section, projs in (
         ("source_tensors", (contract.GATE, contract.UP, contract.DOWN)),
@@ -160,7 +150,14 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
         want = {f"{p}.{s}" for p in projs for s in contract.SUFFIXES}
         if not isinstance(table, dict) or set(table) != want:
             found = sorted(table) if isinstance(table, dict) else table
-            raise bad(f"'{section}' must have exactly {sorted(want)}, found {found}")
+            raise fatal(
+                Code.MANIFEST_INVALID,
+                rule="section-keys",
+                file=label,
+                section=section,
+                want=sorted(want),
+                found=found,
+            )
         rules[section] = {}
         for key, rule in table.items():
             shape = rule.get("shape") if isinstance(rule, dict) else None
@@ -170,14 +167,13 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
                 or not isinstance(shape, list)
                 or not all(isinstance(t, str) and _formula_ok(t, dims) for t in shape)
             ):
-                raise bad(
-                    f'\'{section}.{key}\' must be {{"dtype": str, "shape": [formula, '
-                    "...]}} with formulas like N, 2*N, K/32 over the symbols in 'dims'"
+                raise fatal(
+                    Code.MANIFEST_INVALID, rule="entry", file=label, section=section, key=key
                 )
             rules[section][key] = TensorRule(rule["dtype"], tuple(shape))
     if not isinstance(raw["name"], str):
-        raise bad("'name' must be a string")
-    inventory = _parse_inventory(raw["inventory"], bad) if "inventory" in raw else None
+        raise fatal(Code.MANIFEST_INVALID, rule="name", file=label)
+    inventory = _parse_inventory(raw["inventory"], label) if "inventory" in raw else None
     return Manifest(
         name=raw["name"],
         sha256=hashlib.sha256(data).hexdigest(),
@@ -191,18 +187,12 @@ def parse_manifest(data: bytes, label: str) -> Manifest:
     )
 
 
-def _parse_inventory(raw: Any, bad: Any) -> Inventory:
+def _parse_inventory(raw: Any, label: str) -> Inventory:
     def strings(value: Any) -> bool:
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
-    shape = (
-        '\'inventory\' must be {"dtypes": [str], "aliases": {str: str}, "layer_prefix": '
-        'str with {L}, "vision_block_prefix": str with {B}, "vision_blocks": [field, '
-        'default], "groups": [{"place": one of ' + ", ".join(INVENTORY_PLACES) + ", "
-        '"names": [str], optional "when"/"unless": config field}]}'
-    )
     if not isinstance(raw, dict):
-        raise bad(shape)
+        raise fatal(Code.MANIFEST_INVALID, rule="inventory", file=label, places=_PLACES)
     aliases, blocks, groups = raw.get("aliases"), raw.get("vision_blocks"), raw.get("groups")
     if (
         not strings(raw.get("dtypes"))
@@ -214,7 +204,7 @@ def _parse_inventory(raw: Any, bad: Any) -> Inventory:
         or type(blocks[1]) is not int
         or not isinstance(groups, list)
     ):
-        raise bad(shape)
+        raise fatal(Code.MANIFEST_INVALID, rule="inventory", file=label, places=_PLACES)
     parsed = []
     for group in groups:
         if (
@@ -224,7 +214,7 @@ def _parse_inventory(raw: Any, bad: Any) -> Inventory:
             or not set(group) <= {"place", "names", "when", "unless"}
             or not all(isinstance(group.get(k, ""), str) for k in ("when", "unless"))
         ):
-            raise bad(shape)
+            raise fatal(Code.MANIFEST_INVALID, rule="inventory", file=label, places=_PLACES)
         parsed.append(
             InventoryGroup(
                 group["place"], tuple(group["names"]), group.get("when"), group.get("unless")
@@ -264,87 +254,132 @@ class Dims:
         return tuple(out)
 
 
-def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]:
-    """Dimensions from the config as SGLang reads it (`contract.config_value`), checked
-    against pinned values, the MXFP4 group size and the manifest's SiTU parameters."""
-    read = {
+_VISION_BLOCKS = "vision blocks"  # `_read`'s key for the vision tower's block count
+_INTS = "integers"  # `_read`'s key for the fields that are config integers
+
+
+def _read(
+    keys: Iterable[str], inventory: Inventory | None, config: Any
+) -> tuple[dict[str, Any], list[Problem]]:
+    """Every config field that `keys` and the inventory name, as SGLang reads it, read once
+    and together (what follows works on these values alone), and the problems reading the
+    `keys` (the MoE rule's own fields are judged once, by `contract.layer_rule`)."""
+    keys = set(keys)
+    heads = set()
+    if inventory is not None:
+        dotted = {g.when for g in inventory.groups} | {g.unless for g in inventory.groups}
+        heads = {d.partition(".")[0] for d in dotted if d}
+        heads |= {"num_hidden_layers", "linear_attn_config"}
+    fields = {key: contract.config_value(config, key) for key in keys | heads}
+    # Which are config integers, judged here with the rest of the reading.
+    fields[_INTS] = {key for key, v in fields.items() if contract.is_config_int(v)}
+    problems = contract.config_problems(config, sorted(keys - set(contract.MOE_RULE_FIELDS)))
+    if inventory is not None:
+        vision = contract.get(config, "vision_config")
+        field, default = inventory.vision_blocks
+        blocks = contract.get(vision, field, default) if vision is not None else default
+        fields[_VISION_BLOCKS] = blocks if type(blocks) is int and blocks >= 0 else default
+    return fields, problems
+
+
+def _dims_read(manifest: Manifest) -> set[str]:
+    """The config fields `resolve_dims` judges."""
+    return {
         *manifest.dims.values(),
         *manifest.pinned,
         "hidden_act",
         *contract.SITU_CONFIG_KEYS.values(),
     }
-    # The MoE rule's own fields are judged (once) by `contract.layer_rule`.
-    problems = contract.config_problems(config, sorted(read - set(contract.MOE_RULE_FIELDS)))
+
+
+def resolve_dims(manifest: Manifest, config: dict) -> tuple[Dims, list[Problem]]:
+    """Dimensions from the config as SGLang reads it (`contract.config_value`), checked
+    against pinned values, the MXFP4 group size and the manifest's SiTU parameters."""
+    fields, problems = _read(_dims_read(manifest), None, config)
+    return _dims(manifest, fields, problems)
+
+
+def _dims(
+    manifest: Manifest, fields: Mapping[str, Any], problems: list[Problem]
+) -> tuple[Dims, list[Problem]]:
+    """`resolve_dims` on the fields `_read` read; adds to `problems`."""
     values = {}
     for symbol, key in manifest.dims.items():
-        value = contract.config_value(config, key)
-        if not contract.is_config_int(value) or value <= 0:
+        value = fields[key]
+        if key not in fields[_INTS] or value <= 0:
             if key in contract.MOE_RULE_FIELDS:  # judged once, by `contract.layer_rule`
                 continue
             problems.append(
-                Problem(
+                problem(
                     Code.CONFIG_FIELD,
-                    f"config field {key} is missing or not a positive integer",
+                    rule="positive",
                     file=contract.CONFIG_NAME,
-                    found="missing or null" if value is None else repr(value),
+                    key=key,
+                    value="missing or null" if value is None else repr(value),
                 )
             )
         else:
             values[symbol] = value
     for key, pinned in manifest.pinned.items():
-        value = contract.config_value(config, key)
+        value = fields[key]
         if type(value) is not type(pinned) or value != pinned:
             problems.append(
-                Problem(
+                problem(
                     Code.PINNED_MISMATCH,
-                    f"config field {key} does not match manifest {manifest.name}",
                     file=contract.CONFIG_NAME,
-                    expected=repr(pinned),
-                    found=repr(value),
+                    key=key,
+                    manifest=manifest.name,
+                    want=pinned,
+                    value=value,
                 )
             )
     for symbol in ("K", "N"):
         value = values.get(symbol)
         if value is not None and value % manifest.group_size:
             problems.append(
-                Problem(
+                problem(
                     Code.CONFIG_FIELD,
-                    f"{manifest.dims[symbol]} is not a "
-                    f"multiple of the MXFP4 group size {manifest.group_size}",
+                    rule="group",
                     file=contract.CONFIG_NAME,
-                    found=str(value),
+                    key=manifest.dims[symbol],
+                    group=manifest.group_size,
+                    value=value,
                 )
             )
-    problems.extend(check_situ_config(manifest, config))
+    problems.extend(_situ_problems(manifest, fields))
     return Dims(values), problems
 
 
-def check_situ_config(manifest: Manifest, config: dict) -> list[Problem]:
+def _situ_problems(manifest: Manifest, fields: Mapping[str, Any]) -> list[Problem]:
+    """The config's SiTU parameters (`fields`: read by `resolve_dims`) against the manifest's."""
     problems = []
     for field_name, want in (
         ("situ_beta", manifest.situ_beta),
         ("situ_linear_beta", manifest.situ_linear_beta),
     ):
         key = contract.SITU_CONFIG_KEYS[field_name]
-        value = contract.config_value(config, key)
+        value = fields[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             problems.append(
-                Problem(
+                problem(
                     Code.SITU_MISMATCH,
-                    f"config has no numeric {key}",
+                    rule="not-numeric",
                     file=contract.CONFIG_NAME,
-                    expected=repr(want),
-                    found=repr(value),
+                    key=key,
+                    want=want,
+                    value=value,
                 )
             )
         elif float(value) != want:
             problems.append(
-                Problem(
+                problem(
                     Code.SITU_MISMATCH,
-                    f"{key} does not match manifest {manifest.name}",
+                    rule="value",
                     file=contract.CONFIG_NAME,
-                    expected=repr(want),
-                    found=repr(value),
+                    key=key,
+                    manifest=manifest.name,
+                    want=want,
+                    value=value,
                 )
             )
     return problems
@@ -353,33 +388,36 @@ def check_situ_config(manifest: Manifest, config: dict) -> list[Problem]:
 # -- the non-expert inventory ---------------------------------------------------------------
 
 
-def _field(config: Any, dotted: str) -> Any:
+def _field(fields: Mapping[str, Any], dotted: str) -> Any:
     """A text-model config value; "a.b" reads key b of the object a (e.g. linear_attn_config)."""
     head, _, rest = dotted.partition(".")
-    value = contract.config_value(config, head)
+    value = fields.get(head)
     for key in filter(None, rest.split(".")):
         value = value.get(key) if isinstance(value, Mapping) else None
     return value
 
 
-def _kda_layers(config: Any, layers: int) -> set[int]:
+def _kda_layers(fields: Mapping[str, Any], layers: int) -> set[int]:
     """SGLang 0.5.23 (configs/kimi_linear.py `is_kda_layer`): layer i is a KDA layer when
     i + 1 is in linear_attn_config.kda_layers; every other layer is MLA (full attention)."""
-    kda = _field(config, "linear_attn_config.kda_layers")
+    kda = _field(fields, "linear_attn_config.kda_layers")
     ids = kda if isinstance(kda, list) else []
     return {i for i in range(layers) if i + 1 in ids}
 
 
 def expected_inventory(inventory: Inventory, config: Any) -> dict[str, str]:
     """Every non-expert tensor name the config's model loads -> what requires it."""
-    layers = contract.config_value(config, "num_hidden_layers")
+    fields, _ = _read((), inventory, config)
+    return _required(inventory, fields, contract.moe_layer_ids(config)[0])
+
+
+def _required(inventory: Inventory, fields: Mapping[str, Any], moe_layers: list[int]) -> dict:
+    """`expected_inventory` on the fields `_read` read, with the config's MoE layers."""
+    moe = set(moe_layers)
+    blocks = fields[_VISION_BLOCKS]
+    layers = fields["num_hidden_layers"]
     layers = layers if type(layers) is int and layers > 0 else 0
-    moe = set(contract.moe_layer_ids(config)[0])
-    kda = _kda_layers(config, layers)
-    vision = contract.get(config, "vision_config")
-    field, default = inventory.vision_blocks
-    blocks = contract.get(vision, field, default) if vision is not None else default
-    blocks = blocks if type(blocks) is int and blocks >= 0 else default
+    kda = _kda_layers(fields, layers)
     places: dict[str, list[int]] = {
         "model": [0],
         "layer": list(range(layers)),
@@ -391,9 +429,9 @@ def expected_inventory(inventory: Inventory, config: Any) -> dict[str, str]:
     }
     expected: dict[str, str] = {}
     for group in inventory.groups:
-        if group.when is not None and not _field(config, group.when):
+        if group.when is not None and not _field(fields, group.when):
             continue
-        if group.unless is not None and _field(config, group.unless):
+        if group.unless is not None and _field(fields, group.unless):
             continue
         for i in places[group.place]:
             if group.place == "model":
@@ -407,67 +445,51 @@ def expected_inventory(inventory: Inventory, config: Any) -> dict[str, str]:
     return expected
 
 
-def check_inventory(
-    manifest: Manifest, config: Any, tensors: Iterable[tuple[str, TensorInfo]]
-) -> list[Problem]:
-    """The non-expert tensors the manifest's inventory requires: each present (under any
-    spelling the model's loader maps alike) and stored unquantized. Missing names are
-    reported once per name pattern, with the layers that lack it."""
+# -- one checkpoint's expectation -----------------------------------------------------------
+
+
+class ExpertSpec(NamedTuple):
+    """What one routed-expert tensor ("proj.suffix") must be under a config."""
+
+    dtype: str
+    shape: tuple[int, ...] | None  # None when a dimension is unknown (reported already)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a checkpoint with a given config must hold under a manifest, resolved once:
+    the dimensions, each routed-expert tensor's dtype and shape, the MoE layers, and the
+    non-expert tensors the model loads. Validation reads it and never calls back here."""
+
+    manifest: str  # the manifest's name, for messages
+    dims: Dims
+    tensors: dict[str, ExpertSpec]  # "proj.suffix" -> what it must be
+    layers: contract.LayerRule
+    # False when the config asks for more than the checkpoint's tensors could hold: nothing
+    # of that size is built, and the tensors are not judged.
+    bounded: bool = True
+    inventory: Inventory | None = None
+    required: dict[str, str] = field(default_factory=dict)  # non-expert name -> its place
+
+
+def expect(
+    manifest: Manifest, config: Any, bound: int | None, converted: bool = False
+) -> tuple[Expectation, list[Problem]]:
+    """The config read once under the manifest (`bound`: the tensors the checkpoint holds,
+    see `contract.layer_rule`), and every problem found reading it."""
     inventory = manifest.inventory
-    if inventory is None:
-        return []
-    expected = expected_inventory(inventory, config)
-    found: dict[str, tuple[str, TensorInfo]] = {}
-    for file, info in tensors:
-        name = info.name
-        if ".experts." in name:  # routed experts are the contract's, checked elsewhere
-            continue
-        for spelled, canonical in inventory.aliases:
-            name = name.replace(spelled, canonical)
-        if name in expected:
-            found[name] = (file, info)
-    problems = []
-    missing: dict[str, list[int]] = {}
-    for name, place in expected.items():
-        hit = found.get(name)
-        if hit is None:
-            pattern, index = _pattern(name, inventory)
-            missing.setdefault(pattern, []).append(index)
-        elif hit[1].dtype not in inventory.dtypes:
-            problems.append(
-                Problem(
-                    Code.INVENTORY_DTYPE,
-                    f"{place} tensor is not stored unquantized: the model loads it with an "
-                    "unquantized method",
-                    file=hit[0],
-                    tensor=hit[1].name,
-                    expected=" or ".join(sorted(inventory.dtypes)),
-                    found=hit[1].dtype,
-                )
-            )
-    for pattern, ids in missing.items():
-        unit = "blocks" if "{B}" in pattern else "layers"
-        where = f" in {unit} {id_ranges(ids)}" if ids != [-1] else ""
-        problems.append(
-            Problem(
-                Code.INVENTORY_MISSING,
-                f"tensor the model loads is missing{where}",
-                tensor=pattern,
-                expected=f"present (manifest {manifest.name})",
-            )
-        )
-    return problems
-
-
-def _pattern(name: str, inventory: Inventory) -> tuple[str, int]:
-    """(name with its layer or block index as a placeholder, the index; -1 if none)."""
-    for template, mark in (
-        (inventory.layer_prefix, "{L}"),
-        (inventory.vision_block_prefix, "{B}"),
-    ):
-        head, _, tail = template.partition(mark)
-        if name.startswith(head):
-            index, dot, rest = name[len(head) :].partition(".")
-            if dot and index.isdigit() and tail == ".":
-                return f"{head}{mark}.{rest}", int(index)
-    return name, -1
+    keys = _dims_read(manifest)
+    fields, problems = _read(keys, inventory, config)
+    rule, rule_problems = contract.layer_rule(config, bound)
+    e_field = manifest.dims["E"]
+    experts = fields[e_field] if e_field in fields[_INTS] and fields[e_field] > 0 else 0
+    too_big = contract.bound_problem(e_field, experts, bound)
+    dims, problems = _dims(manifest, fields, problems)
+    if too_big and not any(p.code is Code.CONFIG_BOUND for p in rule_problems):
+        rule_problems.append(too_big)  # E as the manifest names it (the rule bounded `num_experts`)
+    bounded = not any(p.code is Code.CONFIG_BOUND for p in rule_problems)
+    required = _required(inventory, fields, rule.moe) if inventory and bounded else {}
+    rules = manifest.rules(converted)
+    tensors = {key: ExpertSpec(r.dtype, dims.shape(r.shape)) for key, r in rules.items()}
+    expectation = Expectation(manifest.name, dims, tensors, rule, bounded, inventory, required)
+    return expectation, problems + rule_problems

@@ -34,7 +34,7 @@ from typing import NoReturn
 
 from . import contract, faults, fsio
 from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
-from .errors import Code, Fatal, Problem, fail
+from .errors import Code, Fatal, fatal, problem
 from .hashing import CHUNK_SIZE, TENSOR_HASH, sha256_bytes, sha256_file, shard_header_sha256
 from .lock import OutputLock
 
@@ -124,18 +124,12 @@ class Ledger:
         self._lock = threading.Lock()
 
     @staticmethod
-    def read(path: Path) -> tuple[str | None, dict[str, ShardRecord]]:
-        """(fingerprint, records) of a ledger file; a torn last line is ignored."""
-        head, records = Ledger.read_all(path)
-        return head.get("fingerprint"), records
-
-    @staticmethod
-    def read_all(path: Path) -> tuple[dict, dict[str, ShardRecord]]:
-        """(first line, records) of a ledger file; a torn last line is ignored."""
+    def parse(data: bytes | None) -> tuple[dict, dict[str, ShardRecord]]:
+        """(first line, records) of a ledger file's bytes; a torn last line is ignored."""
         try:
-            lines = fsio.read_regular(path, follow=False).decode("utf-8").splitlines()
+            lines = (data or b"").decode("utf-8").splitlines()
             head = json.loads(lines[0])
-        except (OSError, ValueError, IndexError):
+        except (ValueError, IndexError):
             return {}, {}
         records = {}
         for line in lines[1:]:
@@ -150,13 +144,7 @@ class Ledger:
         self.done = {r.shard: r for r in records}
         lines = [json.dumps({"fingerprint": self.fingerprint, "source": self.source})]
         lines += [json.dumps(r.to_json(), separators=(",", ":")) for r in self.done.values()]
-        write_atomic(self.path, ("\n".join(lines) + "\n").encode(), self.path.parent)
-
-    def load(self) -> None:
-        data = fsio.read_regular(self.path, follow=False)
-        if not data.endswith(b"\n"):  # a torn last line: drop it, or the next append
-            os.truncate(self.path, data.rfind(b"\n") + 1)  # would be glued onto it
-        _, self.done = self.read(self.path)
+        fsio.write_atomic(self.path, ("\n".join(lines) + "\n").encode(), self.path.parent)
 
     def record(self, record: ShardRecord) -> None:
         with self._lock:
@@ -199,6 +187,87 @@ class FinalFiles:
         return [*self.extras, checksums, self.config, self.index]
 
 
+@dataclass(frozen=True)
+class Standing:
+    """What stands at the output path, seen without following links: the facts every
+    refusal before a write is judged on (`OutputDir.check_usable`)."""
+
+    root_is_other: bool  # the output path is there and is not a directory
+    state: str | None  # what the state folder is (`fsio.lkind`; None: nothing)
+    state_shown: str  # the same, in words a user can act on
+    base: Path  # the state folder, or its closest folder that exists
+    base_is_dir: bool
+    base_shown: str
+    base_writable: bool
+
+
+@dataclass(frozen=True)
+class Survey:
+    """The output directory read at once (`OutputDir.survey`): what stands there and what
+    this tool's own records in it say. Every decision about the directory (may it be
+    written, its mode, whose it is, which files are ours) is made from one reading, not
+    from paths probed and files re-read step by step."""
+
+    standing: Standing
+
+    ledger_head: dict  # the ledger's first line: plan fingerprint and source key
+    ledger: dict[str, ShardRecord]  # shards an unfinished run recorded
+    checksums: dict  # the checksums file of a finished run ({} if none)
+    checksums_size: int | None  # its size, where it is a regular file
+    journal: list[dict]  # every other file a run recorded before writing it
+    config: object  # config.json, parsed (None if none)
+    index: bool  # whether an index is there (it marks a complete output)
+
+    def previous(self, fingerprint: str, source: SourceId) -> tuple[Mode, dict[str, ShardRecord]]:
+        """What an earlier run of this plan left: its mode and shard records. A run of this
+        plan from another source is `Mode.OTHER_SOURCE` (`owner` says whose it is)."""
+        head = self.ledger_head
+        if head.get("fingerprint") == fingerprint:
+            if head.get("source") == source.key:
+                return Mode.RESUME, self.ledger
+            return Mode.OTHER_SOURCE, {}
+        if self.checksums.get("plan_fingerprint") == fingerprint and self.index:
+            mine = self.checksums.get("source")
+            if isinstance(mine, dict) and mine.get("sha256") == source.digest:
+                return Mode.RECHECK, _records_of(self.checksums)
+            return Mode.OTHER_SOURCE, {}
+        return Mode.FRESH, {}
+
+    def owner(self) -> str | None:
+        """Whose conversion the directory holds, in words (None if it holds none we know)."""
+        head = self.ledger_head
+        if isinstance(head.get("source"), str) and head["source"]:
+            return f"{head['source']} (an unfinished conversion)"
+        config = self.config
+        block = contract.find_block(config) if isinstance(config, dict) else None
+        src = block.get("source") if isinstance(block, dict) else None
+        name = src.get("path") if isinstance(src, dict) else None
+        return f"{name!r} (a finished conversion)" if isinstance(name, str) else None
+
+    def ours(self) -> dict[str, tuple[int, str | None, str | None]]:
+        """name -> (size, header sha256 for shards, sha256 for other files where recorded) of
+        every file our records say we wrote."""
+        names: dict[str, tuple[int, str | None, str | None]] = {}
+        files = self.checksums.get("files") if self.checksums.get("format_version") else None
+        if isinstance(files, dict):
+            for name, entry in files.items():
+                if isinstance(entry, dict) and type(entry.get("size")) is int:
+                    sha = entry.get("sha256")
+                    names[name] = (
+                        entry["size"],
+                        entry.get("header_sha256"),
+                        sha if isinstance(sha, str) else None,
+                    )
+            if self.checksums_size is not None:
+                names[CHECKSUMS_NAME] = (self.checksums_size, None, None)
+        for record in self.ledger.values():
+            names[record.shard] = (record.size, record.header_sha256, None)
+        for entry in self.journal:
+            if isinstance(entry.get("file"), str) and type(entry.get("size")) is int:
+                names[entry["file"]] = (entry["size"], None, None)
+        return names
+
+
 class OutputDir:
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root.expanduser()))  # a link loop: no exception
@@ -219,23 +288,34 @@ class OutputDir:
         self.warnings: list[str] = []
 
     # -- reading, no lock needed ---------------------------------------------------------
-    def previous_records(
-        self, fingerprint: str, source: SourceId
-    ) -> tuple[Mode, dict[str, ShardRecord]]:
-        """What an earlier run of this plan left: its mode and shard records. A run of this
-        plan from another source is `Mode.OTHER_SOURCE` (`owner` says whose it is)."""
-        head, records = Ledger.read_all(self.ledger_path)
-        if head.get("fingerprint") == fingerprint:
-            if head.get("source") == source.key:
-                return Mode.RESUME, records
-            return Mode.OTHER_SOURCE, {}
-        recorded = self._checksums_file()
-        if recorded.get("plan_fingerprint") == fingerprint and os.path.lexists(self.index):
-            mine = recorded.get("source")
-            if isinstance(mine, dict) and mine.get("sha256") == source.digest:
-                return Mode.RECHECK, _records_of(recorded)
-            return Mode.OTHER_SOURCE, {}
-        return Mode.FRESH, {}
+    def survey(self) -> Survey:
+        """What stands at the output path and every record of ours there, read together
+        (links never followed); nothing is judged here."""
+        ledger, checksums, journal, config = (
+            fsio.read_if_regular(p)
+            for p in (self.ledger_path, self.checksums, self.journal_path, self.root / CONFIG_NAME)
+        )
+        base = fsio.nearest_existing(self.state)
+        standing = Standing(
+            os.path.lexists(self.root) and not os.path.isdir(self.root),
+            fsio.lkind(self.state),
+            fsio.describe(self.state),
+            base,
+            os.path.isdir(base),
+            fsio.describe(base),
+            os.access(base, os.W_OK | os.X_OK),
+        )
+        head, records = Ledger.parse(ledger)
+        return Survey(
+            standing,
+            head,
+            records,
+            _json_object(checksums) or {},
+            len(checksums) if checksums is not None else None,
+            _json_lines(journal),
+            _json_object(config),
+            os.path.lexists(self.index),
+        )
 
     def resume_decision(
         self, fingerprint: str, source: SourceId, force: bool
@@ -243,79 +323,43 @@ class OutputDir:
         """What a run of this plan does here (a run and `--dry-run` alike): the mode and the
         records of shards to prove before keeping them; refuses what it must refuse. The
         conversion of another source is replaced (with --force only), as a fresh run."""
-        mode, records = self.previous_records(fingerprint, source)
-        self.check_usable(mode, force)
-        return (Mode.FRESH, records) if mode is Mode.OTHER_SOURCE else (mode, records)
+        mode, records, _ = self._decide(fingerprint, source, force)
+        return mode, records
 
-    def owner(self) -> str | None:
-        """Whose conversion the directory holds, in words (None if it holds none we know)."""
-        head, _ = Ledger.read_all(self.ledger_path)
-        if isinstance(head.get("source"), str) and head["source"]:
-            return f"{head['source']} (an unfinished conversion)"
-        try:
-            config = json.loads(fsio.read_regular(self.root / CONFIG_NAME, follow=False))
-        except (OSError, ValueError):
-            return None
-        block = contract.find_block(config) if isinstance(config, dict) else None
-        src = block.get("source") if isinstance(block, dict) else None
-        name = src.get("path") if isinstance(src, dict) else None
-        return f"{name!r} (a finished conversion)" if isinstance(name, str) else None
+    def _decide(
+        self, fingerprint: str, source: SourceId, force: bool
+    ) -> tuple[Mode, dict[str, ShardRecord], Survey]:
+        """`resume_decision`, with the survey it was made from."""
+        found = self.survey()
+        mode, records = found.previous(fingerprint, source)
+        self.check_usable(found, mode, force)
+        return (Mode.FRESH if mode is Mode.OTHER_SOURCE else mode), records, found
 
-    def _checksums_file(self) -> dict:
-        try:
-            data = json.loads(fsio.read_regular(self.checksums, follow=False).decode("utf-8"))
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def check_usable(self, mode: Mode | None = None, force: bool = False) -> None:
+    def check_usable(self, found: Survey, mode: Mode | None = None, force: bool = False) -> None:
         """Refuse, before anything is written (and in --dry-run alike), an output path this
         run could not or must not write: not a directory, a state folder that is not a real
         directory (a link would lead writes and deletions elsewhere), no write permission,
         or the conversion of another source without --force. Deletes nothing."""
-        if os.path.lexists(self.root) and not os.path.isdir(self.root):
-            raise fail(
-                Code.OUTPUT_NOT_DIRECTORY,
-                "output path exists and is not a directory",
-                file=str(self.root),
-            )
-        state = fsio.lkind(self.state)
-        if state not in (None, "directory"):
-            raise fail(
+        where = found.standing
+        if where.root_is_other:
+            raise fatal(Code.OUTPUT_NOT_DIRECTORY, rule="exists", file=self.root)
+        if where.state not in (None, "directory"):
+            raise fatal(
                 Code.STATE_FOLDER_INVALID,
-                f"the state folder {STATE_DIR}/ is not a directory kimi-convert made",
-                file=str(self.state),
-                expected="a directory, or nothing",
-                found=fsio.describe(self.state),
-                hint=f"move or remove {self.state} yourself (it is not this tool's to "
-                "delete), then rerun; nothing was changed",
+                rule="state",
+                file=self.state,
+                state=STATE_DIR,
+                kind=where.state_shown,
             )
-        base = fsio.nearest_existing(self.state)
-        if not os.path.isdir(base):
-            raise fail(
-                Code.OUTPUT_NOT_DIRECTORY,
-                "a folder of the output path is not a directory",
-                file=str(base),
-                expected="a directory",
-                found=fsio.describe(base),
+        if not where.base_is_dir:
+            raise fatal(
+                Code.OUTPUT_NOT_DIRECTORY, rule="folder", file=where.base, kind=where.base_shown
             )
-        if not os.access(base, os.W_OK | os.X_OK):
-            raise fail(
-                Code.PERMISSION_DENIED,
-                "no permission to write here",
-                file=str(base),
-                expected="a directory this user may write in",
-                hint="make it writable for this user, or choose another output directory",
-            )
+        if not where.base_writable:
+            raise fatal(Code.PERMISSION_DENIED, rule="folder", file=where.base)
         if mode is Mode.OTHER_SOURCE and not force:
-            raise fail(
-                Code.OUTPUT_OF_ANOTHER_SOURCE,
-                "output directory holds the conversion of another source: "
-                f"{self.owner() or 'unknown'}",
-                file=str(self.root),
-                hint="a rerun continues only the conversion of the same source; pass --force "
-                "to replace it (only files kimi-convert recorded writing are removed), or "
-                "choose another directory",
+            raise fatal(
+                Code.OUTPUT_OF_ANOTHER_SOURCE, file=self.root, owner=found.owner() or "unknown"
             )
 
     # -- claiming --------------------------------------------------------------------------
@@ -346,36 +390,33 @@ class OutputDir:
         `self.ledger` holds the records of shards an earlier run finished."""
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
         self.resume_decision(fingerprint, source, force)
-        self._make_dir(self.root)
-        if fsio.lkind(self.state) is None:
-            self._make_dir(self.state)
+        self._created += fsio.make_dirs(self.state)  # the root too, where it is missing
         if not fsio.is_real_dir(self.state):  # replaced since `check_usable`: still refuse
-            self.check_usable()
+            self.check_usable(self.survey())
         self._state_made = True
         self._lock = OutputLock(self.lock_path)
         self._lock.acquire()  # on any failure from here the caller calls `abandon`
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
         faults.fault_point("lock.acquired")
-        mode, records = self.resume_decision(fingerprint, source, force)
+        mode, records, found = self._decide(fingerprint, source, force)
         if mode is Mode.FRESH:
-            self._make_room(force)
+            self._make_room(force, found)  # what was just read, under the lock
+        # One path for every mode: the ledger is rewritten (atomically) with the records just
+        # read under the lock; a torn last line of an interrupted run is left behind with it.
         ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
-        if mode is Mode.RESUME:
-            ledger.load()
-        else:
-            ledger.start(records.values())
+        ledger.start(records.values())
         fsio.remove(self.tmp)  # temporaries of a crashed run (a link: only the link)
         self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
         return mode, ledger
 
-    def _make_room(self, force: bool) -> None:
+    def _make_room(self, force: bool, found: Survey) -> None:
         """A fresh run: the directory must be empty, or hold only files we recorded writing
         (removed with --force). The state folder of another plan is reset."""
         entries = self._entries()
         if entries:
-            foreign = self._foreign(entries)
+            foreign = self._foreign(entries, found.ours())
             if not force:
                 hint = (
                     "pass --force to replace the files kimi-convert wrote there, or choose "
@@ -384,57 +425,28 @@ class OutputDir:
                     else "choose another directory: "
                     "this one holds files kimi-convert has no record of writing"
                 )
-                owner = self.owner()
-                raise fail(
-                    Code.OUTPUT_NOT_EMPTY,
-                    "output directory is not empty and is not a resumable run of this conversion"
-                    + (f": it holds the conversion of {owner}" if owner else ""),
-                    file=str(self.root),
-                    hint=hint,
-                )
+                owner = found.owner()
+                if owner:
+                    raise fatal(
+                        Code.OUTPUT_NOT_EMPTY,
+                        rule="convert-owned",
+                        file=self.root,
+                        owner=owner,
+                        hint=hint,
+                    )
+                raise fatal(Code.OUTPUT_NOT_EMPTY, rule="convert", file=self.root, hint=hint)
             if foreign:
                 shown = ", ".join(str(p.relative_to(self.root)) for p in foreign[:5])
                 more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-                raise fail(
-                    Code.FOREIGN_OUTPUT,
-                    "--force only removes files kimi-convert's own "
-                    "records (its ledger, journal or checksums file in this directory) "
-                    "say it wrote, unchanged since; these are not: " + shown + more,
-                    file=str(self.root),
-                    hint="move them out or choose another output directory; nothing was deleted",
-                )
-            self._remove_ours(entries)
+                raise fatal(Code.FOREIGN_OUTPUT, rule="force", file=self.root, files=shown + more)
+            self._remove_ours(entries, found.ours())
         for path in self.state.iterdir():  # another plan's ledger and temporaries
             if path.name not in (_LOCK, _PARTIALS):  # the partials are still to be removed
                 fsio.remove(path)  # the state folder is a real directory (`claim`)
 
-    def _recorded(self) -> dict[str, tuple[int, str | None, str | None]]:
-        """name -> (size, header sha256 for shards, sha256 for other files where recorded) of
-        every file our records say we wrote."""
-        names: dict[str, tuple[int, str | None, str | None]] = {}
-        recorded = self._checksums_file()
-        files = recorded.get("files") if recorded.get("format_version") else None
-        if isinstance(files, dict):
-            for name, entry in files.items():
-                if isinstance(entry, dict) and type(entry.get("size")) is int:
-                    sha = entry.get("sha256")
-                    names[name] = (
-                        entry["size"],
-                        entry.get("header_sha256"),
-                        sha if isinstance(sha, str) else None,
-                    )
-            if fsio.is_regular(self.checksums, follow=False):
-                names[CHECKSUMS_NAME] = (self.checksums.stat().st_size, None, None)
-        for record in Ledger.read(self.ledger_path)[1].values():
-            names[record.shard] = (record.size, record.header_sha256, None)
-        for entry in _read_lines(self.journal_path):
-            if isinstance(entry.get("file"), str) and type(entry.get("size")) is int:
-                names[entry["file"]] = (entry["size"], None, None)
-        return names
-
-    def _foreign(self, entries: list[Path]) -> list[Path]:
-        """The files under `entries` that our records do not name with their current size."""
-        recorded = self._recorded()
+    def _foreign(self, entries: list[Path], recorded: Mapping[str, tuple]) -> list[Path]:
+        """The files under `entries` that our records (`Survey.ours`) do not name with their
+        current size."""
         foreign = []
         for entry in entries:
             paths = (
@@ -459,10 +471,9 @@ class OutputDir:
                     foreign.append(path)
         return foreign
 
-    def _remove_ours(self, entries: list[Path]) -> None:
+    def _remove_ours(self, entries: list[Path], recorded: Mapping[str, tuple]) -> None:
         """Remove files proven ours: the index first (it marks an output complete), the
         checksums file last (it is the record); the journal keeps the record meanwhile."""
-        recorded = self._recorded()
         files = self._all_files(entries)
         lines = []
         for path in files:
@@ -475,35 +486,20 @@ class OutputDir:
         for entry in entries:  # folders that held only our files
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
-        fsync_dir(self.root)
-
-    def _make_dir(self, path: Path) -> None:
-        """mkdir -p, 0755 whatever the umask (others must read it); remember what we made."""
-        missing = [p for p in (path, *path.parents) if not p.exists()]
-        path.mkdir(parents=True, exist_ok=True)
-        for p in reversed(missing):
-            os.chmod(p, 0o755)
-            self._created.append(p)
+        fsio.fsync_dir(self.root)
 
     def begin_writes(self) -> None:
         """Called before the first change to the directory: it stops looking complete."""
         with self._write_lock:
             if not self._writing:
                 self.index.unlink(missing_ok=True)
-                fsync_dir(self.root)
+                fsio.fsync_dir(self.root)
                 self._writing = True
 
     def check_free_space(self, needed: int) -> None:
         free = shutil.disk_usage(self.root).free
         if needed > free:
-            raise fail(
-                Code.NO_SPACE,
-                "not enough free space for the output",
-                file=str(self.root),
-                expected=f"{needed} bytes free",
-                found=f"{free} bytes free",
-                hint="free space or choose another output directory; --dry-run shows the size",
-            )
+            raise fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
 
     # -- finishing -------------------------------------------------------------------------
     def finalize(self, files: list[FinalFile]) -> int:
@@ -514,23 +510,14 @@ class OutputDir:
         strays = [
             p for p in self._all_files(entries) if str(p.relative_to(self.root)) not in expected
         ]
-        foreign = self._foreign(strays) if strays else []
+        foreign = self._foreign(strays, self.survey().ours()) if strays else []
         # Files our records say we wrote that this conversion no longer has (the source
         # dropped them): ours to remove, after the index (the output stops looking complete).
         dropped = [p for p in strays if p not in foreign]
         strays = foreign
         if strays:
             raise Fatal(
-                [
-                    Problem(
-                        Code.FOREIGN_OUTPUT,
-                        "file in the output directory that this "
-                        "conversion did not write; the output is not finalized while "
-                        "it is there",
-                        file=str(p),
-                    )
-                    for p in strays[:20]
-                ],
+                [problem(Code.FOREIGN_OUTPUT, rule="finalize", file=p) for p in strays[:20]],
                 hint="move it out of the output directory, then rerun the same "
                 "command: finished shards are kept",
             )
@@ -543,7 +530,7 @@ class OutputDir:
                 for folder in path.relative_to(self.root).parents[:-1]:  # now empty: gone too
                     with contextlib.suppress(OSError):
                         (self.root / folder).rmdir()
-            fsync_dir(self.root)
+            fsio.fsync_dir(self.root)
         index = [f for f in files if f.name == INDEX_NAME]
         for group in ([f for f in files if f.name != INDEX_NAME], index):
             for f in group:
@@ -555,7 +542,7 @@ class OutputDir:
                 self._write_final(path, f)
                 rewritten += 1
                 faults.fault_point(_FAULT_LABELS.get(f.name, "finalize.extra"))
-            fsync_dir(self.root)  # everything else is durable before the index appears
+            fsio.fsync_dir(self.root)  # everything else is durable before the index appears
         return rewritten
 
     def _entries(self) -> list[Path]:
@@ -585,12 +572,8 @@ class OutputDir:
 
     def _write_final(self, path: Path, f: FinalFile) -> None:
         if not _inside(self.root, path):  # a symlinked folder must not lead writes elsewhere
-            raise fail(
-                Code.LINK_ESCAPES,
-                "output path leads outside the output directory (a symlink?)",
-                file=str(path),
-            )
-        self._make_dir(path.parent)
+            raise fatal(Code.LINK_ESCAPES, rule="output", file=path)
+        self._created += fsio.make_dirs(path.parent)
         tmp = self.tmp / (path.name + ".partial")
         try:
             with os.fdopen(fsio.create_fresh(tmp), "wb") as out:
@@ -605,10 +588,10 @@ class OutputDir:
                             digest.update(chunk)
                             out.write(chunk)
                     if digest.hexdigest() != f.sha256:
-                        raise fail(
+                        raise fatal(
                             Code.SOURCE_CHANGED,
-                            "source file changed while it was being copied",
-                            file=str(f.copy_from),
+                            rule="copy",
+                            file=f.copy_from,
                             hint=self.resume_hint("make sure nothing writes to the source"),
                         )
                 out.flush()
@@ -627,35 +610,29 @@ class OutputDir:
         name = path if path is not None else exc.filename
         file = None if name is None else os.fsdecode(name)
         if self._state_made and not fsio.is_real_dir(self.state):
-            return fail(
-                Code.STATE_LOST,
-                f"the state folder {self.state} was removed or replaced during the "
-                "run: there is no longer a record of what this run wrote",
-                file=file,
-                expected="the state folder this run made",
-                found=fsio.describe(self.state),
-                hint="find what removed it, then rerun: files kimi-convert cannot prove "
-                "it wrote are never deleted (choose an empty directory if it refuses)",
+            return fatal(
+                Code.STATE_LOST, file=file, state=self.state, kind=fsio.describe(self.state)
             )
         if exc.errno in PERMISSION_ERRNOS:
-            return fail(
+            return fatal(
                 Code.PERMISSION_DENIED,
-                f"no permission: {exc.strerror or exc}",
+                rule="write",
                 file=file,
+                error=exc.strerror or exc,
                 hint=self.resume_hint("make the output directory writable for this user"),
             )
         if exc.errno in SPACE_ERRNOS:
-            return fail(
+            return fatal(
                 Code.NO_SPACE,
-                "no space left on the device (or file size limit reached)",
+                rule="device",
                 file=file,
-                found=os.strerror(exc.errno),
+                error=os.strerror(exc.errno),
                 hint=self.resume_hint("free some space"),
             )
-        return fail(
+        return fatal(
             Code.IO_ERROR,
-            f"I/O error: {exc.strerror or exc}",
             file=file,
+            error=exc.strerror or exc,
             hint=self.resume_hint("fix the cause"),
         )
 
@@ -673,7 +650,7 @@ class OutputDir:
 
     def partials(self) -> list[Path]:
         """Every partial download recorded by `note_partial` and not yet forgotten."""
-        entries = _read_lines(self.partials_path)
+        entries = _json_lines(fsio.read_if_regular(self.partials_path))
         return [Path(e["path"]) for e in entries if isinstance(e.get("path"), str)]
 
     def forget_partials(self) -> None:
@@ -803,10 +780,11 @@ def _ignored(path: Path, root: Path) -> bool:
     return contract.not_part_of_checkpoint(path.relative_to(root).as_posix())
 
 
-def _read_lines(path: Path) -> list[dict]:
+def _json_lines(data: bytes | None) -> list[dict]:
+    """The JSON objects of a record file's lines (a torn or edited line is no record)."""
     try:
-        lines = fsio.read_regular(path, follow=False).decode("utf-8").splitlines()
-    except (OSError, ValueError):  # missing, not a regular file, not UTF-8: no record
+        lines = (data or b"").decode("utf-8").splitlines()
+    except ValueError:  # not UTF-8: no record
         return []
     out = []
     for line in lines:
@@ -815,6 +793,15 @@ def _read_lines(path: Path) -> list[dict]:
             if isinstance(value, dict):
                 out.append(value)
     return out
+
+
+def _json_object(data: bytes | None) -> dict | None:
+    """A record file's JSON object, or None (missing, unreadable, not an object)."""
+    try:
+        value = json.loads((data or b"").decode("utf-8"))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _same_file(path: Path, f: FinalFile) -> bool:
@@ -829,21 +816,3 @@ def _same_file(path: Path, f: FinalFile) -> bool:
 def _inside(root: Path, path: Path) -> bool:
     parent = Path(os.path.realpath(path.parent))  # never raises on a link loop
     return parent == root or root in parent.parents
-
-
-def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
-    tmp = tmp_dir / (path.name + ".partial")
-    with os.fdopen(fsio.create_fresh(tmp), "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -21,13 +21,13 @@ from pathlib import Path
 
 from .. import __version__
 from . import contract
-from .errors import Code, Fatal, Problem, fail
+from .errors import Code, Fatal, Problem, fatal
 from .execute import Executor
 from .execute.local import LocalExecutor
 from .execute.shard import (
-    Hooks,
-    Job,
     Outcome,
+    ShardContext,
+    ShardEvents,
     ShardOutcome,
     SourceChanged,
     SourceFiles,
@@ -37,7 +37,7 @@ from .hashing import sha256_bytes, sha256_file
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
 from .outdir import FinalFile, FinalFiles, Mode, OutputDir, Session, SourceId
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
-from .source import Origin, Source, SourceReader, read_source
+from .source import Origin, Source, read_source, source_id
 from .source.local import LocalOrigin
 from .validate import validate_source
 
@@ -156,23 +156,13 @@ class Reporter:
 def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
     """Resolve, read headers, validate, plan: no writes. Raises with every problem."""
     if opts.max_shard_size <= 0:
-        raise fail(
-            Code.USAGE,
-            "--max-shard-size must be positive",
-            found=str(opts.max_shard_size),
-        )
+        raise fatal(Code.USAGE, rule="max-shard-size", size=opts.max_shard_size)
     manifest = load_manifest(opts.manifest)
     found = opts.origin.resolve(opts.source, opts.revision)
     root = found.root
     out = Path(os.path.realpath(opts.out.expanduser()))  # a link loop: no exception
     if out == root or root in out.parents:
-        raise fail(
-            Code.OUTPUT_INSIDE_SOURCE,
-            "output directory is the source or inside it",
-            file=str(out),
-            expected="a directory outside the source",
-            found=str(root),
-        )
+        raise fatal(Code.OUTPUT_INSIDE_SOURCE, file=out, source=root)
     with gc_paused():
         source = read_source(root, opts.source, found.reader)
         table, problems = validate_source(source, manifest)
@@ -209,10 +199,11 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
 
 def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     source, manifest, plan = prepare(opts)
+    identity = source_id(source, source.reader)
+    planned = {f: h.header_sha256 for f, h in source.headers.items()}
+    sources = opts.executor.open_sources(source.root, source.shard_files, planned, source.reader)
     out = OutputDir(opts.out)
     result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
-    sources = _source_files(opts, source)
-    identity = source_id(source, source.reader)
     try:
         if opts.dry_run:
             result.preview = preview(out, plan, sources, opts.rehash, identity, opts.force)
@@ -227,26 +218,6 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     return result
 
 
-def _source_files(opts: ConvertOptions, source: Source) -> SourceFiles:
-    planned = {f: h.header_sha256 for f, h in source.headers.items()}
-    return opts.executor.source_files(source.root, source.shard_files, planned, source.reader)
-
-
-def source_id(source: Source, origin: SourceReader | None) -> SourceId:
-    """Which source this is: where it was read from (machine-local, kept in the state folder
-    and, hashed, in the checksums file) and a name safe to publish (a repo id, or the
-    directory's own name: never a path of this machine)."""
-    repo = getattr(origin, "repo", None)  # a Hub snapshot, pinned to one commit
-    if repo is not None:
-        return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
-    root = source.root.resolve()
-    folder = root.parent.parent.name  # the Hub cache: models--org--name/snapshots/<commit>
-    if root.parent.name == "snapshots" and folder.startswith("models--"):
-        repo_id = folder.removeprefix("models--").replace("--", "/")
-        return SourceId(repo_id, f"hub:{repo_id}@{root.name}")  # as a --download run
-    return SourceId(root.name, str(root))
-
-
 def preview(
     out: OutputDir,
     plan: Plan,
@@ -259,11 +230,11 @@ def preview(
     (read-only: no lock, nothing written). Refuses what the run would refuse."""
     identity = identity or SourceId("", "")
     mode, records = out.resume_decision(plan.fingerprint, identity, force)
-    job = Job(sources, out.root, out.tmp, rehash=rehash)
+    context = ShardContext(sources, out.root, out.tmp, rehash=rehash)
     result = Preview(mode)
     for shard in plan.shards:
         record = records.get(shard.name)
-        reason = why_not_kept(shard, record, job)
+        reason = why_not_kept(shard, record, context)
         if reason is None:
             result.keep.append(shard.name)
         else:
@@ -292,21 +263,27 @@ def _run(
             result.outcomes.append(outcome)
         reporter.shard_done(outcome)
 
-    hooks = Hooks(
+    events = ShardEvents(
         on_bytes=reporter.advance, on_scale_nan=scale_problems.append, before_write=run.begin_writes
     )
-    job = Job(
-        sources, run.root, run.tmp, hooks=hooks, check_scales=opts.check_scales, rehash=opts.rehash
+    context = ShardContext(
+        sources,
+        run.root,
+        run.tmp,
+        events=events,
+        check_scales=opts.check_scales,
+        rehash=opts.rehash,
     )
     reporter.start(plan.output_bytes, len(plan.shards))
     started = time.perf_counter()
     try:
-        opts.executor.run(plan.shards, job, run.ledger, on_done)
+        opts.executor.run(plan.shards, context, run.ledger, on_done)
     except SourceChanged as exc:  # worded while the state it describes still holds
-        raise fail(
+        raise fatal(
             Code.SOURCE_CHANGED,
-            f"source file {exc.detail}",
+            rule="read",
             file=exc.file,
+            change=exc.detail,
             hint=run.resume_hint("make sure nothing writes to the source"),
         ) from None
     finally:

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from . import contract
-from .errors import Code, fail
+from .errors import Code, fatal
 from .manifest import Dims
 from .safetensors_format import MAX_HEADER_BYTES, TensorInfo, build_header
 from .source import Source
@@ -59,7 +59,8 @@ class OutputShard:
         return len(self.header) + self.data_size
 
     @cached_property
-    def source_files(self) -> list[str]:
+    def input_files(self) -> list[str]:
+        """The source shard files this shard's bytes are copied from, sorted."""
         return sorted({p.file for t in self.tensors for p in t.pieces})
 
 
@@ -162,11 +163,7 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
             shape = (up.shape[0] + gate.shape[0], *up.shape[1:])
             outputs[slot] = new(tensor_cls, (w31, up.dtype, shape, pieces, up_len + gate_len))
     if waiting:  # validation reports a missing partner first; this is a programming error
-        raise fail(
-            Code.EXPERT_PARTNER_MISSING,
-            "w1/w3 half without its partner",
-            tensor=next(iter(waiting)),
-        )
+        raise fatal(Code.EXPERT_PARTNER_MISSING, rule="plan", tensor=next(iter(waiting)))
     return outputs  # type: ignore[return-value]  # every slot is filled
 
 
@@ -202,12 +199,11 @@ def pack_shards(
     for i, (group, header) in enumerate(packed, start=1):
         shard = OutputShard(shard_name(i, len(packed)), group, header)
         if len(header) - 8 > MAX_HEADER_BYTES:  # one tensor alone: its name is > 100 MB
-            raise fail(
+            raise fatal(
                 Code.OUTPUT_HEADER_TOO_LARGE,
-                "planned shard header exceeds the safetensors limit",
                 file=shard.name,
-                expected=f"<= {MAX_HEADER_BYTES}",
-                found=str(len(header) - 8),
+                limit=MAX_HEADER_BYTES,
+                length=len(header) - 8,
             )
         shards.append(shard)
     return shards

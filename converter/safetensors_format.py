@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
-from .errors import Code, Fatal, Problem, fail
+from .errors import Code, Fatal, Problem, fatal, problem
 from .hashing import sha256_bytes
 
 MAX_HEADER_BYTES = 100_000_000
@@ -121,21 +121,34 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     return (bits + 7) // 8
 
 
-def dims_problem(dtype: str, shape: Sequence[int]) -> tuple[Code, str] | None:
+def dims_problem(
+    dtype: str, shape: Sequence[int], file: str | None = None, tensor: str | None = None
+) -> Problem | None:
     """The library's size arithmetic (`Metadata::validate`), None where it holds: the
     element count is folded left to right in a usize (so [2^40, 2^40, 0] overflows while
     [0, 2^40, 2^40] does not), times the dtype's bits, and no step may overflow; the bits
     must fill whole bytes (sub-byte dtypes)."""
-    count = 1
+    count, dims = 1, list(shape)
     for dim in shape:
         count *= dim
         if count > USIZE_MAX or dim > USIZE_MAX:
-            return Code.HEADER_OVERFLOW, "element count overflows a usize (2^64 - 1)"
+            return problem(
+                Code.HEADER_OVERFLOW,
+                rule="elements",
+                file=file,
+                tensor=tensor,
+                dtype=dtype,
+                shape=dims,
+            )
     bits = count * DTYPE_BITS[dtype]
     if bits > USIZE_MAX:
-        return Code.HEADER_OVERFLOW, "size in bits overflows a usize (2^64 - 1)"
+        return problem(
+            Code.HEADER_OVERFLOW, rule="bits", file=file, tensor=tensor, dtype=dtype, shape=dims
+        )
     if bits % 8:
-        return Code.HEADER_SUB_BYTE, f"{count} elements of {dtype} do not fill whole bytes"
+        return problem(
+            Code.HEADER_SUB_BYTE, file=file, tensor=tensor, count=count, dtype=dtype, shape=dims
+        )
     return None
 
 
@@ -204,9 +217,9 @@ def parse_header_bytes(file: str, raw: bytes, file_size: int) -> ShardHeader:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise fail(Code.HEADER_NOT_UTF8, f"header is not UTF-8 ({exc.reason})", file=file) from None
+        raise fatal(Code.HEADER_NOT_UTF8, file=file, error=exc.reason) from None
     if not text.lstrip().startswith("{"):
-        raise fail(Code.HEADER_NOT_JSON, "header is not a JSON object", file=file)
+        raise fatal(Code.HEADER_NOT_JSON, rule="not-object", file=file)
     data_start = 8 + len(raw)
     parsed = _parse_common_header(text, data_start)
     if parsed is None:  # anything unusual: the strict path finds and words every problem
@@ -293,9 +306,6 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
     """Every rule checked field by field, with one message per problem found."""
     problems: list[Problem] = []
 
-    def bad(code: Code, what: str, tensor: str | None = None, **kw: str) -> None:
-        problems.append(Problem(code, what, file=file, tensor=tensor, **kw))
-
     try:
         doc = json.loads(
             text,
@@ -304,22 +314,15 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
             parse_constant=_no_constant,
         )
     except _DuplicateKey as exc:
-        raise fail(
-            Code.HEADER_DUPLICATE_KEY, f"header has duplicate key {exc.key!r}", file=file
-        ) from None
+        raise fatal(Code.HEADER_DUPLICATE_KEY, file=file, key=exc.key) from None
     except (ValueError, RecursionError) as exc:  # also ints beyond Python's digit limit
-        raise fail(Code.HEADER_NOT_JSON, f"header is not valid JSON ({exc})", file=file) from None
+        raise fatal(Code.HEADER_NOT_JSON, rule="syntax", file=file, error=exc) from None
     if not isinstance(doc, dict):
-        raise fail(Code.HEADER_NOT_JSON, "header is not a JSON object", file=file)
+        raise fatal(Code.HEADER_NOT_JSON, rule="not-object", file=file)
     if "\\u" in text:
         lone = _lone_surrogate(doc)
         if lone is not None:
-            raise fail(
-                Code.HEADER_NOT_JSON,
-                "header has a string with a lone UTF-16 surrogate escape (not valid Unicode)",
-                file=file,
-                found=ascii(lone),
-            )
+            raise fatal(Code.HEADER_NOT_JSON, rule="surrogate", file=file, text=ascii(lone))
 
     metadata: dict[str, str] = {}
     raw_meta = doc.pop("__metadata__", None)
@@ -327,61 +330,59 @@ def _parse_strict(file: str, text: str, data_start: int) -> tuple[dict[str, Tens
         if not isinstance(raw_meta, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
         ):
-            bad(Code.HEADER_METADATA, "__metadata__ must map strings to strings")
+            problems.append(problem(Code.HEADER_METADATA, file=file))
         else:
             metadata = raw_meta
 
     tensors: dict[str, TensorInfo] = {}
     for name, entry in doc.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            bad(Code.HEADER_ENTRY, "entry must have exactly dtype, shape and data_offsets", name)
+            problems.append(problem(Code.HEADER_ENTRY, file=file, tensor=name))
             continue
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-            bad(
-                Code.HEADER_DTYPE,
-                "unknown dtype",
-                name,
-                expected="a safetensors dtype",
-                found=repr(dtype),
-            )
+            problems.append(problem(Code.HEADER_DTYPE, file=file, tensor=name, dtype=dtype))
             continue
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            bad(
-                Code.HEADER_SHAPE,
-                "shape must be a list of non-negative integers",
-                name,
-                found=repr(shape),
-            )
+            problems.append(problem(Code.HEADER_SHAPE, file=file, tensor=name, shape=shape))
             continue
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
             or not all(type(o) is int for o in offsets)
         ):
-            bad(Code.HEADER_OFFSETS, "data_offsets must be two integers", name, found=repr(offsets))
+            problems.append(
+                problem(
+                    Code.HEADER_OFFSETS,
+                    rule="two-integers",
+                    file=file,
+                    tensor=name,
+                    offsets=offsets,
+                )
+            )
             continue
         begin, end = offsets
         if begin < 0 or end < begin:
-            bad(
-                Code.HEADER_OFFSETS,
-                "data_offsets out of order or negative",
-                name,
-                found=repr(offsets),
+            problems.append(
+                problem(Code.HEADER_OFFSETS, rule="order", file=file, tensor=name, offsets=offsets)
             )
             continue
-        dims = dims_problem(dtype, shape)
+        dims = dims_problem(dtype, shape, file, name)
         if dims is not None:
-            bad(dims[0], dims[1], name, found=f"{dtype}{shape}")
+            problems.append(dims)
             continue
         want = tensor_nbytes(dtype, shape)
         if end - begin != want:
-            bad(
-                Code.HEADER_SIZE_MISMATCH,
-                "byte size disagrees with dtype and shape",
-                name,
-                expected=f"{want} bytes for {dtype}{shape}",
-                found=f"{end - begin} bytes",
+            problems.append(
+                problem(
+                    Code.HEADER_SIZE_MISMATCH,
+                    file=file,
+                    tensor=name,
+                    want=want,
+                    dtype=dtype,
+                    shape=shape,
+                    size=end - begin,
+                )
             )
             continue
         tensors[name] = TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
@@ -413,28 +414,25 @@ def _check_tiling(
     cursor = data_start
     for info in ordered:
         if info.begin != cursor:
-            overlap = info.begin < cursor
-            kind = "overlaps the previous tensor" if overlap else "leaves a gap"
             problems.append(
-                Problem(
-                    Code.HEADER_OVERLAP if overlap else Code.HEADER_GAP,
-                    f"data_offsets {kind}",
+                problem(
+                    Code.HEADER_OVERLAP if info.begin < cursor else Code.HEADER_GAP,
                     file=file,
                     tensor=info.name,
-                    expected=f"start at {cursor - data_start}",
-                    found=str(info.begin - data_start),
+                    want=cursor - data_start,
+                    begin=info.begin - data_start,
                 )
             )
         cursor = max(cursor, info.end)
     if cursor != file_size and not problems:
-        code, what = (
-            (Code.FILE_TRUNCATED, "file is truncated")
-            if cursor > file_size
-            else (Code.FILE_TRAILING_BYTES, "file has trailing bytes")
-        )
-        problems.append(
-            Problem(code, what, file=file, expected=f"{cursor} bytes", found=f"{file_size} bytes")
-        )
+        if cursor > file_size:
+            problems.append(
+                problem(Code.FILE_TRUNCATED, rule="header", file=file, want=cursor, size=file_size)
+            )
+        else:
+            problems.append(
+                problem(Code.FILE_TRAILING_BYTES, file=file, want=cursor, size=file_size)
+            )
     if problems:
         raise Fatal(problems)
     return {info.name: info for info in ordered}
@@ -470,22 +468,19 @@ def library_problem(path: str | os.PathLike[str], header: ShardHeader) -> Proble
     try:
         reading = library_reading(path)
     except Exception as exc:  # SafetensorError, OSError, ...: each one a refusal
-        return Problem(
-            Code.HEADER_LIBRARY_REFUSES,
-            f"the safetensors library cannot open this file ({type(exc).__name__}: {exc})",
-            file=header.file,
-        )
+        error = f"{type(exc).__name__}: {exc}"
+        return problem(Code.HEADER_LIBRARY_REFUSES, rule="open", file=header.file, error=error)
     ours = {name: (t.dtype, t.shape) for name, t in header.tensors.items()}
     if reading == ours:
         return None
     name = min(reading.keys() ^ ours.keys() or {n for n in ours if reading[n] != ours[n]})
-    return Problem(
+    return problem(
         Code.HEADER_LIBRARY_REFUSES,
-        "the safetensors library reads this tensor differently from the strict reader",
+        rule="reads-differently",
         file=header.file,
         tensor=name,
-        expected=repr(ours.get(name)),
-        found=repr(reading.get(name)),
+        ours=ours.get(name),
+        theirs=reading.get(name),
     )
 
 
@@ -497,39 +492,21 @@ def read_header_bytes(path: str | os.PathLike[str], name: str) -> tuple[bytes, i
             length = check_header_length(name, fh.read(8), file_size)
             raw = fh.read(length)
     except OSError as exc:
-        raise fail(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror})", file=name) from None
+        raise fatal(Code.FILE_UNREADABLE, rule="read", file=name, error=exc.strerror) from None
     return raw, file_size
 
 
 def check_header_length(name: str, prefix: bytes, file_size: int) -> int:
     """The header length the 8-byte prefix gives, checked against the limit and the file."""
     if len(prefix) < 8:
-        raise fail(
-            Code.HEADER_TOO_SMALL,
-            "file too small for a safetensors header",
-            file=name,
-            expected="at least 8 bytes",
-            found=f"{file_size} bytes",
-        )
+        raise fatal(Code.HEADER_TOO_SMALL, file=name, size=file_size)
     (length,) = struct.unpack("<Q", prefix[:8])
     if length == 0:
-        raise fail(Code.HEADER_LENGTH_ZERO, "header length is 0", file=name)
+        raise fatal(Code.HEADER_LENGTH_ZERO, file=name)
     if length > MAX_HEADER_BYTES:
-        raise fail(
-            Code.HEADER_TOO_LARGE,
-            "header length exceeds the 100 MB limit",
-            file=name,
-            expected=f"<= {MAX_HEADER_BYTES}",
-            found=str(length),
-        )
+        raise fatal(Code.HEADER_TOO_LARGE, file=name, limit=MAX_HEADER_BYTES, length=length)
     if 8 + length > file_size:
-        raise fail(
-            Code.HEADER_BEYOND_FILE,
-            "header length is larger than the file",
-            file=name,
-            expected=f"<= {file_size - 8}",
-            found=str(length),
-        )
+        raise fatal(Code.HEADER_BEYOND_FILE, file=name, room=file_size - 8, length=length)
     return length
 
 

@@ -12,13 +12,13 @@ expected one needs no per-expert bookkeeping.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from . import contract
 from .console import id_ranges
-from .errors import Code, Problem
-from .manifest import Dims, Manifest, TensorRule, check_inventory, resolve_dims
+from .errors import Code, Problem, problem
+from .manifest import Dims, Expectation, ExpertSpec, Inventory, Manifest, expect
 from .safetensors_format import TensorInfo
 from .source import Source
 
@@ -60,55 +60,28 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
     marks = contract.marks(config)
     if marks:
         problems.append(
-            Problem(
-                Code.ALREADY_MARKED,
-                "config already carries the kimi_w31 "
-                "markers: this checkpoint is converted already, or tampered "
-                "with",
-                file=contract.CONFIG_NAME,
-                expected="no kimi_w31 block or wrapper",
-                found=", ".join(marks),
-            )
+            problem(Code.ALREADY_MARKED, file=contract.CONFIG_NAME, marks=", ".join(marks))
         )
     if not any(
         isinstance(contract.get(h, "quantization_config"), dict)
         for h in (config, contract.text_config(config))
     ):
         problems.append(
-            Problem(
-                Code.NO_QUANTIZATION_CONFIG,
-                "config has no quantization_config: this is not an MXFP4 checkpoint",
-                file=contract.CONFIG_NAME,
-            )
+            problem(Code.NO_QUANTIZATION_CONFIG, rule="source", file=contract.CONFIG_NAME)
         )
-    dims, dim_problems = resolve_dims(manifest, config)
-    problems += dim_problems
     act = contract.config_value(config, "hidden_act")
     if act != contract.FIXED_FIELDS["activation"]:
         problems.append(
-            Problem(
-                Code.SITU_MISMATCH,
-                "config's hidden_act is not 'situ': the converted block would announce an "
-                "activation the model does not use",
-                file=contract.CONFIG_NAME,
-                expected="'situ'",
-                found=repr(act),
-            )
+            problem(Code.SITU_MISMATCH, rule="hidden-act", file=contract.CONFIG_NAME, act=act)
         )
     # Bounded by the source's own tensor count: nothing is built from a config size above it.
     bound = sum(len(h.tensors) for h in source.headers.values())
-    rule, rule_problems = contract.layer_rule(config, bound)
-    if not any(p.code is Code.CONFIG_BOUND for p in rule_problems):
-        # E as the manifest names it (the rule bounded `num_experts`).
-        too_big = contract.bound_problem(manifest.dims["E"], dims.values.get("E", 0), bound)
-        rule_problems += [too_big] if too_big else []
-    problems += rule_problems
-    if any(p.code is Code.CONFIG_BOUND for p in rule_problems):
-        return ExpertTable(dims), problems
-    table, tensor_problems = check_expert_tensors(
-        manifest, dims, source_tensors(source), set(rule.moe), converted=False, extra=rule.extra
-    )
-    tensor_problems += check_inventory(manifest, config, source_tensors(source))
+    expected, config_problems = expect(manifest, config, bound)
+    problems += config_problems
+    if not expected.bounded:
+        return ExpertTable(expected.dims), problems
+    table, tensor_problems = check_expert_tensors(expected, source_tensors(source))
+    tensor_problems += check_inventory(expected, source_tensors(source))
     return table, problems + tensor_problems
 
 
@@ -120,20 +93,15 @@ class _Verdict(NamedTuple):
 
 
 def check_expert_tensors(
-    manifest: Manifest,
-    dims: Dims,
-    tensors: Iterable[tuple[str, TensorInfo]],
-    moe_layers: set[int],
-    converted: bool,
-    extra: list[int] | tuple[int, ...] = (),
+    expected: Expectation, tensors: Iterable[tuple[str, TensorInfo]], converted: bool = False
 ) -> tuple[ExpertTable, list[Problem]]:
     """Check every routed-expert tensor, given as (file, info), against the contract and the
-    manifest: name grammar, dtype, shape, id range, partners, every expert of every MoE layer
-    and no expert anywhere else (`extra`: declared layers whose experts may be there, whole)."""
-    rules = manifest.rules(converted)
-    shapes = {key: dims.shape(rule.shape) for key, rule in rules.items()}
-    num_experts = dims.values.get("E")
-    table = ExpertTable(dims)
+    expectation: name grammar, dtype, shape, id range, partners, every expert of every MoE
+    layer and no expert anywhere else (the rule's `extra` layers: experts may be there, whole)."""
+    rules = expected.tensors
+    num_experts = expected.dims.values.get("E")
+    moe_layers, extra = set(expected.layers.moe), set(expected.layers.extra)
+    table = ExpertTable(expected.dims)
     problems: list[Problem] = []
     tails_by_prefix: dict[str, list[str]] = {}
     verdicts: dict[str, _Verdict | Problem] = {}
@@ -147,21 +115,12 @@ def check_expert_tensors(
         prefix, tail = split
         verdict = verdicts.get(tail)
         if verdict is None:
-            verdict = verdicts[tail] = _judge_tail(tail, rules, shapes, num_experts, converted)
+            verdict = verdicts[tail] = _judge_tail(tail, rules, num_experts, converted)
             if isinstance(verdict, _Verdict) and verdict.key.startswith(("w1.", "w3.")):
                 w31_tail = f"{verdict.expert}.{contract.FUSED}.{verdict.key[3:]}"
                 fusions[tail] = Fusion(w31_tail, verdict.key[:2] == contract.UP)
         if type(verdict) is Problem:
-            problems.append(
-                Problem(
-                    verdict.code,
-                    verdict.what,
-                    file=file,
-                    tensor=name,
-                    expected=verdict.expected,
-                    found=verdict.found,
-                )
-            )
+            problems.append(replace(verdict, file=file, tensor=name))
             continue
         tails = tails_by_prefix.get(prefix)
         if tails is None:
@@ -170,34 +129,28 @@ def check_expert_tensors(
         tails.append(tail)
         if info.dtype != verdict.dtype:
             problems.append(
-                Problem(
-                    Code.EXPERT_DTYPE,
-                    "wrong dtype",
-                    file=file,
-                    tensor=name,
-                    expected=verdict.dtype,
-                    found=info.dtype,
+                problem(
+                    Code.EXPERT_DTYPE, file=file, tensor=name, want=verdict.dtype, dtype=info.dtype
                 )
             )
         if verdict.shape is not None and info.shape != verdict.shape:
             problems.append(
-                Problem(
+                problem(
                     Code.EXPERT_SHAPE,
-                    "wrong shape",
                     file=file,
                     tensor=name,
-                    expected=str(list(verdict.shape)),
-                    found=str(list(info.shape)),
+                    want=list(verdict.shape),
+                    shape=list(info.shape),
                 )
             )
     problems += _check_layers(
-        table, tails_by_prefix, layer_of, verdicts, rules, num_experts, moe_layers, set(extra)
+        table, tails_by_prefix, layer_of, verdicts, rules, num_experts, moe_layers, extra
     )
     return table, problems
 
 
 def _judge_tail(
-    tail: str, rules: dict[str, TensorRule], shapes: dict, num_experts: int | None, converted: bool
+    tail: str, rules: dict[str, ExpertSpec], num_experts: int | None, converted: bool
 ) -> _Verdict | Problem:
     parsed = contract.parse_expert_tail(tail)
     grammar = (
@@ -205,31 +158,26 @@ def _judge_tail(
         f"<{'|'.join(contract.SUFFIXES)}>"
     )
     if parsed is None:
-        return Problem(
-            Code.EXPERT_NAME,
-            "tensor under an 'experts' component that is not a "
-            "routed-expert tensor of the contract's grammar",
-            expected=grammar,
-            found=repr("experts." + tail),
-        )
+        return problem(Code.EXPERT_NAME, rule="source", grammar=grammar, tail="experts." + tail)
     key = f"{parsed.proj}.{parsed.suffix}"
     if key not in rules:
-        what = (
+        why = (
             "w1/w3 expert tensor left in a converted checkpoint"
             if converted
             else "fused w31 tensor in a source checkpoint"
         )
-        return Problem(
-            Code.EXPERT_TENSOR_UNEXPECTED, what, expected=" / ".join(sorted(rules)), found=key
+        return problem(
+            Code.EXPERT_TENSOR_UNEXPECTED,
+            rule="source",
+            why=why,
+            allowed=" / ".join(sorted(rules)),
+            key=key,
         )
     if num_experts is not None and parsed.expert >= num_experts:
-        return Problem(
-            Code.EXPERT_ID_RANGE,
-            "expert id out of range",
-            expected=f"< {num_experts}",
-            found=str(parsed.expert),
+        return problem(
+            Code.EXPERT_ID_RANGE, rule="expert", experts=num_experts, expert=parsed.expert
         )
-    return _Verdict(parsed.expert, key, rules[key].dtype, shapes[key])
+    return _Verdict(parsed.expert, key, rules[key].dtype, rules[key].shape)
 
 
 def _check_layers(
@@ -251,36 +199,16 @@ def _check_layers(
         layer = layer_of[prefix]
         where = f"{prefix}experts.*"
         if layer is None:
-            problems.append(
-                Problem(
-                    Code.EXPERT_OUTSIDE_LAYER,
-                    "routed experts outside a 'layers.<i>.' component: no layer would load them",
-                    tensor=where,
-                )
-            )
+            problems.append(problem(Code.EXPERT_OUTSIDE_LAYER, tensor=where))
             continue
         if layer in by_layer:
             problems.append(
-                Problem(
-                    Code.LAYER_DUPLICATED,
-                    f"layer {layer} has routed experts under two prefixes",
-                    tensor=where,
-                    expected=f"only {by_layer[layer]}experts.*",
-                )
+                problem(Code.LAYER_DUPLICATED, tensor=where, layer=layer, prefix=by_layer[layer])
             )
             continue
         by_layer[layer] = prefix
         if layer not in moe_layers and layer not in extra:
-            problems.append(
-                Problem(
-                    Code.LAYER_UNEXPECTED,
-                    f"layer {layer} is not a MoE layer "
-                    "under the config's rule (num_hidden_layers, "
-                    "first_k_dense_replace, moe_layer_freq) but has routed "
-                    "experts",
-                    tensor=where,
-                )
-            )
+            problems.append(problem(Code.LAYER_UNEXPECTED, tensor=where, layer=layer))
             continue
         table.layers[prefix] = layer
         # Every accepted tail has an id below E and a key of the rules, so E x rules distinct
@@ -297,22 +225,15 @@ def _check_layers(
     missing = sorted(moe_layers - set(by_layer))
     if missing:
         problems.append(
-            Problem(
+            problem(
                 Code.LAYER_MISSING,
-                f"{len(missing)} MoE layer(s) have no routed experts at all",
-                expected=f"experts in layers {id_ranges(sorted(moe_layers))}",
-                found=f"none in layers {id_ranges(missing)}",
+                count=len(missing),
+                layers=id_ranges(sorted(moe_layers)),
+                missing=id_ranges(missing),
             )
         )
     if not table.experts_fused:
-        problems.append(
-            Problem(
-                Code.NO_EXPERTS,
-                "no routed-expert tensors found: not a Kimi-K3 MXFP4 checkpoint",
-                expected="experts.<id>.<w1|w2|w3>."
-                "<weight_packed|weight_scale> tensors in every MoE layer",
-            )
-        )
+        problems.append(problem(Code.NO_EXPERTS, rule="source"))
     return problems
 
 
@@ -324,21 +245,82 @@ def _missing_in_layer(
         missing = sorted(set(range(num_experts)) - set(experts))
         if missing:
             problems.append(
-                Problem(
+                problem(
                     Code.LAYER_INCOMPLETE,
-                    f"MoE layer is missing {len(missing)} of {num_experts} experts",
                     tensor=f"{prefix}experts.*",
-                    expected=f"ids 0..{num_experts - 1}",
-                    found=f"missing {id_ranges(missing)}",
+                    count=len(missing),
+                    experts=num_experts,
+                    last=num_experts - 1,
+                    missing=id_ranges(missing),
                 )
             )
     for expert, parts in sorted(experts.items()):
         for key in sorted(set(rules) - parts):
             problems.append(
-                Problem(
+                problem(
                     Code.EXPERT_PARTNER_MISSING,
-                    "expert tensor is missing (its partners exist)",
+                    rule="expert",
                     tensor=f"{prefix}experts.{expert}.{key}",
                 )
             )
     return problems
+
+
+def check_inventory(
+    expected: Expectation, tensors: Iterable[tuple[str, TensorInfo]]
+) -> list[Problem]:
+    """The non-expert tensors the expectation requires: each present (under any spelling the
+    model's loader maps alike) and stored unquantized. Missing names are reported once per
+    name pattern, with the layers that lack it."""
+    inventory = expected.inventory
+    if inventory is None:
+        return []
+    required = expected.required
+    found: dict[str, tuple[str, TensorInfo]] = {}
+    for file, info in tensors:
+        name = info.name
+        if ".experts." in name:  # routed experts are the contract's, checked elsewhere
+            continue
+        for spelled, canonical in inventory.aliases:
+            name = name.replace(spelled, canonical)
+        if name in required:
+            found[name] = (file, info)
+    problems = []
+    missing: dict[str, list[int]] = {}
+    for name, place in required.items():
+        hit = found.get(name)
+        if hit is None:
+            pattern, index = _pattern(name, inventory)
+            missing.setdefault(pattern, []).append(index)
+        elif hit[1].dtype not in inventory.dtypes:
+            problems.append(
+                problem(
+                    Code.INVENTORY_DTYPE,
+                    file=hit[0],
+                    tensor=hit[1].name,
+                    place=place,
+                    dtypes=" or ".join(sorted(inventory.dtypes)),
+                    dtype=hit[1].dtype,
+                )
+            )
+    for pattern, ids in missing.items():
+        unit = "blocks" if "{B}" in pattern else "layers"
+        where = f" in {unit} {id_ranges(ids)}" if ids != [-1] else ""
+        problems.append(
+            problem(Code.INVENTORY_MISSING, tensor=pattern, where=where, manifest=expected.manifest)
+        )
+    return problems
+
+
+def _pattern(name: str, inventory: Inventory) -> tuple[str, int]:
+    """(name with its layer or block index as a placeholder, the index; -1 if none)."""
+    for template, mark in (
+        (inventory.layer_prefix, "{L}"),
+        (inventory.vision_block_prefix, "{B}"),
+    ):
+        head, _, tail = template.partition(mark)
+        if name.startswith(head):
+            index, dot, rest = name[len(head) :].partition(".")
+            if dot and index.isdigit() and tail == ".":
+                return f"{head}{mark}.{rest}", int(index)
+    return name, -1

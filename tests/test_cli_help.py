@@ -52,7 +52,7 @@ def test_converting_never_imports_the_other_commands():
             "except SystemExit:",
             "    pass",
             "loaded = [m for m in sys.modules if m.startswith(('kimi_w31.adapter',",
-            "                                                   'kimi_w31.converter.verify'))]",
+            "                                                   'kimi_w31.converter.audit'))]",
             "print('loaded:', sorted(loaded))",
         ]
     )

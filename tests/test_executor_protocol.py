@@ -16,7 +16,7 @@ from kimi_w31.converter.execute.shard import SourceFiles
 from kimi_w31.converter.pipeline import ConvertOptions, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
-MEMBERS = ("claimed", "source_files", "download_progress", "plan_rows", "summary", "run")
+MEMBERS = ("claimed", "open_sources", "download_progress", "plan_rows", "summary", "run")
 
 
 def test_nothing_probes_the_executor():
@@ -43,7 +43,7 @@ def test_the_defaults_say_nothing_and_read_sources_from_disk(small_source):
     executor = LocalExecutor()
     assert executor.plan_rows(plan) == [] and executor.summary(plan) == {}
     assert type(executor.download_progress) is DownloadProgress
-    files = executor.source_files(source.root, source.shard_files, {})
+    files = executor.open_sources(source.root, source.shard_files, {})
     try:
         assert type(files) is SourceFiles and set(files.identity) == set(source.shard_files)
     finally:

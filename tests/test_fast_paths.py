@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import INDEX_NAME, moe_layer_ids
 from kimi_w31.converter.errors import Code, Fatal
-from kimi_w31.converter.manifest import load_manifest, resolve_dims
+from kimi_w31.converter.manifest import expect, load_manifest, resolve_dims
 from kimi_w31.converter.safetensors_format import (
     DTYPE_BITS,
     HeaderEntry,
@@ -193,9 +193,9 @@ def test_expert_check_counts_whole_layers_and_details_broken_ones(drop: str | No
         for n, d, s in tensor_specs(spec)
         if drop is None or not (n.endswith(drop) or drop in n and ".layers.2." in n)
     ]
-    table, problems = check_expert_tensors(
-        manifest, dims, infos, set(moe_layer_ids(make_config(spec))[0]), converted=False
-    )
+    expected, _ = expect(manifest, make_config(spec), None)
+    assert expected.dims == dims and expected.layers.moe == moe_layer_ids(make_config(spec))[0]
+    table, problems = check_expert_tensors(expected, infos)
     layers = table.experts
     assert sorted(layers.values()) == ([5, 6] if drop == "experts.5." else [6, 6])
     if drop is None:

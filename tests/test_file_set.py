@@ -1,5 +1,5 @@
 """The file set as the loader sees it: the converter's source reader and verify's own
-derivation (`verify/served.py`) agree on which shards a source serves, over generated
+derivation (`audit/served.py`) agree on which shards a source serves, over generated
 directory layouts; both are held to SGLang's loader in tests/sglang/test_file_set_differential.py.
 """
 
@@ -10,14 +10,14 @@ import shutil
 import numpy as np
 from file_layouts import NESTED, layouts, write_layout
 from hypothesis import HealthCheck, given, settings
+from kimi_w31.converter.audit import verify
+from kimi_w31.converter.audit.served import loaded_files, served_headers
 from kimi_w31.converter.contract import INDEX_NAME
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.pipeline import ConvertOptions, convert
 from kimi_w31.converter.source import read_source
 from kimi_w31.converter.source.local import LocalOrigin
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
-from kimi_w31.converter.verify import verify
-from kimi_w31.converter.verify.served import loaded_files, served_headers
 from safetensors.numpy import save_file
 
 # Why a reader may refuse a layout: the file set itself, or an index that disagrees with it.

@@ -883,7 +883,7 @@ def test_verify_does_not_require_plan_fingerprint(run, tmp_path, fingerprint):
     """Section 7: optional and opaque; a checker MUST NOT require or interpret it."""
     import shutil
 
-    from kimi_w31.converter.verify import verify
+    from kimi_w31.converter.audit import verify
 
     out = tmp_path / "out"
     shutil.copytree(run["out"], out)

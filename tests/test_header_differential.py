@@ -324,7 +324,7 @@ def test_verify_reports_a_file_the_library_refuses_never_crashes(
 ) -> None:
     """Where verify hands files to the library (--checksums, --numerics), the library's
     refusal is a Problem with a code at that level, never a traceback."""
-    from kimi_w31.converter.verify import verify
+    from kimi_w31.converter.audit import verify
 
     def refuse(*args, **kwargs):
         raise safetensors.SafetensorError("Error while deserializing header: refused")

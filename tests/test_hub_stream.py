@@ -595,7 +595,7 @@ def test_schedule_follows_the_plan_and_finds_the_smallest_window(hub_source, tmp
     order = download_order(plan.shards, source.shard_files)
     # synth moves one w3 into the last shard, so the output shard holding that w31 needs
     # source shard 6 right after 3; the rest follow in file order.
-    assert {SHARDS[2], SHARDS[5]} in [set(s.source_files) for s in plan.shards]
+    assert {SHARDS[2], SHARDS[5]} in [set(s.input_files) for s in plan.shards]
     assert order == [SHARDS[0], SHARDS[1], SHARDS[2], SHARDS[5], SHARDS[3], SHARDS[4]]
     sizes = {f: source.headers[f].file_size for f in SHARDS}
     est = estimate(plan.shards, source.shard_files, sizes, 0, 3, delete=True)

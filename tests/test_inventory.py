@@ -18,19 +18,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter import contract
 from kimi_w31.converter.errors import Code, Fatal
-from kimi_w31.converter.manifest import (
-    check_inventory,
-    expected_inventory,
-    load_manifest,
-    parse_manifest,
-)
+from kimi_w31.converter.manifest import expect, expected_inventory, load_manifest, parse_manifest
 from kimi_w31.converter.safetensors_format import TensorInfo
 from kimi_w31.converter.synth import AttnDims, SynthSpec, make_config, tensor_specs
-from kimi_w31.converter.validate import validate_source
+from kimi_w31.converter.validate import check_inventory, validate_source
 from sources import header_only_source, synth_source
 
 MANIFEST = load_manifest("kimi-k3")
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _inventory_problems(manifest, config, tensors):
+    """`check_inventory` under the expectation the manifest resolves from the config."""
+    return check_inventory(expect(manifest, config, None)[0], tensors)
 
 
 @st.composite
@@ -61,7 +61,7 @@ def test_synth_writes_exactly_the_inventory_the_manifest_requires(spec):
     tensors = tensor_specs(spec)
     non_expert = {n for n, _, _ in tensors if ".experts." not in n}
     assert non_expert == set(expected_inventory(MANIFEST.inventory, config))
-    assert check_inventory(MANIFEST, config, _infos(tensors)) == []
+    assert _inventory_problems(MANIFEST, config, _infos(tensors)) == []
 
 
 @SETTINGS
@@ -78,7 +78,7 @@ def test_each_missing_kind_is_named_with_its_layers(spec, data):
         block = pattern.split(".blocks.")[1].split(".")[0]
         pattern = pattern.replace(f".blocks.{block}.", ".blocks.{B}.")
     dropped = [t for t in tensors if not _same_pattern(t[0], pattern)]
-    problems = check_inventory(MANIFEST, config, _infos(dropped))
+    problems = _inventory_problems(MANIFEST, config, _infos(dropped))
     assert [(p.code, p.tensor) for p in problems] == [(Code.INVENTORY_MISSING, pattern)]
 
 
@@ -98,7 +98,7 @@ def test_a_quantized_non_expert_tensor_is_refused(spec, data):
     i = data.draw(st.sampled_from([i for i, t in enumerate(tensors) if ".experts." not in t[0]]))
     name, _, shape = tensors[i]
     tensors[i] = (name, "U8", shape)
-    problems = check_inventory(MANIFEST, make_config(spec), _infos(tensors))
+    problems = _inventory_problems(MANIFEST, make_config(spec), _infos(tensors))
     assert [(p.code, p.tensor, p.found) for p in problems] == [(Code.INVENTORY_DTYPE, name, "U8")]
 
 
@@ -116,7 +116,7 @@ def test_the_other_spelling_sglang_maps_alike_is_accepted():
         )
         for n, d, s in tensor_specs(spec)
     ]
-    assert check_inventory(MANIFEST, make_config(spec), _infos(tensors)) == []
+    assert _inventory_problems(MANIFEST, make_config(spec), _infos(tensors)) == []
 
 
 def test_validation_reports_the_inventory_with_the_expert_checks():
@@ -136,7 +136,7 @@ def test_validation_reports_the_inventory_with_the_expert_checks():
 
 def test_a_manifest_without_an_inventory_checks_none():
     spec = SynthSpec()
-    assert check_inventory(load_manifest("kimi-k3-any"), make_config(spec), _infos([])) == []
+    assert _inventory_problems(load_manifest("kimi-k3-any"), make_config(spec), _infos([])) == []
 
 
 @SETTINGS

@@ -264,8 +264,8 @@ def test_a_wrong_decoder_fails_the_self_test(monkeypatch, wrong) -> None:
 def test_verify_numerics_refuses_a_wrong_decoder(monkeypatch, converted, small_source, wrong):
     """The comparison alone passes a wrong decoder (it agrees with itself); the self-test
     stops it before any expert is computed."""
+    from kimi_w31.converter.audit import numerics, verify
     from kimi_w31.converter.errors import Code
-    from kimi_w31.converter.verify import numerics, verify
 
     monkeypatch.setattr(ref, *WRONG_DECODERS[wrong])
     self_test = numerics.self_test
@@ -280,7 +280,7 @@ def test_verify_numerics_refuses_a_wrong_decoder(monkeypatch, converted, small_s
 
 
 def test_verify_numerics_passes_with_the_right_decoder(converted, small_source) -> None:
-    from kimi_w31.converter.verify import verify
+    from kimi_w31.converter.audit import verify
 
     report = verify(converted, source=str(small_source), numerics=True, sample=2)
     assert report.ok and report.check("numerics").ok is True

@@ -40,7 +40,7 @@ from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 @dataclasses.dataclass
 class Shard:  # the members of an output shard the window reads
     name: str
-    source_files: list[str]
+    input_files: list[str]
     file_size: int = 1
 
 
@@ -64,8 +64,8 @@ def live_after_each_arrival(shards: list[Shard], file_order: list[str]) -> list[
     sizes = []
     for k, newest in enumerate(order):
         before, present = set(order[:k]), set(order[: k + 1])
-        waiting = [s for s in shards if not set(s.source_files) <= before]
-        live = {f for f in present if any(f in s.source_files for s in waiting)} | {newest}
+        waiting = [s for s in shards if not set(s.input_files) <= before]
+        live = {f for f in present if any(f in s.input_files for s in waiting)} | {newest}
         sizes.append(len(live))
     return sizes
 
@@ -89,7 +89,7 @@ def test_the_window_hands_out_each_output_shard_once_whatever_the_arrival_order(
     ready = [name for f in taken for name in window.arrive(f)]
     assert sorted(ready) == sorted(s.name for s in shards)
     by_name = {s.name: s for s in shards}
-    freed = [f for name in ready for f in window.finish(name, by_name[name].source_files)]
+    freed = [f for name in ready for f in window.finish(name, by_name[name].input_files)]
     assert sorted(freed) == sorted(window.order) and not window.live
 
 
@@ -204,7 +204,7 @@ def test_a_new_origin_needs_only_the_remote_protocol(small_source, converted, tm
 
 def test_the_streaming_executor_refuses_a_source_read_from_disk(small_source):
     with pytest.raises(TypeError):
-        HubExecutor().source_files(small_source, [], {}, LocalOrigin())
+        HubExecutor().open_sources(small_source, [], {}, LocalOrigin())
 
 
 # -- resolve returns a value ----------------------------------------------------------------------

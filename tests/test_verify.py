@@ -18,9 +18,9 @@ import pytest
 from cli_helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kimi_w31.converter.audit import command as verify_command
+from kimi_w31.converter.audit import verify
 from kimi_w31.converter.errors import Code
-from kimi_w31.converter.verify import command as verify_command
-from kimi_w31.converter.verify import verify
 from verify_mutations import (
     CHECKSUMS,
     CONFIG,
@@ -527,12 +527,12 @@ def test_serve_preflight_shape(converted, output_copy):
 # -- independence --------------------------------------------------------------------------------
 
 FORBIDDEN = {"plan", "validate", "pipeline", "execute", "synth"}
-VERIFY_DIR = Path(__file__).resolve().parents[1] / "converter" / "verify"
+VERIFY_DIR = Path(__file__).resolve().parents[1] / "converter" / "audit"
 
 
 def _imported_modules(path: Path) -> set[str]:
     """Every module a file imports, resolved to a dotted name under `kimi_w31.converter`."""
-    package = ["kimi_w31", "converter", "verify"]
+    package = ["kimi_w31", "converter", "audit"]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -558,7 +558,7 @@ def test_verify_imports_neither_planner_nor_executor():
 
 def test_importing_verify_loads_neither_planner_nor_executor_nor_torch():
     code = (
-        "import sys, kimi_w31.converter.verify.command, kimi_w31.converter.verify.numerics\n"
+        "import sys, kimi_w31.converter.audit.command, kimi_w31.converter.audit.numerics\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
         "m.split('.')[:3] in [['kimi_w31', 'converter', x] for x in "
         f"{sorted(FORBIDDEN)!r}]))"

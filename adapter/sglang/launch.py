@@ -463,7 +463,7 @@ def plan_serve(
 
 def verify_structure(root: Path) -> list[str]:
     """`kimi-convert verify`'s structure level (headers, index, block): rendered problems."""
-    from ...converter.verify import verify
+    from ...converter.audit import verify
 
     report = verify(root)
     return [p.render() for c in report.checks if c.ok is False for p in c.problems] or (

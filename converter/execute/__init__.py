@@ -17,7 +17,7 @@ from typing import Protocol
 from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard, Plan
 from ..source import SourceReader
-from .shard import Job, ShardOutcome, SourceFiles
+from .shard import ShardContext, ShardOutcome, SourceFiles
 
 OnDone = Callable[[ShardOutcome], None]
 
@@ -55,7 +55,7 @@ class Executor(Protocol):
     def claimed(self, out: OutputDir) -> None:
         """Called once the output directory is this run's, before its free-space check."""
 
-    def source_files(
+    def open_sources(
         self,
         root: Path,
         shard_files: list[str],
@@ -75,5 +75,5 @@ class Executor(Protocol):
         return {}
 
     def run(
-        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+        self, shards: list[OutputShard], context: ShardContext, ledger: Ledger, on_done: OnDone
     ) -> list[ShardOutcome]: ...

@@ -36,15 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ..errors import Code, fail
+from ..errors import Code, fatal
 from ..hashing import Interrupted
 from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard, Plan
 from ..source import SourceReader
 from . import DownloadProgress, Executor, OnDone
 from .shard import (
-    Job,
     Outcome,
+    ShardContext,
     ShardOutcome,
     SourceFiles,
     commit,
@@ -137,7 +137,7 @@ def download_order(shards: list[OutputShard], file_order: list[str]) -> list[str
     rank = {f: i for i, f in enumerate(file_order)}
     order: dict[str, None] = {}
     for shard in shards:
-        for f in sorted(shard.source_files, key=lambda f: rank.get(f, len(rank))):
+        for f in sorted(shard.input_files, key=lambda f: rank.get(f, len(rank))):
             order.setdefault(f)
     return list(order)
 
@@ -153,9 +153,9 @@ class Window:
         self.queue = list(reversed(self.order))  # popped from the end: next first
         self.feeds: dict[str, set[str]] = {f: set() for f in self.order}
         for s in shards:
-            for f in s.source_files:
+            for f in s.input_files:
                 self.feeds[f].add(s.name)
-        self._needs = {s.name: set(s.source_files) for s in shards}
+        self._needs = {s.name: set(s.input_files) for s in shards}
         self._arrived: set[str] = set()
         self.live: set[str] = set()
 
@@ -187,7 +187,7 @@ class Window:
 def fewest_slots(shards: list[OutputShard], file_order: list[str]) -> int:
     """Fewest live source shards with which in-order streaming never stalls: the window
     replayed one source shard at a time, each output shard finished as soon as it is ready."""
-    window, files = Window(shards, file_order), {s.name: s.source_files for s in shards}
+    window, files = Window(shards, file_order), {s.name: s.input_files for s in shards}
     most = 0
     while window.queue:
         f = window.take()
@@ -395,8 +395,8 @@ class Tally:
 class HubExecutor(Executor):
     """Streams shards from a `Remote` (the Hub's, with `--download`) through a bounded window.
 
-    The pipeline tells it, in this order, the source (`source_files`) and the claimed output
-    (`claimed`); `run` then gets the same source back in `job.sources`.
+    The pipeline tells it, in this order, the source (`open_sources`) and the claimed output
+    (`claimed`); `run` then gets the same source back in `context.sources`.
     """
 
     window: int = DEFAULT_WINDOW
@@ -409,7 +409,7 @@ class HubExecutor(Executor):
     # The claimed output: it records partial downloads.
     _journal: OutputDir | None = field(default=None, init=False, repr=False)
 
-    def source_files(
+    def open_sources(
         self,
         root: Path,
         shard_files: list[str],
@@ -486,17 +486,17 @@ class HubExecutor(Executor):
             self.tally.remove_partials(self._sources.remote.partials, out)
 
     def run(
-        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+        self, shards: list[OutputShard], context: ShardContext, ledger: Ledger, on_done: OnDone
     ) -> list[ShardOutcome]:
-        sources, journal = job.sources, self._journal
+        sources, journal = context.sources, self._journal
         if not isinstance(sources, StreamedSources) or journal is None:  # a wiring error
-            raise TypeError("run() takes the sources of source_files(), after claimed()")
+            raise TypeError("run() takes the sources of open_sources(), after claimed()")
         results: list[ShardOutcome] = []
         # 1. What is already done: proven as a local run proves it, before any download.
         pending, reasons = [], {}
         for shard in shards:
             record = ledger.done.get(shard.name)
-            reason = why_not_kept(shard, record, job)
+            reason = why_not_kept(shard, record, context)
             if reason is None:
                 result = ShardOutcome(shard.name, Outcome.KEPT, record)
                 results.append(result)
@@ -512,9 +512,9 @@ class HubExecutor(Executor):
             for f in sources.order:
                 if f not in window.feeds and os.path.lexists(sources.root / f):
                     self.tally.delete(sources, f)
-        self._check_space(job.out_dir, pending, window.order, sources)
+        self._check_space(context.out_dir, pending, window.order, sources)
         # 3. Stream.
-        stream = _Stream(self, pending, window, sources, job, ledger, journal, reasons, on_done)
+        stream = _Stream(self, pending, window, sources, context, ledger, journal, reasons, on_done)
         results += stream.run()
         return results
 
@@ -522,15 +522,7 @@ class HubExecutor(Executor):
         """Refuse, before any download, a window the pending shards' layout cannot run in."""
         need = fewest_slots(pending, sources.order)
         if pending and self.window < need:
-            raise fail(
-                Code.WINDOW_TOO_SMALL,
-                "--max-source-window is too small for this checkpoint's layout",
-                expected=f"at least {need}",
-                found=str(self.window),
-                hint=f"rerun with --max-source-window {need}: downloaded in "
-                "the order the output needs them, that many source shards must be "
-                "present at once (--dry-run shows it before any download)",
-            )
+            raise fatal(Code.WINDOW_TOO_SMALL, need=need, window=self.window)
 
     def _check_space(
         self, out_dir: Path, pending: list[OutputShard], order: list[str], sources: StreamedSources
@@ -545,15 +537,7 @@ class HubExecutor(Executor):
         if os.stat(storage).st_dev == os.stat(out_dir).st_dev:
             need += sum(s.file_size for s in pending)
         if need > free:
-            raise fail(
-                Code.NO_SPACE,
-                "not enough free space for the downloads and the output",
-                file=str(storage),
-                expected=f"{need} bytes free",
-                found=f"{free} bytes free",
-                hint="pass --delete-source-shards and a "
-                "smaller --max-source-window, or free space; --dry-run shows the peak",
-            )
+            raise fatal(Code.NO_SPACE, rule="downloads", file=storage, need=need, free=free)
 
 
 class _Stream:
@@ -570,13 +554,13 @@ class _Stream:
         pending: list[OutputShard],
         window: Window,
         sources: StreamedSources,
-        job: Job,
+        context: ShardContext,
         ledger: Ledger,
         journal: OutputDir,
         reasons: dict[str, str | None],
         on_done: OnDone,
     ) -> None:
-        self.ex, self.window, self.sources, self.job = ex, window, sources, job
+        self.ex, self.window, self.sources, self.context = ex, window, sources, context
         self.ledger, self.journal, self.reasons, self.on_done = ledger, journal, reasons, on_done
         self.remote, self.tally = sources.remote, ex.tally
         self.by_name = {s.name: s for s in pending}
@@ -588,7 +572,7 @@ class _Stream:
         self.pool = ThreadPoolExecutor(max_workers=max(1, ex.workers), thread_name_prefix="shard")
 
     def measure(self) -> None:
-        self.tally.measure(self.remote.storage, self.job.out_dir)
+        self.tally.measure(self.remote.storage, self.context.out_dir)
 
     def run(self) -> list[ShardOutcome]:
         progress = self.ex.download_progress
@@ -626,7 +610,7 @@ class _Stream:
         """Writes stop at their next chunk, downloads at their next chunk of data (the client
         then removes its temporary file itself); the caller's `finally` waits a little for
         them, then removes whatever partial downloads are left. A write's own error wins."""
-        self.job.stop.set()
+        self.context.stop.set()
         for fut in self.writes:
             fut.cancel()
         wait(list(self.writes))
@@ -636,7 +620,7 @@ class _Stream:
             raise real[0] from None
 
     def _start_downloads(self) -> None:
-        window, stop = self.window, self.job.stop
+        window, stop = self.window, self.context.stop
         while (
             window.queue
             and len(window.live) < self.ex.window
@@ -648,7 +632,7 @@ class _Stream:
 
     def _fetch(self, file: str) -> None:
         """Download one source shard (a no-op if present); progress and partials reported."""
-        stop, progress = self.job.stop, self.ex.download_progress
+        stop, progress = self.context.stop, self.ex.download_progress
         if stop.is_set():
             raise Interrupted()
         reported = 0
@@ -673,14 +657,16 @@ class _Stream:
         self.measure()  # a whole source shard more on disk
         for name in self.window.arrive(file):
             shard = self.by_name[name]
-            self.writes[self.pool.submit(write, shard, self.job, self.reasons.get(name))] = shard
+            self.writes[self.pool.submit(write, shard, self.context, self.reasons.get(name))] = (
+                shard
+            )
 
     def _written(self, shard: OutputShard, result: ShardOutcome) -> None:
         commit(result, self.ledger)
         self.results.append(result)
         self.on_done(result)
         self.measure()  # the high-water mark: before any source is freed
-        for f in self.window.finish(shard.name, shard.source_files):
+        for f in self.window.finish(shard.name, shard.input_files):
             if self.ex.delete_source_shards and result.outcome is Outcome.WRITTEN:
                 self.sources.drop(f)
                 self.tally.delete(self.sources, f)

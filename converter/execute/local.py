@@ -14,7 +14,7 @@ from ..hashing import Interrupted
 from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard
 from . import Executor, OnDone
-from .shard import Job, ShardOutcome, commit, settle
+from .shard import ShardContext, ShardOutcome, commit, settle
 
 
 def default_workers() -> int:
@@ -31,10 +31,10 @@ class LocalExecutor(Executor):
         """Nothing to prepare."""
 
     def run(
-        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+        self, shards: list[OutputShard], context: ShardContext, ledger: Ledger, on_done: OnDone
     ) -> list[ShardOutcome]:
         def task(shard: OutputShard) -> ShardOutcome:
-            result = settle(shard, ledger.done.get(shard.name), job)
+            result = settle(shard, ledger.done.get(shard.name), context)
             commit(result, ledger)
             on_done(result)
             return result
@@ -47,11 +47,11 @@ class LocalExecutor(Executor):
             try:
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
                 if any(f.exception() is not None for f in done):
-                    job.stop.set()
+                    context.stop.set()
                     wait(futures)
                     raise_first([f.exception() for f in futures])
             except KeyboardInterrupt:
-                job.stop.set()
+                context.stop.set()
                 wait(futures)
                 raise
         return [f.result() for f in futures]

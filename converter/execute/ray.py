@@ -20,16 +20,20 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import Code, Fatal, fail
+from ..errors import Code, Fatal, fatal
 from ..hashing import Interrupted
 from ..outdir import Ledger, ShardRecord
 from ..plan import OutputShard
 from . import Executor, OnDone
-from .shard import Hooks, Job, Outcome, ShardOutcome, SourceChanged, SourceFiles, commit, settle
-
-RAY_MISSING = (
-    "--executor ray needs Ray, an optional dependency: pip install ray (or install kimi-w31 "
-    "with its 'ray' extra) on the driver and on every node of the cluster"
+from .shard import (
+    Outcome,
+    ShardContext,
+    ShardEvents,
+    ShardOutcome,
+    SourceChanged,
+    SourceFiles,
+    commit,
+    settle,
 )
 
 
@@ -37,7 +41,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise fail(Code.USAGE, RAY_MISSING) from None
+        raise fatal(Code.USAGE, rule="ray-missing") from None
     return ray
 
 
@@ -58,14 +62,9 @@ def shard_task(
 
     try:
         if version != __version__:  # the plan fingerprint is only valid for one tool version
-            raise fail(
-                Code.USAGE,
-                "kimi-w31 on this node differs from the driver's",
-                expected=version,
-                found=__version__,
-            )
-        sources = SourceFiles(Path(root), shard.source_files, header_sha256=headers)
-        for f in shard.source_files:  # the same file as the driver saw, or nothing
+            raise fatal(Code.USAGE, rule="ray-version", driver=version, node=__version__)
+        sources = SourceFiles(Path(root), shard.input_files, header_sha256=headers)
+        for f in shard.input_files:  # the same file as the driver saw, or nothing
             if list(sources.identity[f]) != list(identity[f]):
                 raise SourceChanged(
                     f,
@@ -73,16 +72,16 @@ def shard_task(
                     "source on one shared filesystem at the same path?)",
                 )
         nan: list = []
-        job = Job(
+        context = ShardContext(
             sources,
             Path(out_dir),
             Path(tmp_dir),
-            hooks=Hooks(on_scale_nan=nan.append),
+            events=ShardEvents(on_scale_nan=nan.append),
             check_scales=check_scales,
             rehash=rehash,
         )
         try:
-            result = settle(shard, ShardRecord.from_json(record), job)
+            result = settle(shard, ShardRecord.from_json(record), context)
         finally:
             sources.close()
         return {
@@ -125,7 +124,7 @@ class RayExecutor(Executor):
     num_cpus: int | None = None  # only for a local runtime
 
     def run(
-        self, shards: list[OutputShard], job: Job, ledger: Ledger, on_done: OnDone
+        self, shards: list[OutputShard], context: ShardContext, ledger: Ledger, on_done: OnDone
     ) -> list[ShardOutcome]:
         """Submit every shard; record results as they come. Ray places one task per free CPU
         across the cluster (`--workers` does not apply)."""
@@ -147,22 +146,22 @@ class RayExecutor(Executor):
         task = ray.remote(num_cpus=1, max_retries=2)(shard_task)
         # Temporaries of this driver's tasks only: a task of a killed earlier driver that Ray
         # has not reaped yet can never write into, or rename from, the files of this run.
-        run_tmp = job.tmp_dir / f"ray-{uuid.uuid4().hex[:12]}"
+        run_tmp = context.tmp_dir / f"ray-{uuid.uuid4().hex[:12]}"
         run_tmp.mkdir()
         # Tasks cannot reach the driver's directory state: the output stops looking complete
         # before any task may change it.
-        if job.hooks.before_write:
-            job.hooks.before_write()
-        sources = job.sources
+        if context.events.before_write:
+            context.events.before_write()
+        sources = context.sources
         pending: dict = {}
         results: list[ShardOutcome] = []
         try:
             for shard in sorted(shards, key=lambda s: -s.file_size):  # largest first
                 record = ledger.done.get(shard.name)
-                identity = sources.fingerprint(shard.source_files)
+                identity = sources.fingerprint(shard.input_files)
                 headers = {
                     f: sources.header_sha256[f]
-                    for f in shard.source_files
+                    for f in shard.input_files
                     if f in sources.header_sha256
                 }
                 ref = task.remote(
@@ -170,16 +169,16 @@ class RayExecutor(Executor):
                     str(sources.root),
                     identity,
                     headers,
-                    str(job.out_dir),
+                    str(context.out_dir),
                     str(run_tmp),
                     record.to_json() if record else None,
-                    job.check_scales,
-                    job.rehash,
+                    context.check_scales,
+                    context.rehash,
                     __version__,
                 )
                 pending[ref] = shard
             while pending:
-                if job.stop.is_set():
+                if context.stop.is_set():
                     raise Interrupted()
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
                 for ref in ready:
@@ -188,8 +187,8 @@ class RayExecutor(Executor):
                     if data["status"] == "error":
                         _raise(data)
                     for problem in data["nan"]:
-                        if job.hooks.on_scale_nan:
-                            job.hooks.on_scale_nan(problem)
+                        if context.events.on_scale_nan:
+                            context.events.on_scale_nan(problem)
                     outcome = Outcome(data["status"])
                     result = ShardOutcome(
                         shard.name,
@@ -199,12 +198,12 @@ class RayExecutor(Executor):
                         data["reason"],
                     )
                     commit(result, ledger)
-                    if job.hooks.on_bytes and outcome is Outcome.WRITTEN:
-                        job.hooks.on_bytes(shard.file_size)
+                    if context.events.on_bytes and outcome is Outcome.WRITTEN:
+                        context.events.on_bytes(shard.file_size)
                     results.append(result)
                     on_done(result)
         except BaseException:
-            job.stop.set()
+            context.stop.set()
             for ref in pending:
                 ray.cancel(ref, force=False)
             raise

@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 
 from .. import contract, faults, fsio
-from ..errors import Code, Problem
+from ..errors import Code, Problem, problem
 from ..hashing import (
     Crc32,
     ScaleScan,
@@ -29,7 +29,7 @@ from ..hashing import (
     sha256_bytes,
     source_header_sha256,
 )
-from ..outdir import SPACE_ERRNOS, Ledger, ShardRecord, fsync_dir
+from ..outdir import SPACE_ERRNOS, Ledger, ShardRecord
 from ..plan import OutputShard
 from .streaming import RangeHasher, copy_range, write_all
 
@@ -105,8 +105,9 @@ class SourceFiles:
 
 
 @dataclass
-class Hooks:
-    """Callbacks for progress; all optional and called from worker threads."""
+class ShardEvents:
+    """What a run is told as its shards progress: callbacks, all optional, called from
+    worker threads."""
 
     on_bytes: Callable[[int], None] | None = None  # bytes written (or re-read to prove)
     on_scale_nan: Callable[[Problem], None] | None = None
@@ -114,14 +115,15 @@ class Hooks:
 
 
 @dataclass
-class Job:
-    """What every shard of one run shares."""
+class ShardContext:
+    """What every shard of one run is settled in: the source files, where shards go, the
+    stop signal, the progress events, and what proving a kept shard re-reads."""
 
     sources: SourceFiles
     out_dir: Path
     tmp_dir: Path
     stop: threading.Event = field(default_factory=threading.Event)
-    hooks: Hooks = field(default_factory=Hooks)
+    events: ShardEvents = field(default_factory=ShardEvents)
     check_scales: bool = False  # also non-expert U8 `*.weight_scale` (E8M0 experts: always)
     rehash: bool = False  # prove kept shards by re-hashing their data too
 
@@ -141,27 +143,29 @@ class ShardOutcome:
     redo_reason: str | None = None  # why an earlier run's shard was not kept
 
 
-def settle(shard: OutputShard, record: ShardRecord | None, job: Job) -> ShardOutcome:
+def settle(shard: OutputShard, record: ShardRecord | None, context: ShardContext) -> ShardOutcome:
     """Keep the shard if `record` is proven for it, else write it."""
-    reason = why_not_kept(shard, record, job)
+    reason = why_not_kept(shard, record, context)
     if reason is None:
         return ShardOutcome(shard.name, Outcome.KEPT, record)
-    return write(shard, job, reason if record is not None else None)
+    return write(shard, context, reason if record is not None else None)
 
 
-def why_not_kept(shard: OutputShard, record: ShardRecord | None, job: Job) -> str | None:
+def why_not_kept(
+    shard: OutputShard, record: ShardRecord | None, context: ShardContext
+) -> str | None:
     """None if an earlier run's shard may be kept; else the reason it must be written. (The
     Hub executor asks this before it downloads, and writes once the sources are there.)"""
     if record is None:
         return "not written yet"
-    return prove(shard, record, job)
+    return prove(shard, record, context)
 
 
-def write(shard: OutputShard, job: Job, reason: str | None = None) -> ShardOutcome:
+def write(shard: OutputShard, context: ShardContext, reason: str | None = None) -> ShardOutcome:
     """Write the shard (it was not kept: `reason` says why, None if it never existed)."""
-    if job.hooks.before_write:
-        job.hooks.before_write()
-    new = write_shard(shard, job)
+    if context.events.before_write:
+        context.events.before_write()
+    new = write_shard(shard, context)
     if new is None:
         return ShardOutcome(shard.name, Outcome.REJECTED, redo_reason=reason)
     return ShardOutcome(shard.name, Outcome.WRITTEN, new, shard.file_size, reason)
@@ -177,10 +181,10 @@ def commit(result: ShardOutcome, ledger: Ledger) -> None:
             ledger.forget(result.shard)
 
 
-def prove(shard: OutputShard, record: ShardRecord, job: Job) -> str | None:
+def prove(shard: OutputShard, record: ShardRecord, context: ShardContext) -> str | None:
     """None if the recorded shard is proven to be this plan's shard; else why not."""
-    path = job.out_dir / shard.name
-    if record.sources != job.sources.fingerprint(shard.source_files):
+    path = context.out_dir / shard.name
+    if record.sources != context.sources.fingerprint(shard.input_files):
         return "its source files changed since it was written"
     try:
         if path.is_symlink() or not path.is_file():
@@ -194,14 +198,14 @@ def prove(shard: OutputShard, record: ShardRecord, job: Job) -> str | None:
         return "the file cannot be read"
     if record.header_sha256 != sha256_bytes(shard.header):
         return "its record belongs to another layout"
-    if not job.rehash:
+    if not context.rehash:
         return None
     ranges, offset = [], len(shard.header)
     for t in shard.tensors:
         ranges.append((t.name, offset, offset + t.nbytes))
         offset += t.nbytes
     try:
-        hashes, _ = crc32_of_ranges(path, ranges, job.stop, job.hooks.on_bytes)
+        hashes, _ = crc32_of_ranges(path, ranges, context.stop, context.events.on_bytes)
     except ShortRead:
         return "the file is truncated"
     return None if hashes == record.tensors else "its data differ from the recorded checksums"
@@ -218,10 +222,10 @@ class _Either(threading.Event):
         return super().is_set() or self.run_stop.is_set()
 
 
-def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
+def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None:
     """Write one shard; None if its scales hold NaN (then it is neither kept nor recorded)."""
-    sources, hooks = job.sources, job.hooks
-    tmp = job.tmp_dir / f"{shard.name}.partial"
+    sources, events = context.sources, context.events
+    tmp = context.tmp_dir / f"{shard.name}.partial"
     fd = fsio.create_fresh(tmp)  # never through a link planted in the state folder
     hashes: dict[str, Crc32] = {}
     scans: dict[str, ScaleScan] = {}
@@ -230,19 +234,19 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
         _reserve(fd, shard.file_size)
         write_all(fd, memoryview(shard.header))
         faults.fault_point("shard.header")
-        if hooks.on_bytes:
-            hooks.on_bytes(len(shard.header))
-        jobs = []
+        if events.on_bytes:
+            events.on_bytes(len(shard.header))
+        feeds = []
         for tensor in shard.tensors:
             h = hashes[tensor.name] = Crc32()
             targets: tuple = (h,)
-            if contract.is_e8m0_scale(tensor.name, tensor.dtype, job.check_scales):
+            if contract.is_e8m0_scale(tensor.name, tensor.dtype, context.check_scales):
                 scans[tensor.name] = ScaleScan()
                 targets = (h, scans[tensor.name])
             ranges = [(sources.fd(p.file), p.offset, p.length, p.file) for p in tensor.pieces]
-            jobs.append((targets, ranges))
-        stop_hasher = _Either(job.stop)
-        hasher = RangeHasher(jobs, stop_hasher)  # checksums computed beside the copy
+            feeds.append((targets, ranges))
+        stop_hasher = _Either(context.stop)
+        hasher = RangeHasher(feeds, stop_hasher)  # checksums computed beside the copy
         try:
             for tensor in shard.tensors:
                 for piece in tensor.pieces:
@@ -251,8 +255,8 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
                         piece.offset,
                         piece.length,
                         fd,
-                        job.stop,
-                        hooks.on_bytes,
+                        context.stop,
+                        events.on_bytes,
                         piece.file,
                     )
                     faults.fault_point("shard.piece")  # between the w3 and w1 halves of a w31
@@ -269,7 +273,7 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.filename is None:  # write(2) and fsync(2) errors name no file: this one
-            exc.filename = str(job.out_dir / shard.name)
+            exc.filename = str(context.out_dir / shard.name)
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -280,36 +284,31 @@ def write_shard(shard: OutputShard, job: Job) -> ShardRecord | None:
     if nan:
         # Not marked done: a rerun must find the NaN scales again.
         tmp.unlink(missing_ok=True)
-        for problem in nan:
-            if hooks.on_scale_nan:
-                hooks.on_scale_nan(problem)
+        for p in nan:
+            if events.on_scale_nan:
+                events.on_scale_nan(p)
         return None
     # Nothing derived from a source file that changed under us may be marked done.
     try:
-        sources.check_unchanged(shard.source_files)
+        sources.check_unchanged(shard.input_files)
     except SourceChanged:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, job.out_dir / shard.name)
-    fsync_dir(job.out_dir)
+    os.replace(tmp, context.out_dir / shard.name)
+    fsio.fsync_dir(context.out_dir)
     faults.fault_point("shard.renamed")
     return ShardRecord(
         shard=shard.name,
         size=shard.file_size,
         header_sha256=sha256_bytes(shard.header),
         tensors={name: h.hexdigest() for name, h in hashes.items()},
-        sources=sources.fingerprint(shard.source_files),
+        sources=sources.fingerprint(shard.input_files),
     )
 
 
 def _nan_problem(tensor: str, file: str, scan: ScaleScan) -> Problem:
-    return Problem(
-        Code.SCALE_NAN,
-        f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {scan.first} of the tensor",
-        file=file,
-        tensor=tensor,
-        expected="no 0xFF scale bytes",
-        found=f"{scan.count}",
+    return problem(
+        Code.SCALE_NAN, rule="tensor", file=file, tensor=tensor, count=scan.count, first=scan.first
     )
 
 

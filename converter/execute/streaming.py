@@ -96,16 +96,18 @@ class RangeHasher(threading.Thread):
     hashing (the only CPU-heavy part) runs beside the kernel copy instead of after it.
     """
 
-    def __init__(self, jobs: list[tuple[tuple, list[Range]]], stop: threading.Event | None) -> None:
+    def __init__(
+        self, feeds: list[tuple[tuple, list[Range]]], stop: threading.Event | None
+    ) -> None:
         super().__init__(name="range-hasher", daemon=True)
-        self.jobs = jobs
+        self.feeds = feeds
         self.stop = stop
         self.error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
         try:
-            hash_ranges(self.jobs, memoryview(bytearray(CHUNK_SIZE)), self.stop)
+            hash_ranges(self.feeds, memoryview(bytearray(CHUNK_SIZE)), self.stop)
         except BaseException as exc:
             self.error = exc
 

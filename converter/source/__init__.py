@@ -24,7 +24,8 @@ from typing import Protocol
 
 from .. import fsio
 from ..contract import CONFIG_NAME, INDEX_NAME
-from ..errors import Code, Fatal, Problem, fail
+from ..errors import Code, Fatal, Problem, fatal, problem
+from ..outdir import SourceId
 from ..safetensors_format import ShardHeader
 
 
@@ -101,8 +102,10 @@ def read_source(root: Path, label: str, origin: SourceReader) -> Source:
     """Config, index and every shard header, all cross-checked; every problem before failing."""
     config = read_json(root / CONFIG_NAME)
     if not isinstance(config, dict):
-        raise fail(
-            Code.JSON_INVALID, "config.json is not a JSON object", file=str(root / CONFIG_NAME)
+        raise fatal(
+            Code.JSON_INVALID,
+            rule="config-not-object",
+            file=root / CONFIG_NAME,
         )
     index_metadata: dict = {}
     if origin.has_file(root, INDEX_NAME):
@@ -114,11 +117,7 @@ def read_source(root: Path, label: str, origin: SourceReader) -> Source:
     else:
         shard_files, weight_map = files_loaded_without_index(origin.top_level_names(root)), {}
         if not shard_files:
-            raise fail(
-                Code.FILE_MISSING,
-                f"no {INDEX_NAME} and no *.safetensors file in the source directory",
-                file=str(root),
-            )
+            raise fatal(Code.FILE_MISSING, rule="no-weights", file=root)
 
     headers: dict[str, ShardHeader] = {}
     problems = []
@@ -195,13 +194,7 @@ def check_each_tensor_once(headers: dict[str, ShardHeader]) -> list[Problem]:
             first = owner.setdefault(tensor, shard)
             if first != shard:
                 problems.append(
-                    Problem(
-                        Code.TENSOR_IN_TWO_SHARDS,
-                        "tensor is in two shards and there is no index to say which one serves",
-                        file=shard,
-                        tensor=tensor,
-                        expected=f"only in {first}",
-                    )
+                    problem(Code.TENSOR_IN_TWO_SHARDS, file=shard, tensor=tensor, first=first)
                 )
     return problems
 
@@ -211,7 +204,7 @@ def read_index(path: Path) -> tuple[dict, dict]:
     index = read_json(path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise fail(Code.INDEX_INVALID, "index has no weight_map object", file=str(path))
+        raise fatal(Code.INDEX_INVALID, rule="no-weight-map", file=path)
     metadata = index.get("metadata")
     return weight_map, metadata if isinstance(metadata, dict) else {}
 
@@ -249,12 +242,12 @@ def check_weight_map(root: Path, weight_map: dict, index_name: str) -> list[Prob
             verdicts[key] = check_shard_name(root, shard)
         if verdicts[key]:
             problems.append(
-                Problem(
+                problem(
                     Code.WEIGHT_MAP_ENTRY_UNSAFE,
-                    f"weight_map entry {verdicts[key]}",
                     file=index_name,
                     tensor=tensor,
-                    found=repr(shard),
+                    why=verdicts[key],
+                    shard=shard,
                 )
             )
     safe = {k for k, why in verdicts.items() if why is None}
@@ -269,13 +262,8 @@ def _not_loaded(names: set[str], index_name: str) -> list[Problem]:
         return []
     shown = ", ".join(repr(name) for name in hidden[:3]) + (" ..." if len(hidden) > 3 else "")
     return [
-        Problem(
-            Code.SHARD_NOT_LOADED,
-            f"index names {len(hidden)} shard(s) that loaders never open: they load only "
-            "top-level *.safetensors files, so these tensors would not be served",
-            file=index_name,
-            expected="top-level file names (move the shards, or links to them, to the top)",
-            found=shown,
+        problem(
+            Code.SHARD_NOT_LOADED, rule="index", file=index_name, count=len(hidden), shards=shown
         )
     ]
 
@@ -294,36 +282,17 @@ def check_index_against_headers(
     for tensor, shard in weight_map.items():
         header = headers.get(shard)
         if header is not None and tensor not in header.tensors:
-            problems.append(
-                Problem(
-                    Code.INDEX_TENSOR_NOT_IN_SHARD,
-                    "index names a tensor its shard does not hold",
-                    file=shard,
-                    tensor=tensor,
-                )
-            )
+            problems.append(problem(Code.INDEX_TENSOR_NOT_IN_SHARD, file=shard, tensor=tensor))
     for shard, header in headers.items():
         for tensor in header.tensors:
             owner = weight_map.get(tensor)
             if owner is None:
                 problems.append(
-                    Problem(
-                        Code.INDEX_TENSOR_MISSING,
-                        f"tensor is missing from {index_name}",
-                        file=shard,
-                        tensor=tensor,
-                    )
+                    problem(Code.INDEX_TENSOR_MISSING, file=shard, tensor=tensor, index=index_name)
                 )
             elif owner != shard:
                 problems.append(
-                    Problem(
-                        Code.INDEX_WRONG_SHARD,
-                        "tensor is in a different shard than the index says",
-                        file=shard,
-                        tensor=tensor,
-                        expected=owner,
-                        found=shard,
-                    )
+                    problem(Code.INDEX_WRONG_SHARD, file=shard, tensor=tensor, owner=owner)
                 )
     return problems
 
@@ -334,16 +303,26 @@ def read_json(path: Path):
     try:
         return json.loads(fsio.read_regular(path).decode("utf-8"))
     except FileNotFoundError:
-        raise fail(Code.FILE_MISSING, "file is missing", file=str(path)) from None
+        raise fatal(Code.FILE_MISSING, rule="file", file=path) from None
     except fsio.NotRegularFile:
-        raise fail(
-            Code.NOT_A_REGULAR_FILE,
-            "not a regular file",
-            file=str(path),
-            expected="a regular file",
-            found=fsio.describe(path),
-        ) from None
+        kind = fsio.describe(path)
+        raise fatal(Code.NOT_A_REGULAR_FILE, rule="file", file=path, kind=kind) from None
     except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd numbers/nesting
-        raise fail(Code.JSON_INVALID, f"not valid JSON ({exc})", file=str(path)) from None
+        raise fatal(Code.JSON_INVALID, rule="not-json", file=path, error=exc) from None
     except OSError as exc:
-        raise fail(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror})", file=str(path)) from None
+        raise fatal(Code.FILE_UNREADABLE, rule="read", file=path, error=exc.strerror) from None
+
+
+def source_id(source: Source, origin: SourceReader | None) -> SourceId:
+    """Which source this is: where it was read from (machine-local, kept in the state folder
+    and, hashed, in the checksums file) and a name safe to publish (a repo id, or the
+    directory's own name: never a path of this machine)."""
+    repo = getattr(origin, "repo", None)  # a Hub snapshot, pinned to one commit
+    if repo is not None:
+        return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
+    root = source.root.resolve()
+    folder = root.parent.parent.name  # the Hub cache: models--org--name/snapshots/<commit>
+    if root.parent.name == "snapshots" and folder.startswith("models--"):
+        repo_id = folder.removeprefix("models--").replace("--", "/")
+        return SourceId(repo_id, f"hub:{repo_id}@{root.name}")  # as a --download run
+    return SourceId(root.name, str(root))

@@ -29,16 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME
-from ..errors import Code, Fatal, fail
+from ..errors import Code, Fatal, fatal
 from ..hashing import Interrupted
 from ..safetensors_format import ShardHeader, check_header_length, parse_header_bytes
 from . import Resolved
 
 HEADER_PROBE = 100_000  # one request covers the header of almost every shard
-RESUME_HINT = (
-    "rerun the same command once the cause is fixed: finished output shards and "
-    "fully downloaded source shards are kept"
-)
 
 
 @dataclass(frozen=True)
@@ -66,29 +62,14 @@ def hub_error(
     )
 
     if isinstance(exc, GatedRepoError):
-        return fail(
-            Code.HUB_GATED,
-            "the repository is gated: accept its terms on the Hub and log in (hf auth login)",
-            file=file,
-        )
+        return fatal(Code.HUB_GATED, file=file)
     if isinstance(exc, RepositoryNotFoundError):
-        return fail(
-            Code.HUB_NOT_FOUND,
-            "repository not found (or private: log in with hf auth login or set HF_TOKEN)",
-            file=file,
-        )
+        return fatal(Code.HUB_NOT_FOUND, file=file)
     if isinstance(exc, RevisionNotFoundError):
         # Named as `found`: in the message, and for scripts reading --json.
-        return fail(
-            Code.HUB_REVISION,
-            "revision not found in the repository",
-            file=file,
-            expected="a branch, tag or commit",
-            found=str(revision),
-            hint="check --revision (without it: the default branch, main)",
-        )
+        return fatal(Code.HUB_REVISION, file=file, revision=revision)
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return fail(Code.HUB_ERROR, f"{what} failed: {detail}", file=file, hint=RESUME_HINT)
+    return fatal(Code.HUB_ERROR, rule="request", file=file, action=what, error=detail)
 
 
 def open_repo(
@@ -108,16 +89,10 @@ def open_repo(
         size = s.lfs.size if s.lfs else s.size
         etag = s.lfs.sha256 if s.lfs else s.blob_id
         if size is None or not etag:
-            raise fail(
-                Code.HUB_ERROR,
-                "the Hub did not report size and content id for a file",
-                file=s.rfilename,
-            )
+            raise fatal(Code.HUB_ERROR, rule="no-size", file=s.rfilename)
         files[s.rfilename] = RemoteFile(s.rfilename, int(size), str(etag))
     if not info.sha:
-        raise fail(
-            Code.HUB_ERROR, "the Hub did not report a commit for this revision", file=repo_id
-        )
+        raise fatal(Code.HUB_ERROR, rule="no-commit", file=repo_id)
     return HubRepo(repo_id, info.sha, files)
 
 
@@ -153,7 +128,7 @@ def read_remote_header(
     if len(raw) < length:
         raw += get(8 + len(raw), 8 + length - 1)
     if len(raw) != length:
-        raise fail(Code.HUB_ERROR, "the server returned a short range for the header", file=file)
+        raise fatal(Code.HUB_ERROR, rule="short-range", file=file)
     return parse_header_bytes(file, raw, size)
 
 
@@ -244,12 +219,13 @@ class PartialCreated(logging.Filter):
 
 
 class DownloadBar:
-    """The progress hook `hf_hub_download` drives (its `tqdm_class`), reduced to what it calls.
+    """The progress bar `hf_hub_download` drives (its `tqdm_class`), reduced to what it calls.
 
     `on_open` runs when the bar is made: the temporary file exists by then and no byte has
     been written to it. `on_bytes` gets every increment (negative when the client rewinds a
     retry). Once `stop` is set the next increment raises, so the client ends the download
-    at its next chunk and removes its own temporary file. A class with no hooks is silent.
+    at its next chunk and removes its own temporary file. A class bound to no callbacks is
+    silent.
     """
 
     on_open: Callable[[], None] | None = None
@@ -272,12 +248,12 @@ class DownloadBar:
         stop: Callable[[], bool] | None = None,
     ) -> type[DownloadBar]:
         """A bar class for one download (huggingface_hub wants a class, not an object)."""
-        hooks = {
+        callbacks = {
             "on_open": staticmethod(on_open) if on_open else None,
             "on_bytes": staticmethod(on_bytes) if on_bytes else None,
             "stop": staticmethod(stop) if stop else None,
         }
-        return type("DownloadBar", (cls,), hooks)
+        return type("DownloadBar", (cls,), callbacks)
 
     def update(self, n: int | float | None = 1) -> None:
         if self.stop is not None and self.stop():
@@ -328,19 +304,13 @@ class HubOrigin:
     def resolve(self, spec: str, revision: str | None) -> Resolved:
         """Pin the revision, download the small files; the snapshot read from then on."""
         if Path(spec).expanduser().exists() or spec.count("/") != 1 or spec.startswith("."):
-            raise fail(
-                Code.USAGE,
-                "--download needs a Hugging Face repo id (org/name)",
-                file=spec,
-            )
+            raise fatal(Code.USAGE, rule="hub-repo-id", file=spec)
         repo = open_repo(spec, revision, self.endpoint, self.token)
         files = repo.files
         if CONFIG_NAME not in files:
-            raise fail(Code.FILE_MISSING, "the repository has no config.json", file=spec)
+            raise fatal(Code.FILE_MISSING, rule="hub-config", file=spec)
         if INDEX_NAME not in files and SINGLE_NAME not in files:
-            raise fail(
-                Code.FILE_MISSING, f"the repository has no {INDEX_NAME} or {SINGLE_NAME}", file=spec
-            )
+            raise fatal(Code.FILE_MISSING, rule="hub-weights", file=spec)
         # The same selection a local read makes: every non-weight file is copied.
         small_files = sorted(
             f
@@ -431,11 +401,7 @@ class HubSnapshot:
 
     def read_header(self, root: Path, file: str) -> ShardHeader:
         if file not in self.repo.files:
-            raise fail(
-                Code.SHARD_MISSING,
-                "shard named in the index is missing from the repository",
-                file=file,
-            )
+            raise fatal(Code.SHARD_MISSING, rule="hub", file=file)
         return read_remote_header(self.repo, file, self.origin.endpoint, self.origin.token)
 
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import contract, fsio
 from ..contract import CHECKSUMS_NAME
-from ..errors import Code, Fatal, Problem, fail
+from ..errors import Code, Fatal, Problem, fatal, problem
 from ..safetensors_format import ShardHeader, read_header
 from . import Resolved
 
@@ -26,14 +26,9 @@ def resolve_local(spec: str, revision: str | None = None) -> Path:
     path = Path(spec).expanduser()
     if path.exists():
         if revision is not None:
-            raise fail(
-                Code.USAGE,
-                f"--revision {revision!r} applies to a Hugging Face repo id, "
-                "not to a local directory",
-                file=str(path.resolve()),
-            )
+            raise fatal(Code.USAGE, rule="revision-local", file=path.resolve(), revision=revision)
         if not path.is_dir():
-            raise fail(Code.SOURCE_NOT_FOUND, "source is not a directory", file=str(path))
+            raise fatal(Code.SOURCE_NOT_FOUND, rule="not-directory", file=path)
         return path.resolve()
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         from huggingface_hub import snapshot_download
@@ -42,21 +37,11 @@ def resolve_local(spec: str, revision: str | None = None) -> Path:
         try:
             return Path(snapshot_download(spec, revision=revision, local_files_only=True))
         except LocalEntryNotFoundError:
-            where = f"{spec}@{revision}" if revision else spec
-            raise fail(
-                Code.SOURCE_NOT_IN_CACHE,
-                f"'{where}' is not a local directory and is not in the local Hugging Face cache",
-                hint=f"download it first (`hf download {spec}"
-                f"{f' --revision {revision}' if revision else ''}`), stream it with "
-                "--download, or pass a directory",
-            ) from None
-    raise fail(
-        Code.SOURCE_NOT_FOUND,
-        "source not found: expected a directory with "
-        "model.safetensors.index.json or model.safetensors, or a Hugging Face repo id "
-        "(org/name) in the local cache",
-        file=spec,
-    )
+            where, command = spec, spec
+            if revision:
+                where, command = f"{spec}@{revision}", f"{spec} --revision {revision}"
+            raise fatal(Code.SOURCE_NOT_IN_CACHE, where=where, command=command) from None
+    raise fatal(Code.SOURCE_NOT_FOUND, rule="spec", file=spec)
 
 
 class LocalOrigin:
@@ -73,17 +58,15 @@ class LocalOrigin:
     def read_header(self, root: Path, file: str) -> ShardHeader:
         path = root / file
         if not os.path.lexists(path):
-            raise fail(Code.SHARD_MISSING, "shard named in the index is missing", file=file)
+            raise fatal(Code.SHARD_MISSING, rule="local", file=file)
         # A shard may be a symlink (shards spread over disks); its target must be a regular
         # file: a FIFO would block the read forever, a device would never end.
         if not fsio.is_regular(path):
-            raise fail(
-                Code.SHARD_MISSING if not path.exists() else Code.NOT_A_REGULAR_FILE,
-                "shard is not a regular file",
-                file=file,
-                expected="a regular file (a shard may be a symlink to one, e.g. on another disk)",
-                found=fsio.describe(path),
-            )
+            if not path.exists():
+                raise fatal(
+                    Code.SHARD_MISSING, rule="dangling", file=file, kind=fsio.describe(path)
+                )
+            raise fatal(Code.NOT_A_REGULAR_FILE, rule="shard", file=file, kind=fsio.describe(path))
         return read_header(path, display_name=file)
 
     def top_level_names(self, root: Path) -> list[str]:
@@ -91,9 +74,7 @@ class LocalOrigin:
         try:
             return sorted(os.listdir(root))
         except OSError as exc:
-            raise fail(
-                Code.FILE_UNREADABLE, f"cannot list ({exc.strerror})", file=str(root)
-            ) from None
+            raise fatal(Code.FILE_UNREADABLE, rule="list", file=root, error=exc.strerror) from None
 
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
         """Every other file (tokenizer, chat template, custom code, ...), copied unchanged.
@@ -150,21 +131,9 @@ def publish_problem(root: Path, rel: str) -> Problem | None:
     path = root / rel
     name_problem = contract.file_name_problem(rel)
     if name_problem is not None:
-        return Problem(
-            Code.FILE_NAME_INVALID,
-            f"file name {name_problem}: the output could not be published or verified with it",
-            file=rel,
-            expected="a plain name (UTF-8, no control characters or backslashes)",
-            found=repr(rel),
-        )
+        return problem(Code.FILE_NAME_INVALID, file=rel, why=name_problem)
     if not fsio.is_regular(path):
-        return Problem(
-            Code.NOT_A_REGULAR_FILE,
-            "not a regular file: it cannot be copied into the output",
-            file=rel,
-            expected="a regular file",
-            found=fsio.describe(path),
-        )
+        return problem(Code.NOT_A_REGULAR_FILE, rule="publish", file=rel, kind=fsio.describe(path))
     if not _through_link(root, rel):
         return None
     real_root = root.resolve()
@@ -174,14 +143,9 @@ def publish_problem(root: Path, rel: str) -> Problem | None:
     inside = real_root in target.parents
     if inside and published_directly(target.relative_to(real_root).as_posix()):
         return None
-    where = "into a hidden or unpublished path of the source" if inside else "outside the source"
-    return Problem(
-        Code.LINK_ESCAPES,
-        f"file is a symlink {where}: it would publish a file that is not published directly",
-        file=rel,
-        expected="a regular file, or a link to one of the source's own published files",
-        found=fsio.describe(path),
-    )
+    if inside:
+        return problem(Code.LINK_ESCAPES, rule="publish-inside", file=rel, kind=fsio.describe(path))
+    return problem(Code.LINK_ESCAPES, rule="publish-outside", file=rel, kind=fsio.describe(path))
 
 
 def _through_link(root: Path, rel: str) -> bool:

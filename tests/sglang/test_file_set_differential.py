@@ -14,10 +14,10 @@ from unittest import mock
 import pytest
 from file_layouts import layouts, write_layout
 from hypothesis import HealthCheck, given, settings
+from kimi_w31.converter.audit.served import loaded_files
 from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.source import read_source
 from kimi_w31.converter.source.local import LocalOrigin
-from kimi_w31.converter.verify.served import loaded_files
 
 pytestmark = pytest.mark.sglang
 

@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from .. import console
 from ..console import err, out, run_guarded
-from ..errors import usage
+from ..errors import Code, fatal
 from . import verify as run_verify
 from .report import VerifyReport
 
@@ -182,9 +182,9 @@ def _check_usage(numerics: bool, sample: int | None, all_experts: bool, seed: in
             if v
         ]
         if given:
-            raise usage(f"{', '.join(given)} only apply with --numerics")
+            raise fatal(Code.USAGE, rule="numerics-options", options=", ".join(given))
     if sample is not None and all_experts:
-        raise usage("--experts and --all do not combine: sample N experts, or check all")
+        raise fatal(Code.USAGE, rule="experts-with-all")
 
 
 _MARKS = {True: "[green]ok[/]  ", False: "[bold red]FAIL[/]", None: "[dim]skip[/]"}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 from .. import contract
-from ..errors import Code, Fatal, Problem
+from ..errors import Code, Fatal, Problem, fatal, problem
 from ..manifest import resolve_dims
 from ..safetensors_format import ShardHeader
 from ..source import Source, read_source
@@ -54,9 +54,7 @@ def _read(out: Output, spec: str, report: VerifyReport) -> Source | None:
     try:
         root = resolve_local(spec)
         if root == out.root.resolve():
-            raise Fatal(
-                [Problem(Code.USAGE, "--source is the output directory itself", file=str(root))]
-            )
+            raise fatal(Code.USAGE, rule="source-is-output", file=root)
         return read_source(root, spec, LocalOrigin())
     except Fatal as exc:
         hint = f"; {exc.hint}" if exc.hint else ""
@@ -78,11 +76,12 @@ def _check_block(
         dims, _ = resolve_dims(out.manifest, source.config)  # problems: the config check's
         if block["dims"] != dims.values:
             problems.append(
-                _mismatch(
-                    "dims",
-                    "do not match the dimensions of the source config",
-                    dims.values,
-                    block["dims"],
+                problem(
+                    Code.BLOCK_MISMATCH,
+                    rule="dims",
+                    file=contract.CONFIG_NAME,
+                    want=_json(dims.values),
+                    value=_json(block["dims"]),
                 )
             )
     else:
@@ -90,12 +89,13 @@ def _check_block(
     if "manifest_sha256" in block and out.manifest is not None:
         if block["manifest_sha256"] != out.manifest.sha256:
             problems.append(
-                _mismatch(
-                    "manifest_sha256",
-                    f"is not the hash of manifest {out.manifest.name} (pass --manifest with the "
-                    "one the conversion used)",
-                    out.manifest.sha256,
-                    block["manifest_sha256"],
+                problem(
+                    Code.BLOCK_MISMATCH,
+                    rule="manifest-hash",
+                    file=contract.CONFIG_NAME,
+                    manifest=out.manifest.name,
+                    want=_json(out.manifest.sha256),
+                    value=_json(block["manifest_sha256"]),
                 )
             )
     else:
@@ -105,14 +105,8 @@ def _check_block(
     return changed
 
 
-def _mismatch(key: str, what: str, expected: object, found: object) -> Problem:
-    return Problem(
-        Code.BLOCK_MISMATCH,
-        f"{contract.BLOCK_KEY}.{key} {what}",
-        file=contract.CONFIG_NAME,
-        expected=json.dumps(expected, default=str),
-        found=json.dumps(found, default=str),
-    )
+def _json(value: object) -> str:
+    return json.dumps(value, default=str)
 
 
 def _identity(recorded: object, served: dict[str, ShardHeader]) -> tuple[set[str], list[Problem]]:
@@ -122,9 +116,9 @@ def _identity(recorded: object, served: dict[str, ShardHeader]) -> tuple[set[str
     files = recorded.get("files") if isinstance(recorded, dict) else None
     if not isinstance(files, dict):
         return set(), [
-            Problem(
+            problem(
                 Code.BLOCK_FIELD,
-                f"{contract.BLOCK_KEY}.source.files is not an object",
+                rule="source-files",
                 file=contract.CONFIG_NAME,
             )
         ]
@@ -144,13 +138,12 @@ def _identity(recorded: object, served: dict[str, ShardHeader]) -> tuple[set[str
         if then != now:
             changed.add(name)
             problems.append(
-                Problem(
+                problem(
                     Code.SOURCE_CHANGED_SINCE,
-                    "source shard is not the one the output was converted from (the source "
-                    "changed since, or this is another source): not output corruption",
+                    rule="shard",
                     file=name,
-                    expected=json.dumps(then),
-                    found=json.dumps(now),
+                    then=json.dumps(then),
+                    now=json.dumps(now),
                 )
             )
     return changed, problems
@@ -171,13 +164,7 @@ def _check_config(out: Output, source: Source, report: VerifyReport) -> None:
             "source-config",
             LEVEL,
             title,
-            [
-                Problem(
-                    Code.CONFIG_DIFFERS,
-                    f"the quantization_config wrapper cannot be undone ({exc})",
-                    file=contract.CONFIG_NAME,
-                )
-            ],
+            [problem(Code.CONFIG_DIFFERS, rule="unwrap", file=contract.CONFIG_NAME, error=exc)],
             "",
         )
         return
@@ -189,12 +176,11 @@ def _check_config(out: Output, source: Source, report: VerifyReport) -> None:
             if unwrapped.get(k, _ABSENT) != source.config.get(k, _ABSENT)
         )
         problems.append(
-            Problem(
+            problem(
                 Code.CONFIG_DIFFERS,
-                "config.json differs from the source config beyond the kimi_w31 block and the "
-                "wrapped quantization_config",
+                rule="beyond-block",
                 file=contract.CONFIG_NAME,
-                found="differs at " + ", ".join(keys[:10]),
+                keys=", ".join(keys[:10]),
             )
         )
     report.add("source-config", LEVEL, title, problems, "source config + block + wrapper")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import contract, fsio
 from ..contract import CHECKSUMS_NAME
-from ..errors import Code, Problem
+from ..errors import Code, Problem, problem
 from ..hashing import TENSOR_HASH
 from ..outdir import CHECKSUMS_FORMAT
 
@@ -45,13 +45,9 @@ def list_files(root: Path) -> tuple[list[str], list[Problem], list[str]]:
             rel = path.relative_to(root).as_posix()
             mode = os.lstat(path).st_mode
             if not stat.S_ISREG(mode):
+                kind = fsio.kind(mode)
                 problems.append(
-                    Problem(
-                        Code.NOT_A_REGULAR_FILE,
-                        "not a regular file (a converted checkpoint holds only regular files)",
-                        file=rel,
-                        found=fsio.kind(mode),
-                    )
+                    problem(Code.NOT_A_REGULAR_FILE, rule="output", file=rel, kind=kind)
                 )
             else:
                 files.append(rel)
@@ -82,40 +78,35 @@ def load_checksums(root: Path, deep: bool = True) -> tuple[dict[str, dict] | Non
     None when the file is missing or unusable as a whole. `deep=False` skips checking the
     330k recorded tensor checksums one by one (the file list needs only the names).
     """
-    path = root / CHECKSUMS_NAME
-
-    def bad(what: str, found: str | None = None, file: str = CHECKSUMS_NAME) -> Problem:
-        return Problem(Code.CHECKSUMS_INVALID, what, file=file, found=found)
-
+    path, file = root / CHECKSUMS_NAME, CHECKSUMS_NAME
     if not os.path.lexists(path):
-        return None, [
-            bad(
-                "the checksums file is missing: the output cannot be proven intact without the "
-                "source"
-            )
-        ]
+        return None, [problem(Code.CHECKSUMS_INVALID, rule="missing", file=file)]
     if not is_regular(path):
-        return None, [bad("the checksums file is not a regular file")]
+        return None, [problem(Code.CHECKSUMS_INVALID, rule="not-file", file=file)]
     try:
         doc = json.loads(fsio.read_regular(path, follow=False))
     except (OSError, ValueError, RecursionError) as exc:
-        return None, [bad(f"the checksums file is not readable JSON ({exc})")]
+        return None, [problem(Code.CHECKSUMS_INVALID, rule="not-json", file=file, error=exc)]
     if not isinstance(doc, dict):
-        return None, [bad("the checksums file is not a JSON object")]
-    if doc.get("format_version") != CHECKSUMS_FORMAT:
-        return None, [bad("unknown checksums file format", repr(doc.get("format_version")))]
-    if doc.get("tensor_checksum") != TENSOR_HASH:
-        return None, [bad("unknown tensor checksum algorithm", repr(doc.get("tensor_checksum")))]
+        return None, [problem(Code.CHECKSUMS_INVALID, rule="not-object", file=file)]
+    if (version := doc.get("format_version")) != CHECKSUMS_FORMAT:
+        return None, [problem(Code.CHECKSUMS_INVALID, rule="format", file=file, value=version)]
+    if (algorithm := doc.get("tensor_checksum")) != TENSOR_HASH:
+        return None, [problem(Code.CHECKSUMS_INVALID, rule="algorithm", file=file, value=algorithm)]
     files = doc.get("files")
     if not isinstance(files, dict):
-        return None, [bad("the checksums file has no 'files' object")]
+        return None, [problem(Code.CHECKSUMS_INVALID, rule="no-files", file=file)]
     table, problems = {}, []
     for name, entry in files.items():
         why = unsafe_name(root, name)
         if why is not None:
-            problems.append(bad(f"recorded file name {why}; it is not opened", repr(name)))
+            problems.append(
+                problem(Code.CHECKSUMS_INVALID, rule="name", file=file, why=why, name=name)
+            )
         elif not _entry_ok(entry, deep):
-            problems.append(bad("malformed record", file=name, found=_short(entry)))
+            problems.append(
+                problem(Code.CHECKSUMS_INVALID, rule="record", file=name, record=_short(entry))
+            )
         else:
             table[name] = entry
     return table, problems
@@ -143,17 +134,12 @@ def check_recorded(root: Path, files: list[str], table: dict[str, dict]) -> list
     """Every file of the output is in the checksums file, and every recorded file is there."""
     present = set(files)
     problems = [
-        Problem(
-            Code.FILE_UNRECORDED,
-            "file in the output that the checksums file does not record: the conversion did not "
-            "write it",
-            file=rel,
-        )
+        problem(Code.FILE_UNRECORDED, file=rel)
         for rel in files
         if rel != CHECKSUMS_NAME and rel not in table
     ]
     problems += [
-        Problem(Code.FILE_MISSING, "file recorded by the conversion is missing", file=rel)
+        problem(Code.FILE_MISSING, rule="recorded", file=rel)
         for rel in sorted(table)
         if rel not in present and not os.path.lexists(root / rel)
     ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from .. import contract
 from ..console import Progress
-from ..errors import Code, Problem
+from ..errors import Code, Problem, problem
 from ..hashing import CHUNK_SIZE, ShortRead
 from ..safetensors_format import ShardHeader, TensorInfo
 from ..source import Source
@@ -28,7 +28,7 @@ LEVEL = "source"
 
 
 @dataclass
-class _ShardJob:
+class _ShardComparison:
     """The tensors of one output shard to compare, and how many bytes they hold."""
 
     file: str
@@ -49,16 +49,18 @@ def compare_with_source(
     shard a loader opens, and why some cannot be (`served.py`); `changed`: the shards that
     changed since the conversion (a difference there is blamed on the source)."""
     expected = expected_tensors(served[0])
-    problems, jobs = _match_tensors(out, expected)
+    problems, comparisons = _match_tensors(out, expected)
     problems = served[1] + problems
     del expected
     files, file_problems = _match_files(out, source)
-    total = sum(job.nbytes for job in jobs) + sum(size for _, size in files)
-    compared = sum(len(j.tensors) for j in jobs)
+    total = sum(comparison.nbytes for comparison in comparisons) + sum(size for _, size in files)
+    compared = sum(len(j.tensors) for j in comparisons)
     with Progress(progress_mode, "verify --source", total) as progress:
         problems += run_jobs(
-            lambda job, stop: _compare_shard(out, source, changed, job, stop, progress.advance),
-            jobs,
+            lambda comparison, stop: _compare_shard(
+                out, source, changed, comparison, stop, progress.advance
+            ),
+            comparisons,
             workers,
         )
         file_problems += run_jobs(
@@ -84,118 +86,103 @@ def compare_with_source(
 
 def _match_tensors(
     out: Output, expected: dict[str, Expected]
-) -> tuple[list[Problem], list[_ShardJob]]:
+) -> tuple[list[Problem], list[_ShardComparison]]:
     """Names, dtypes and shapes; the tensors whose bytes are to be compared, by shard."""
-    problems, jobs, seen = [], [], set()
+    problems, comparisons, seen = [], [], set()
     for file, header in out.headers.items():
-        job = _ShardJob(file)
+        comparison = _ShardComparison(file)
         for name, info in header.tensors.items():
             seen.add(name)
             want = expected.get(name)
             if want is None:
-                problems.append(
-                    Problem(
-                        Code.TENSOR_NOT_FROM_SOURCE,
-                        "tensor has no counterpart in the source",
-                        file=file,
-                        tensor=name,
-                    )
-                )
+                problems.append(problem(Code.TENSOR_NOT_FROM_SOURCE, file=file, tensor=name))
                 continue
-            problem = _unlike(file, name, info, want)
-            if problem is not None:
-                problems.append(problem)
+            unlike = _unlike(file, name, info, want)
+            if unlike is not None:
+                problems.append(unlike)
                 continue
-            job.tensors.append((name, want))
-            job.nbytes += info.nbytes
-        jobs.append(job)
+            comparison.tensors.append((name, want))
+            comparison.nbytes += info.nbytes
+        comparisons.append(comparison)
     # Tensors of shards that did not parse are not counted missing: structure said why.
     unread = set(out.shard_names) - out.headers.keys()
     if not unread:
         problems += [
-            Problem(
-                Code.TENSOR_MISSING, "tensor the source requires is not in the output", tensor=name
-            )
-            for name in sorted(expected.keys() - seen)
+            problem(Code.TENSOR_MISSING, tensor=name) for name in sorted(expected.keys() - seen)
         ]
-    return problems, jobs
+    return problems, comparisons
 
 
 def _unlike(file: str, name: str, info: TensorInfo, want: Expected) -> Problem | None:
     """Why an output tensor cannot be what the source says (dtype, shape), or None."""
-
-    def bad(code: Code, what: str, expected: str, found: str) -> Problem:
-        return Problem(code, what, file=file, tensor=name, expected=expected, found=found)
-
     if want.missing:
-        return bad(
-            Code.EXPERT_PARTNER_MISSING,
-            "the source lacks a half of this w31 (w3 = up, w1 = gate)",
-            "both halves in the source",
-            ", ".join(want.missing),
+        missing = ", ".join(want.missing)
+        return problem(
+            Code.EXPERT_PARTNER_MISSING, rule="source-half", file=file, tensor=name, missing=missing
         )
     infos = [p.info for p in want.parts]
     dtypes = {i.dtype for i in infos}
     if dtypes != {info.dtype}:
-        return bad(
+        return problem(
             Code.TENSOR_DTYPE_DIFFERS,
-            "dtype differs from the source",
-            " / ".join(sorted(dtypes)),
-            info.dtype,
+            file=file,
+            tensor=name,
+            want=" / ".join(sorted(dtypes)),
+            dtype=info.dtype,
         )
-    shapes = [list(i.shape) for i in infos]
+    shapes, found = [list(i.shape) for i in infos], list(info.shape)
     if len(infos) == 2 and (shapes[0] != shapes[1] or not shapes[0]):
-        return bad(
+        return problem(
             Code.TENSOR_SHAPE_DIFFERS,
-            "the source's w3 and w1 shapes differ: no w31 can be formed",
-            str(shapes),
-            str(list(info.shape)),
+            rule="source-halves",
+            file=file,
+            tensor=name,
+            want=shapes,
+            shape=found,
         )
     shape = shapes[0] if len(infos) == 1 else [2 * shapes[0][0], *shapes[0][1:]]
-    if list(info.shape) != shape:
-        return bad(
-            Code.TENSOR_SHAPE_DIFFERS,
-            "shape differs from the source",
-            str(shape),
-            str(list(info.shape)),
+    if found != shape:
+        return problem(
+            Code.TENSOR_SHAPE_DIFFERS, rule="shape", file=file, tensor=name, want=shape, shape=found
         )
     return None
 
 
 def _compare_shard(
-    out: Output, source: Source, changed: set[str], job: _ShardJob, stop: threading.Event, advance
+    out: Output,
+    source: Source,
+    changed: set[str],
+    comparison: _ShardComparison,
+    stop: threading.Event,
+    advance,
 ) -> list[Problem]:
-    header = out.headers[job.file]
+    header = out.headers[comparison.file]
     bufs, problems = Buffers(), []
     with OpenFiles() as files:
         try:
-            fd = files.fd(out.root / job.file)
-            for name, want in job.tensors:
+            fd = files.fd(out.root / comparison.file)
+            for name, want in comparison.tensors:
                 info = header.tensors[name]
                 right = [
                     (files.fd(source.root / p.file), p.info.begin, p.info.nbytes, p.file)
                     for p in want.parts
                 ]
                 pos = compare_ranges(
-                    (fd, info.begin, info.nbytes, job.file), right, bufs, stop, advance
+                    (fd, info.begin, info.nbytes, comparison.file), right, bufs, stop, advance
                 )
                 if pos is not None:
-                    problems.append(_differs(job.file, name, want, pos, changed))
+                    problems.append(_differs(comparison.file, name, want, pos, changed))
         except ShortRead as exc:
             problems.append(
-                Problem(
-                    Code.FILE_TRUNCATED,
-                    "file ended while it was being read (changed during verify?)",
-                    file=exc.file,
-                    found=f"ended at byte {exc.offset}",
-                )
+                problem(Code.FILE_TRUNCATED, rule="read", file=exc.file, offset=exc.offset)
             )
         except OSError as exc:
             problems.append(
-                Problem(
+                problem(
                     Code.FILE_UNREADABLE,
-                    f"cannot read ({exc.strerror or exc})",
-                    file=exc.filename or job.file,
+                    rule="read",
+                    file=exc.filename or comparison.file,
+                    error=exc.strerror or exc,
                 )
             )
     return problems
@@ -203,31 +190,11 @@ def _compare_shard(
 
 def _differs(file: str, name: str, want: Expected, pos: int, changed: set[str]) -> Problem:
     if any(p.file in changed for p in want.parts):
-        return Problem(
-            Code.SOURCE_CHANGED_SINCE,
-            "tensor differs from the source, whose shard changed since the conversion",
-            file=file,
-            tensor=name,
-            found=f"first difference at byte {pos}",
-        )
+        return problem(Code.SOURCE_CHANGED_SINCE, rule="tensor", file=file, tensor=name, pos=pos)
     if want.fused:
-        up = want.parts[0].info.nbytes
-        half = "up (w3)" if pos < up else "gate (w1)"
-        return Problem(
-            Code.W31_NOT_UP_GATE,
-            "w31 is not concat([w3, w1]) of the source ([up; gate])",
-            file=file,
-            tensor=name,
-            expected="w3 bytes then w1 bytes",
-            found=f"first difference at byte {pos}, in the {half} half",
-        )
-    return Problem(
-        Code.BYTES_DIFFER,
-        "tensor bytes differ from the source",
-        file=file,
-        tensor=name,
-        found=f"first difference at byte {pos}",
-    )
+        half = "up (w3)" if pos < want.parts[0].info.nbytes else "gate (w1)"
+        return problem(Code.W31_NOT_UP_GATE, file=file, tensor=name, pos=pos, half=half)
+    return problem(Code.BYTES_DIFFER, rule="tensor", file=file, tensor=name, pos=pos)
 
 
 def _match_files(out: Output, source: Source) -> tuple[list[tuple[str, int]], list[Problem]]:
@@ -236,24 +203,12 @@ def _match_files(out: Output, source: Source) -> tuple[list[tuple[str, int]], li
     for rel in source.extra_files:
         path = out.root / rel
         if not is_regular(path):
-            problems.append(
-                Problem(
-                    Code.FILE_MISSING,
-                    "file of the source is missing from the output (or not a regular file)",
-                    file=rel,
-                )
-            )
+            problems.append(problem(Code.FILE_MISSING, rule="from-source", file=rel))
             continue
         size, want = path.stat().st_size, (source.root / rel).stat().st_size
         if size != want:
             problems.append(
-                Problem(
-                    Code.BYTES_DIFFER,
-                    "file differs from the source (size)",
-                    file=rel,
-                    expected=str(want),
-                    found=str(size),
-                )
+                problem(Code.BYTES_DIFFER, rule="file-size", file=rel, want=want, size=size)
             )
         else:
             todo.append((rel, size))
@@ -265,13 +220,7 @@ def _match_files(out: Output, source: Source) -> tuple[list[tuple[str, int]], li
         contract.CHECKSUMS_NAME,
     }
     problems += [
-        Problem(
-            Code.FILE_NOT_FROM_SOURCE,
-            "file in the output that the conversion of this source would not write",
-            file=rel,
-        )
-        for rel in out.files
-        if rel not in allowed
+        problem(Code.FILE_NOT_FROM_SOURCE, file=rel) for rel in out.files if rel not in allowed
     ]
     return todo, problems
 
@@ -288,14 +237,7 @@ def _compare_file(
                 (mine, 0, size, rel), [(theirs, 0, size, rel)], bufs, stop, advance
             )
     except (OSError, ShortRead) as exc:
-        return [Problem(Code.FILE_UNREADABLE, f"cannot read ({exc})", file=rel)]
+        return [problem(Code.FILE_UNREADABLE, rule="read", file=rel, error=exc)]
     if pos is None:
         return []
-    return [
-        Problem(
-            Code.BYTES_DIFFER,
-            "file differs from the source",
-            file=rel,
-            found=f"first difference at byte {pos}",
-        )
-    ]
+    return [problem(Code.BYTES_DIFFER, rule="file", file=rel, pos=pos)]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import contract
-from ..errors import Code, Fatal, Problem
+from ..errors import Code, Fatal, Problem, problem
 from ..manifest import Dims, Manifest, load_manifest, resolve_dims
 from ..outdir import STATE_DIR
 from ..safetensors_format import ShardHeader
@@ -74,14 +74,12 @@ class Output:
 def check_structure(root: Path, manifest: Manifest | None, report: VerifyReport) -> Output | None:
     """Every structure check; None when the output is not there or not complete."""
     if not root.is_dir():
-        what = "does not exist" if not os.path.lexists(root) else "is not a directory"
-        report.add(
-            "output",
-            LEVEL,
-            "output directory",
-            [Problem(Code.OUTPUT_NOT_DIRECTORY, f"output path {what}", file=str(root))],
-            "",
+        found = (
+            problem(Code.OUTPUT_NOT_DIRECTORY, rule="absent", file=root)
+            if not os.path.lexists(root)
+            else problem(Code.OUTPUT_NOT_DIRECTORY, rule="not-directory", file=root)
         )
+        report.add("output", LEVEL, "output directory", [found], "")
         return None
     if not os.path.lexists(root / contract.INDEX_NAME):
         report.add("index", LEVEL, "shards and index", [_incomplete(root)], "no index")
@@ -104,20 +102,11 @@ def check_structure(root: Path, manifest: Manifest | None, report: VerifyReport)
 
 
 def _incomplete(root: Path) -> Problem:
-    running = (root / STATE_DIR).is_dir()
-    return Problem(
-        Code.INCOMPLETE_OUTPUT,
-        "no index: the conversion is incomplete (the index is written last) or this is not a "
-        "converted checkpoint",
-        file=contract.INDEX_NAME,
-        expected="a complete conversion",
-        found=(
-            f"a conversion in progress or interrupted ({STATE_DIR}/ is there): rerun kimi-convert "
-            "to finish it"
+    if (root / STATE_DIR).is_dir():
+        return problem(
+            Code.INCOMPLETE_OUTPUT, rule="running", file=contract.INDEX_NAME, state=STATE_DIR
         )
-        if running
-        else "no index",
-    )
+    return problem(Code.INCOMPLETE_OUTPUT, rule="no-index", file=contract.INDEX_NAME)
 
 
 # -- the index and the shards ---------------------------------------------------------------
@@ -141,12 +130,7 @@ def _check_index(out: Output, report: VerifyReport) -> None:
             out.shard_names.append(name)
         elif check_shard_name(out.root, name) is None:  # not reported by check_weight_map
             problems.append(
-                Problem(
-                    Code.WEIGHT_MAP_ENTRY_UNSAFE,
-                    f"weight_map entry {why}",
-                    file=contract.INDEX_NAME,
-                    found=repr(name),
-                )
+                problem(Code.WEIGHT_MAP_ENTRY_UNSAFE, file=contract.INDEX_NAME, why=why, shard=name)
             )
     origin = LocalOrigin()
     for name in out.shard_names:
@@ -163,13 +147,7 @@ def _check_index(out: Output, report: VerifyReport) -> None:
         total = metadata.get("total_size")
         if total != data or type(total) is not int:
             problems.append(
-                Problem(
-                    Code.INDEX_TOTAL_SIZE,
-                    "metadata.total_size is not the sum of the tensors' bytes",
-                    file=contract.INDEX_NAME,
-                    expected=str(data),
-                    found=repr(total),
-                )
+                problem(Code.INDEX_TOTAL_SIZE, file=contract.INDEX_NAME, data=data, total=total)
             )
     report.add(
         "index",
@@ -196,7 +174,7 @@ def _string_entries(weight_map: dict) -> tuple[dict[str, str], set[str]]:
 def _unreferenced(out: Output) -> list[Problem]:
     referenced = set(out.shard_names)
     return [
-        Problem(Code.SHARD_UNREFERENCED, "safetensors file the index does not reference", file=rel)
+        problem(Code.SHARD_UNREFERENCED, file=rel)
         for rel in out.files
         if rel.endswith(".safetensors") and rel not in referenced
     ]
@@ -218,8 +196,10 @@ def _check_config(out: Output, explicit: Manifest | None, report: VerifyReport) 
             LEVEL,
             title,
             [
-                Problem(
-                    Code.JSON_INVALID, "config.json is not a JSON object", file=contract.CONFIG_NAME
+                problem(
+                    Code.JSON_INVALID,
+                    rule="config-not-object",
+                    file=contract.CONFIG_NAME,
                 )
             ],
             "config unreadable",
@@ -258,12 +238,14 @@ def _block_vs_manifest(block: dict, manifest: Manifest) -> list[Problem]:
         value = block.get(key)
         if key in block and value != want:
             problems.append(
-                Problem(
+                problem(
                     Code.BLOCK_MISMATCH,
-                    f"{contract.BLOCK_KEY}.{key} disagrees with manifest {manifest.name}",
+                    rule="manifest",
                     file=contract.CONFIG_NAME,
-                    expected=repr(want),
-                    found=repr(value),
+                    key=key,
+                    manifest=manifest.name,
+                    want=want,
+                    value=value,
                 )
             )
     return problems

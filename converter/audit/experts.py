@@ -22,7 +22,7 @@ from operator import add, eq, ge, getitem, itemgetter, or_
 
 from .. import contract
 from ..console import id_ranges
-from ..errors import Code, Problem
+from ..errors import Code, Problem, problem
 from ..manifest import Dims, Manifest
 from ..safetensors_format import ShardHeader, TensorInfo
 
@@ -98,11 +98,11 @@ def check_experts(
     missing = [i for i in moe_ids if i not in layout.prefixes]
     if missing:
         problems.append(
-            Problem(
+            problem(
                 Code.LAYER_MISSING,
-                f"{len(missing)} MoE layer(s) have no routed experts",
-                expected=f"experts in MoE layers {id_ranges(moe_ids)}",
-                found=f"none in layers {id_ranges(missing)}",
+                count=len(missing),
+                layers=id_ranges(moe_ids),
+                missing=id_ranges(missing),
             )
         )
     for layer in sorted(layout.prefixes):
@@ -110,14 +110,7 @@ def check_experts(
         problems += _layer_problems(prefix, groups[prefix], expected, layout.experts, files)
     layout.found = sum(len(g.valid) + len(g.out_of_range) for g in groups.values())
     if not layout.found:
-        problems.append(
-            Problem(
-                Code.NO_EXPERTS,
-                "no routed-expert tensors under the contract's grammar: not a converted Kimi-K3 "
-                "MXFP4 checkpoint",
-                expected="experts.<id>.<w31|w2>.<weight_packed|weight_scale> in every MoE layer",
-            )
-        )
+        problems.append(problem(Code.NO_EXPERTS, rule="output"))
     return layout, problems
 
 
@@ -151,25 +144,10 @@ def _judge_names(prefix: str, group: _Group, expected: _Expected, files: _Files)
         name = f"{prefix}experts.{tail}"
         parsed = contract.parse_expert_tail(tail)
         if parsed is None:
-            problems.append(
-                Problem(
-                    Code.EXPERT_NAME,
-                    "tensor under an 'experts' component is not a routed-expert tensor of the "
-                    "contract's grammar",
-                    file=files(name),
-                    tensor=name,
-                    expected="experts.<id>.<w31|w2>.<weight_packed|weight_scale>",
-                )
-            )
+            problems.append(problem(Code.EXPERT_NAME, rule="output", file=files(name), tensor=name))
         elif parsed.proj in (contract.GATE, contract.UP):
             problems.append(
-                Problem(
-                    Code.EXPERT_TENSOR_UNEXPECTED,
-                    "w1/w3 expert tensor left in a converted checkpoint (it must be fused into "
-                    "w31)",
-                    file=files(name),
-                    tensor=name,
-                )
+                problem(Code.EXPERT_TENSOR_UNEXPECTED, rule="output", file=files(name), tensor=name)
             )
         else:
             group.out_of_range.add(parsed.expert)
@@ -203,32 +181,12 @@ def _assign_layers(
         layer = contract.layer_of(prefix)
         where = f"{prefix}experts.*"
         if layer is None:
-            problems.append(
-                Problem(
-                    Code.EXPERT_OUTSIDE_LAYER,
-                    "routed experts outside a 'layers.<i>.' component: no layer would load them",
-                    tensor=where,
-                )
-            )
+            problems.append(problem(Code.EXPERT_OUTSIDE_LAYER, tensor=where))
         elif layer in layout.prefixes:
-            problems.append(
-                Problem(
-                    Code.LAYER_DUPLICATED,
-                    f"layer {layer} has routed experts under two prefixes",
-                    tensor=where,
-                    expected=f"only {layout.prefixes[layer]}experts.*",
-                )
-            )
+            first = layout.prefixes[layer]
+            problems.append(problem(Code.LAYER_DUPLICATED, tensor=where, layer=layer, prefix=first))
         elif layer not in moe_ids and layer not in extra and rule_known:
-            problems.append(
-                Problem(
-                    Code.LAYER_UNEXPECTED,
-                    f"layer {layer} is not a MoE layer under the config's rule "
-                    "(num_hidden_layers, first_k_dense_replace, moe_layer_freq) but has routed "
-                    "experts",
-                    tensor=where,
-                )
-            )
+            problems.append(problem(Code.LAYER_UNEXPECTED, tensor=where, layer=layer))
         elif layer in moe_ids or layer in extra:
             layout.prefixes[layer] = prefix
     return problems
@@ -243,12 +201,12 @@ def _layer_problems(
     problems = _missing(prefix, expected.tails - group.valid, experts)
     if group.out_of_range:
         problems.append(
-            Problem(
+            problem(
                 Code.EXPERT_ID_RANGE,
-                "expert ids beyond the config's num_experts",
+                rule="layer",
                 tensor=f"{prefix}experts.*",
-                expected=f"ids 0..{experts - 1}",
-                found=f"ids {id_ranges(group.out_of_range)}",
+                last=experts - 1,
+                ids=id_ranges(group.out_of_range),
             )
         )
     # One C loop proves the common case: every expected tensor has its (dtype, shape).
@@ -261,24 +219,18 @@ def _layer_problems(
         name = f"{prefix}experts.{tail}"
         if info.dtype != pair[0]:
             problems.append(
-                Problem(
-                    Code.EXPERT_DTYPE,
-                    "wrong dtype",
-                    file=files(name),
-                    tensor=name,
-                    expected=pair[0],
-                    found=info.dtype,
+                problem(
+                    Code.EXPERT_DTYPE, file=files(name), tensor=name, want=pair[0], dtype=info.dtype
                 )
             )
         elif pair[1] is not None and info.shape != pair[1]:
             problems.append(
-                Problem(
+                problem(
                     Code.EXPERT_SHAPE,
-                    "wrong shape",
                     file=files(name),
                     tensor=name,
-                    expected=str(list(pair[1])),
-                    found=str(list(info.shape)),
+                    want=list(pair[1]),
+                    shape=list(info.shape),
                 )
             )
     return problems
@@ -294,20 +246,21 @@ def _missing(prefix: str, missing: set[str], experts: int) -> list[Problem]:
     problems = []
     if whole:
         problems.append(
-            Problem(
+            problem(
                 Code.LAYER_INCOMPLETE,
-                f"MoE layer is missing {len(whole)} of {experts} experts",
                 tensor=f"{prefix}experts.*",
-                expected=f"ids 0..{experts - 1}",
-                found=f"missing {id_ranges(whole)}",
+                count=len(whole),
+                experts=experts,
+                last=experts - 1,
+                missing=id_ranges(whole),
             )
         )
     for expert in sorted(set(roles_missing) - set(whole)):
         for role in sorted(roles_missing[expert]):
             problems.append(
-                Problem(
+                problem(
                     Code.EXPERT_PARTNER_MISSING,
-                    "expert tensor is missing (its partners exist)",
+                    rule="expert",
                     tensor=f"{prefix}experts.{expert}.{role}",
                 )
             )

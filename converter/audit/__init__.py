@@ -1,4 +1,5 @@
-"""`kimi-convert verify OUT`: prove a converted checkpoint complete, intact and correct.
+"""The audit behind `kimi-convert verify OUT`: prove a converted checkpoint complete, intact
+and correct.
 
 Levels; each includes the structure level, `--source` includes `--checksums` where the output
 has a checksums file, `--numerics` needs `--source`:
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import usage
+from ..errors import Code, fatal
 from ..manifest import load_manifest
 from .against_source import check_against_source
 from .checksums import check_checksums
@@ -45,16 +46,11 @@ def verify(
     --source, a sample or worker count below 1, a --manifest that cannot be loaded.
     """
     if numerics and not source:
-        raise usage(
-            "--numerics needs --source SRC: it computes each expert from the source and from the "
-            "output"
-        )
+        raise fatal(Code.USAGE, rule="numerics-source")
     if sample is not None and sample < 1:
-        raise usage(
-            "the number of experts to sample must be at least 1 (or all)", found=str(sample)
-        )
+        raise fatal(Code.USAGE, rule="sample", sample=sample)
     if workers < 1:
-        raise usage("workers must be at least 1", found=str(workers))
+        raise fatal(Code.USAGE, rule="workers", workers=workers)
     explicit = load_manifest(manifest) if manifest else None
     root = Path(root).expanduser().absolute()
     report = VerifyReport(str(root), levels=_levels(checksums, source, numerics))

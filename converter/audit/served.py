@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 
 from ..contract import INDEX_NAME
-from ..errors import Code, Fatal, Problem
+from ..errors import Code, Fatal, Problem, problem
 from ..safetensors_format import ShardHeader, read_header
 
 _SUFFIX = ".safetensors"
@@ -35,17 +35,17 @@ def loaded_files(root: Path) -> tuple[list[str], list[Problem]]:
         if pair and top[1].endswith("model" + _SUFFIX):
             return top[1:], []
         if not top:
-            return [], [_problem(Code.FILE_MISSING, "no index and no *.safetensors file", ".")]
+            return [], [problem(Code.FILE_MISSING, rule="served", file=".")]
         return top, []
     try:
         with open(index, encoding="utf-8") as fh:
             named = set(json.load(fh)["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return [], [_problem(Code.INDEX_INVALID, "index without a readable weight_map", INDEX_NAME)]
+        return [], [problem(Code.INDEX_INVALID, rule="served", file=INDEX_NAME)]
     problems = [
-        _problem(Code.SHARD_MISSING, "index names a shard that is not there", n)
+        problem(Code.SHARD_MISSING, rule="served", file=n)
         if isinstance(n, str) and not os.path.lexists(root / n)
-        else _problem(Code.SHARD_NOT_LOADED, "index names a shard loaders never open", repr(n))
+        else problem(Code.SHARD_NOT_LOADED, rule="served", file=repr(n))
         for n in sorted(named - set(top), key=repr)
     ]
     return [n for n in top if n in named], problems
@@ -59,15 +59,12 @@ def served_headers(root: Path) -> tuple[dict[str, ShardHeader], list[Problem]]:
         path = root / name
         try:
             if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read
-                problems.append(_problem(Code.NOT_A_REGULAR_FILE, "not a regular file", name))
+                problems.append(problem(Code.NOT_A_REGULAR_FILE, rule="served", file=name))
                 continue
             headers[name] = read_header(path, display_name=name)
         except OSError as exc:
-            problems.append(_problem(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror})", name))
+            error = exc.strerror
+            problems.append(problem(Code.FILE_UNREADABLE, rule="served", file=name, error=error))
         except Fatal as exc:
             problems += exc.problems
     return headers, problems
-
-
-def _problem(code: Code, what: str, file: str) -> Problem:
-    return Problem(code, f"source: {what}", file=file)

@@ -25,7 +25,7 @@ import numpy as np
 from .. import contract, known_answers
 from .. import reference as ref
 from ..console import Progress
-from ..errors import Code, Problem
+from ..errors import Code, Problem, problem
 from ..source import Source
 from .report import VerifyReport
 from .structure import Output
@@ -61,28 +61,22 @@ def check_numerics(
     chosen = _choose(out, source, sample, seed)
     if sides is None or not chosen:
         if not chosen:
-            problems.append(
-                Problem(
-                    Code.NUMERICS_UNAVAILABLE,
-                    "no expert is complete in both the output and the source (see the checks "
-                    "above)",
-                )
-            )
+            problems.append(problem(Code.NUMERICS_UNAVAILABLE, rule="no-expert"))
         report.add("numerics", LEVEL, title, problems, "not run")
         return
     src, conv = sides
-    out_files, src_files = out.tensor_files(), _source_files(source)
+    out_files, src_files = out.tensor_files(), _source_tensor_files(source)
     rng = np.random.default_rng(seed)
     worst = 0.0
     with Progress(progress_mode, "verify --numerics", len(chosen), unit="experts") as progress:
         for i, (prefix, expert) in enumerate(chosen, start=1):
             progress.note(expert=f"{i} of {len(chosen)} ({prefix}experts.{expert})")
-            err, problem = _compare_expert(
+            err, found = _compare_expert(
                 out, source, out_files, src_files, prefix, expert, src, conv, rng
             )
             worst = max(worst, err) if math.isfinite(err) else worst
-            if problem is not None:
-                problems.append(problem)
+            if found is not None:
+                problems.append(found)
             progress.advance(1)
     report.add(
         "numerics",
@@ -101,10 +95,7 @@ def self_test() -> list[Problem]:
     nibbles or an off-by-one scale bias would pass the comparison below; answers fixed in
     advance do not.
     """
-    return [
-        Problem(Code.NUMERICS_SELF_TEST, f"the MXFP4/SiTU reference fails a known answer: {m}")
-        for m in known_answers.self_test()
-    ]
+    return [problem(Code.NUMERICS_SELF_TEST, case=m) for m in known_answers.self_test()]
 
 
 def _semantics(
@@ -115,11 +106,8 @@ def _semantics(
     order = block.get("fc1_order")
     if not isinstance(order, list) or len(order) != 2 or set(order) != {"up", "gate"}:
         problems.append(
-            Problem(
-                Code.NUMERICS_UNAVAILABLE,
-                "kimi_w31.fc1_order does not name 'up' and 'gate' once each",
-                file=contract.CONFIG_NAME,
-                found=repr(order),
+            problem(
+                Code.NUMERICS_UNAVAILABLE, rule="fc1-order", file=contract.CONFIG_NAME, order=order
             )
         )
     betas = {}
@@ -131,11 +119,13 @@ def _semantics(
             value = get(key)
             if not _number(value):
                 problems.append(
-                    Problem(
+                    problem(
                         Code.NUMERICS_UNAVAILABLE,
-                        f"the {side} side has no numeric {key}",
+                        rule="situ",
                         file=contract.CONFIG_NAME,
-                        found=repr(value),
+                        side=side,
+                        key=key,
+                        value=value,
                     )
                 )
             betas[side, key] = value
@@ -187,7 +177,7 @@ def _choose(out: Output, source: Source, sample: int | None, seed: int) -> list[
     return sorted(random.Random(seed).sample(candidates, sample))
 
 
-def _source_files(source: Source) -> dict[str, str]:
+def _source_tensor_files(source: Source) -> dict[str, str]:
     return {n: f for f, h in source.headers.items() for n in h.tensors}
 
 
@@ -221,19 +211,13 @@ def _compare_expert(
     except Finding as exc:  # a NaN scale, a file the library refuses: reported, never raised
         return math.nan, exc.problem
     except (TypeError, ValueError, OSError, KeyError) as exc:
-        return math.nan, Problem(
-            Code.NUMERICS_UNAVAILABLE, f"cannot compute this expert ({exc})", tensor=where
-        )
+        return math.nan, problem(Code.NUMERICS_UNAVAILABLE, rule="expert", tensor=where, error=exc)
     err = relative_error(got, want)
     if err <= RTOL:
         return err, None
     stats = ref.compare(got, want)
-    return err, Problem(
-        Code.NUMERICS_DIFFER,
-        "the converted expert computes a different function than the source expert",
-        tensor=where,
-        expected=f"relative max error <= {RTOL:g}",
-        found=f"{err:.3g} (cosine {stats['cosine']:.6f})",
+    return err, problem(
+        Code.NUMERICS_DIFFER, tensor=where, rtol=RTOL, rel_error=err, cosine=stats["cosine"]
     )
 
 
@@ -244,9 +228,9 @@ def _pairs(prefix: str, expert: int, projs: tuple[str, ...]) -> list[tuple[str, 
 
 
 class Finding(Exception):
-    def __init__(self, problem: Problem) -> None:
-        super().__init__(problem.render())
-        self.problem = problem
+    def __init__(self, finding: Problem) -> None:
+        super().__init__(finding.render())
+        self.problem = finding
 
 
 def _load(
@@ -261,23 +245,27 @@ def _load(
                 arrays.append(fh.get_tensor(name))
         except SafetensorError as exc:  # loaders cannot read it: the library's own verdict
             raise Finding(
-                Problem(
+                problem(
                     Code.HEADER_LIBRARY_REFUSES,
-                    f"the safetensors library cannot read the {side}'s tensor ({exc})",
+                    rule="tensor",
                     file=files[name],
                     tensor=name,
+                    side=side,
+                    error=exc,
                 )
             ) from None
     scale = arrays[1].reshape(-1)
     nan = np.flatnonzero(scale == 0xFF) if scale.dtype == np.uint8 else ()
     if len(nan):  # E8M0 NaN: both sides would compute NaN and compare equal
         raise Finding(
-            Problem(
+            problem(
                 Code.SCALE_NAN,
-                f"{len(nan)} E8M0 scale byte(s) are 0xFF (NaN) in the {side}; first at byte "
-                f"{nan[0]} of the tensor",
+                rule="numerics",
                 file=files[pair[1]],
                 tensor=pair[1],
+                count=len(nan),
+                side=side,
+                first=nan[0],
             )
         )
     return arrays[0], arrays[1]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .. import contract
 from ..console import Progress, human
-from ..errors import Code, Problem
+from ..errors import Code, Problem, problem
 from ..hashing import CHUNK_SIZE, Crc32, ScaleScan, ShortRead, hash_ranges, shard_header_sha256
 from ..safetensors_format import ShardHeader, library_problem
 from .files import is_regular, load_checksums
@@ -32,11 +32,11 @@ LEVEL = "checksums"
 
 
 @dataclass(frozen=True)
-class _Job:
+class _FileCheck:
     file: str
     record: dict
     header: ShardHeader | None  # None: not a shard (sha256 of the whole file)
-    size: int  # bytes this job reads (for the progress total)
+    size: int  # bytes this check reads (for the progress total)
 
 
 def check_checksums(out: Output, workers: int, progress_mode: str, report: VerifyReport) -> None:
@@ -45,111 +45,84 @@ def check_checksums(out: Output, workers: int, progress_mode: str, report: Verif
     if table is None:
         report.add("checksums", LEVEL, title, problems, "cannot check")
         return
-    jobs, unrecorded = _jobs(out, table)
+    checks, unrecorded = _checks(out, table)
     problems += unrecorded
-    total = sum(j.size for j in jobs)
+    total = sum(j.size for j in checks)
     with Progress(progress_mode, "verify --checksums", total) as progress:
         problems += run_jobs(
-            lambda job, stop: _run(out, job, stop, progress.advance), jobs, workers
+            lambda check, stop: _run(out, check, stop, progress.advance), checks, workers
         )
-    tensors = sum(len(j.header.tensors) for j in jobs if j.header is not None)
-    shards = sum(j.header is not None for j in jobs)
+    tensors = sum(len(j.header.tensors) for j in checks if j.header is not None)
+    shards = sum(j.header is not None for j in checks)
     report.add(
         "checksums",
         LEVEL,
         title,
         problems,
-        f"{tensors} tensors (CRC-32) in {shards} shards, {len(jobs) - shards} other files "
+        f"{tensors} tensors (CRC-32) in {shards} shards, {len(checks) - shards} other files "
         f"(sha256), {human(total)} read",
     )
 
 
-def _jobs(out: Output, table: dict[str, dict]) -> tuple[list[_Job], list[Problem]]:
-    jobs, problems = [], []
+def _checks(out: Output, table: dict[str, dict]) -> tuple[list[_FileCheck], list[Problem]]:
+    checks, problems = [], []
     for name, header in out.headers.items():
         record = table.get(name)
         if record is None or "header_sha256" not in record:
-            problems.append(
-                Problem(Code.CHECKSUMS_INVALID, "shard has no checksum record", file=name)
-            )
+            problems.append(problem(Code.CHECKSUMS_INVALID, rule="no-shard-record", file=name))
         else:
-            jobs.append(_Job(name, record, header, header.file_size))
+            checks.append(_FileCheck(name, record, header, header.file_size))
     for name, record in table.items():
         if "header_sha256" in record:
             continue  # a shard: checked above if the index names it (structure says if not)
         path = out.root / name
         if not is_regular(path):  # missing or special: the structure level said which
             continue
-        jobs.append(_Job(name, record, None, path.stat().st_size))
-    return jobs, problems
+        checks.append(_FileCheck(name, record, None, path.stat().st_size))
+    return checks, problems
 
 
-def _run(out: Output, job: _Job, stop: threading.Event, advance) -> list[Problem]:
+def _run(out: Output, check: _FileCheck, stop: threading.Event, advance) -> list[Problem]:
     try:
-        if job.header is None:
-            return _check_file(out, job, stop, advance)
-        return _check_shard(out, job, stop, advance)
+        if check.header is None:
+            return _check_file(out, check, stop, advance)
+        return _check_shard(out, check, stop, advance)
     except ShortRead as exc:
-        return [
-            Problem(
-                Code.FILE_TRUNCATED,
-                "file ended while it was being read (changed during verify?)",
-                file=job.file,
-                found=f"ended at byte {exc.offset}",
-            )
-        ]
+        return [problem(Code.FILE_TRUNCATED, rule="read", file=check.file, offset=exc.offset)]
     except OSError as exc:
-        return [
-            Problem(Code.FILE_UNREADABLE, f"cannot read ({exc.strerror or exc})", file=job.file)
-        ]
+        error = exc.strerror or exc
+        return [problem(Code.FILE_UNREADABLE, rule="read", file=check.file, error=error)]
 
 
-def _check_file(out: Output, job: _Job, stop: threading.Event, advance) -> list[Problem]:
-    record, size = job.record, job.size
+def _check_file(out: Output, check: _FileCheck, stop: threading.Event, advance) -> list[Problem]:
+    record, size = check.record, check.size
     if size != record["size"]:
         advance(size)
+        want = record["size"]
         return [
-            Problem(
-                Code.FILE_SIZE_MISMATCH,
-                "file size differs from the conversion record",
-                file=job.file,
-                expected=str(record["size"]),
-                found=str(size),
-            )
+            problem(Code.FILE_SIZE_MISMATCH, rule="file", file=check.file, want=want, size=size)
         ]
-    if sha256_of(out.root / job.file, stop, advance) != record["sha256"]:
-        return [
-            Problem(
-                Code.CHECKSUM_MISMATCH,
-                "file differs from the conversion record (sha256)",
-                file=job.file,
-            )
-        ]
+    if sha256_of(out.root / check.file, stop, advance) != record["sha256"]:
+        return [problem(Code.CHECKSUM_MISMATCH, rule="file", file=check.file)]
     return []
 
 
-def _check_shard(out: Output, job: _Job, stop: threading.Event, advance) -> list[Problem]:
-    header, record, name = job.header, job.record, job.file
+def _check_shard(out: Output, check: _FileCheck, stop: threading.Event, advance) -> list[Problem]:
+    header, record, name = check.header, check.record, check.file
     assert header is not None
     problems = []
     if header.file_size != record["size"]:
         problems.append(
-            Problem(
+            problem(
                 Code.FILE_SIZE_MISMATCH,
-                "shard size differs from the conversion record",
+                rule="shard",
                 file=name,
-                expected=str(record["size"]),
-                found=str(header.file_size),
+                want=record["size"],
+                size=header.file_size,
             )
         )
     if shard_header_sha256(out.root / name) != record["header_sha256"]:
-        problems.append(
-            Problem(
-                Code.HEADER_HASH_MISMATCH,
-                "shard header differs from the conversion record (sha256)",
-                file=name,
-            )
-        )
+        problems.append(problem(Code.HEADER_HASH_MISMATCH, file=name))
     # The whole file is read here anyway: the library's own verdict on it costs a header
     # parse (the strict reader restates the library's rules; this is the consumer itself).
     refused = library_problem(out.root / name, header)
@@ -162,37 +135,33 @@ def _check_shard(out: Output, job: _Job, stop: threading.Event, advance) -> list
         want = recorded.get(tensor)
         if want is None:
             problems.append(
-                Problem(
-                    Code.CHECKSUMS_INVALID,
-                    "tensor has no recorded checksum",
-                    file=name,
-                    tensor=tensor,
-                )
+                problem(Code.CHECKSUMS_INVALID, rule="no-tensor-record", file=name, tensor=tensor)
             )
         elif want != crc:
             problems.append(
-                Problem(
+                problem(
                     Code.CHECKSUM_MISMATCH,
-                    "tensor bytes differ from the conversion record (CRC-32): corrupt",
+                    rule="tensor",
                     file=name,
                     tensor=tensor,
-                    expected=want,
-                    found=crc,
+                    want=want,
+                    crc=crc,
                 )
             )
     problems += [
-        Problem(Code.CHECKSUMS_INVALID, "recorded tensor is not in the shard", file=name, tensor=t)
+        problem(Code.CHECKSUMS_INVALID, rule="tensor-not-in-shard", file=name, tensor=t)
         for t in sorted(recorded.keys() - crcs.keys())
     ]
     for tensor, scan in scans.items():
         if scan.count:
             problems.append(
-                Problem(
+                problem(
                     Code.SCALE_NAN,
-                    f"{scan.count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {scan.first} "
-                    "of the tensor",
+                    rule="tensor",
                     file=name,
                     tensor=tensor,
+                    count=scan.count,
+                    first=scan.first,
                 )
             )
     return problems
@@ -206,15 +175,15 @@ def _hash_tensors(
     scans: dict[str, ScaleScan] = {}
     fd = open_regular(out.root / header.file)
     try:
-        jobs = []
+        checks = []
         for info in header.tensors.values():
             crcs[info.name] = Crc32()
             targets: tuple = (crcs[info.name],)
             if contract.is_e8m0_scale(info.name, info.dtype):
                 scans[info.name] = ScaleScan()
                 targets = (crcs[info.name], scans[info.name])
-            jobs.append((targets, [(fd, info.begin, info.nbytes, header.file)]))
-        hash_ranges(jobs, memoryview(bytearray(CHUNK_SIZE)), stop, advance)
+            checks.append((targets, [(fd, info.begin, info.nbytes, header.file)]))
+        hash_ranges(checks, memoryview(bytearray(CHUNK_SIZE)), stop, advance)
     finally:
         os.close(fd)
     return {n: c.hexdigest() for n, c in crcs.items()}, scans
