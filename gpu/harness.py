@@ -584,7 +584,7 @@ class Harness:
                         sx, sids, sw, self.prepared, betas, activation=act, output=out
                     )
 
-                row[f"{act}_eager_ms"] = _time_events(call, iters, dev)
+                row[f"{act}_eager_ms"] = time_events(call, iters, dev)
                 graph = torch.cuda.CUDAGraph()
                 stream = torch.cuda.Stream(device=dev)
                 stream.wait_stream(torch.cuda.current_stream(dev))
@@ -593,7 +593,7 @@ class Harness:
                 torch.cuda.current_stream(dev).wait_stream(stream)
                 with torch.cuda.graph(graph):
                     call()
-                row[f"{act}_graph_ms"] = _time_events(graph.replay, iters, dev)
+                row[f"{act}_graph_ms"] = time_events(graph.replay, iters, dev)
             row["ratio_eager"] = row["situ_eager_ms"] / row["swiglu_eager_ms"]
             row["ratio_graph"] = row["situ_graph_ms"] / row["swiglu_graph_ms"]
             self.log(
@@ -603,7 +603,7 @@ class Harness:
         return rows
 
 
-def _time_events(fn: Callable[[], Any], iters: int, dev: torch.device) -> float:
+def time_events(fn: Callable[[], Any], iters: int, dev: torch.device) -> float:
     """Median ms per call over `iters` CUDA-event-timed calls after 5 warm-ups."""
     for _ in range(5):
         fn()

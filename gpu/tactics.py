@@ -128,28 +128,14 @@ def best_in(by: Mapping[int, float], allowed: Iterable[int] | None = None) -> in
     return min(pool, key=lambda t: (pool[t], t))
 
 
-def _median_ms(fn: Any, reps: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from flashinfer.autotuner import AutoTuner, autotune
     from flashinfer.fused_moe import ActivationType, cutlass_fused_moe
     from kimi_w31.adapter import flashinfer_moe as fm
     from kimi_w31.adapter import kernels
+
+    from .harness import time_events
 
     humming = args.variant == "w4a8"
     if args.prebuilt is None:
@@ -239,6 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     # The check: the whole MoE forward, full set's best pair vs the set's best pair.
     checks = []
+    reps, dev = args.reps, torch.device("cuda")
     for tp, (weights, beta, linear_beta) in layers.items():
         for m in buckets:
             if (tp, m, 1) not in times or (tp, m, 2) not in times:
@@ -257,8 +244,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sub = [best_in(times[(tp, m, 1)], chosen), best_in(times[(tp, m, 2)], chosen)]
             a, b = [], []
             for _ in range(args.rounds):
-                a.append(_median_ms(partial(cutlass_fused_moe, **kw, profile_ids=full), args.reps))
-                b.append(_median_ms(partial(cutlass_fused_moe, **kw, profile_ids=sub), args.reps))
+                a.append(time_events(partial(cutlass_fused_moe, **kw, profile_ids=full), reps, dev))
+                b.append(time_events(partial(cutlass_fused_moe, **kw, profile_ids=sub), reps, dev))
             fa, fb = statistics.median(a), statistics.median(b)
             checks.append(
                 {"tp": tp, "m": m, "full": full, "set": sub, "full_ms": round(fa, 5),

@@ -1,0 +1,47 @@
+"""gpu/tactics.py, the pure parts: the tactic list as FlashInfer 0.7.2 orders it, and the
+smallest set that keeps every case near its best (the GPU study's report rests on both)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpu import tactics as T
+
+cases = st.dictionaries(
+    st.tuples(st.sampled_from([1, 2, 8]), st.sampled_from([1, 64, 8192]), st.sampled_from([1, 2])),
+    st.dictionaries(st.integers(0, 20), st.floats(0.01, 10.0), min_size=1, max_size=8),
+    min_size=1,
+    max_size=12,
+)
+
+
+@given(times=cases, slack=st.sampled_from([0.0, 0.01, 0.02]))
+def test_the_set_keeps_every_case_within_the_slack_of_its_best(times, slack) -> None:
+    chosen = T.cover(times, slack)
+    assert chosen == sorted(set(chosen))
+    for by in times.values():
+        best = min(by.values())
+        assert by[T.best_in(by, chosen)] <= best * (1 + slack)
+
+
+def test_one_tactic_near_best_everywhere_is_the_whole_set() -> None:
+    times = {(tp, m, 1): {3: 1.0, 7: 1.005, 9: 2.0 + m} for tp in (1, 8) for m in (1, 64)}
+    times[(1, 1, 1)][9] = 0.999  # best by 0.1 %: within 1 % of it, tactic 3 still serves
+    assert T.cover(times, 0.01) == [3]
+    assert T.cover(times, 0.0) == [3, 9]
+
+
+def test_tactic_ids_follow_flashinfers_order_and_counts() -> None:
+    names = T.describe_all(humming=False, gemm1_count=116, gemm2_count=116)
+    assert names[0] == {
+        "gemm": 1, "tile": "64x16x128", "schedule": "pingpong", "cluster": "1x1x1",
+        "finalize": False,
+    }  # fmt: skip
+    assert names[116]["gemm"] == 2 and names[116]["tile"] == "64x16x128"
+    assert names[4 * 12 + 1]["tile"] == "128x16x128" and names[4 * 12 + 1]["cluster"] == "2x1x1"
+    humming = T.describe_all(humming=True, gemm1_count=126, gemm2_count=126)
+    assert humming[125]["schedule"] == "sw_rolling" and humming[125]["tile"] == "128x64x128"
+    with pytest.raises(SystemExit):
+        T.describe_all(humming=False, gemm1_count=120, gemm2_count=116)  # a changed list
