@@ -16,6 +16,7 @@ import os
 import socket
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import fsio
@@ -48,6 +49,14 @@ def _flock(fd: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class _Refused:
+    """Why the lock is not ours: the path holds no lock, or a live owner (None: unknown)."""
+
+    owner: dict | None = None
+    not_a_lock: bool = False
+
+
 class OutputLock:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -56,34 +65,40 @@ class OutputLock:
 
     def acquire(self) -> None:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        refused: _Refused | None = None  # None after three tries: the lock kept vanishing
         for _ in range(3):
             try:
                 fd = os.open(self.path, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
-                if self._take_over_stale(me):
+                taken = self._take_over_stale(me)
+                if taken is True:
                     return
-                continue  # the lock vanished (its owner finished): try to create it again
+                if taken is False:
+                    continue  # the lock vanished (its owner finished): try to create it again
+                refused = taken
+                break
             # Blocking: a taker may hold it for a moment, but never keeps a lock whose
             # content (still empty) names no dead owner.
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_EX)
             self._hold(fd, me)
             return
-        raise fatal(Code.OUTPUT_LOCKED, rule="take", file=self.path)
+        raise self._refusal(refused)
 
-    def _take_over_stale(self, me: dict) -> bool:
-        """True if we now hold the lock, False if it vanished; raises if someone holds it."""
+    def _take_over_stale(self, me: dict) -> bool | _Refused:
+        """True if we now hold the lock, False if it vanished; why not where someone holds it
+        or it is no lock (a value: `acquire` raises once)."""
         try:
             fd = os.open(self.path, _FLAGS)
         except FileNotFoundError:
             return False
-        except OSError as exc:  # a link (ELOOP) or anything else that cannot be a lock
-            raise self._not_a_lock() from exc
+        except OSError:  # a link (ELOOP) or anything else that cannot be a lock
+            return _Refused(not_a_lock=True)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise self._not_a_lock()
+                return _Refused(not_a_lock=True)
             if not _flock(fd):  # the owner is alive (or another run is taking over)
-                raise self._busy(_owner(fd))
+                return _Refused(owner=_owner(fd))
             if not self._is_current(fd):  # released and recreated while we waited
                 return False
             owner = _owner(fd)
@@ -91,7 +106,7 @@ class OutputLock:
             if not (
                 owner and owner.get("host") == me["host"] and type(pid) is int and not _alive(pid)
             ):
-                raise self._busy(owner)
+                return _Refused(owner=owner)
             self.warning = f"took over a stale lock left by pid {pid} (no longer running)"
             self._hold(fd, me)
             fd = -1
@@ -112,15 +127,19 @@ class OutputLock:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self._fd = fd
 
-    def _busy(self, owner: dict | None) -> Fatal:
+    def _refusal(self, refused: _Refused | None) -> Fatal:
+        """The one refusal `acquire` raises: no lock there (`refused.not_a_lock`), a live
+        owner, or a lock that kept vanishing (None)."""
+        if refused is None:
+            return fatal(Code.OUTPUT_LOCKED, rule="take", file=self.path)
+        if refused.not_a_lock:
+            kind = fsio.describe(self.path)
+            return fatal(Code.STATE_FOLDER_INVALID, rule="lock", file=self.path, kind=kind)
+        owner = refused.owner
         who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
         return fatal(
             Code.OUTPUT_LOCKED, rule="busy", file=self.path.parent.parent, who=who, lock=self.path
         )
-
-    def _not_a_lock(self) -> Fatal:
-        kind = fsio.describe(self.path)
-        return fatal(Code.STATE_FOLDER_INVALID, rule="lock", file=self.path, kind=kind)
 
     def release(self) -> None:
         """Let go of a lock we hold (a no-op otherwise: never remove another run's lock)."""
