@@ -441,9 +441,9 @@ class OutputDir:
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
         self.resume_decision(fingerprint, source, force)
         self._created += fsio.make_dirs(self.state)  # the root too, where it is missing
-        if not fsio.is_real_dir(self.state):  # replaced since the decision: still refuse
-            self._decide(fingerprint, source, force)
         self._state_made = True
+        # Taken in the state folder opened without following a link: one replaced since the
+        # decision is refused there, and nothing is written through it.
         self._lock = OutputLock(self.lock_path)
         self._lock.acquire()  # on any failure from here the caller calls `abandon`
         if self._lock.warning:
