@@ -200,20 +200,23 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     identity = source_id(source, source.reader)
     planned = {f: h.header_sha256 for f, h in source.headers.items()}
     sources = opts.executor.open_sources(source.root, source.shard_files, planned, source.reader)
-    out = OutputDir(opts.out)
-    result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
     try:
-        if opts.dry_run:
-            # What a run would find here, refused as a run would refuse it (read-only).
-            mode, records = out.resume_decision(plan.fingerprint, identity, opts.force)
+        # Computed before the output is looked at: a source problem found here changes nothing.
+        final = None if opts.dry_run else final_files(source, plan, manifest, identity.name)
+        out = OutputDir(opts.out)
+        # Refused before anything, in a dry run as in a run (whose claim judges again).
+        mode, records = out.resume_decision(plan.fingerprint, identity, opts.force)
+        result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
+        if final is not None:
+            sizes = {s.name: s.file_size for s in plan.shards}
+            # The lock is released however the block is left (`Session`).
+            with out.claim(
+                plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed
+            ) as run:
+                _run(opts, run, plan, sources, final, reporter, result)
+        else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
             context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)
             result.preview = preview(mode, records, plan, context)
-            return result
-        final = final_files(source, plan, manifest, identity.name)
-        sizes = {s.name: s.file_size for s in plan.shards}
-        # The lock is released however the block is left (`Session`).
-        with out.claim(plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed) as run:
-            _run(opts, run, plan, sources, final, reporter, result)
     finally:
         sources.close()
     return result
