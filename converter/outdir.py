@@ -223,6 +223,7 @@ class Survey:
     entries: list[Path]  # what the directory holds, less what is never part of a checkpoint
     files: dict[Path, int | None]  # every file under `entries`, its size where regular
     unlisted: OSError | None  # why the directory could not be listed (None: it was)
+    partials: list[Path]  # partial downloads a run recorded starting (`note_partial`)
 
     def refusal(self, mode: Mode | None = None, force: bool = False) -> Fatal | None:
         """Why a run must not write here, before anything is written (and in --dry-run
@@ -344,14 +345,21 @@ class OutputDir:
         self._state_made = False  # the state folder is there, a real directory, this run's
         self._write_lock = threading.Lock()
         self.warnings: list[str] = []
+        self._partials: list[Path] = []  # recorded partial downloads, as read by the claim
 
     # -- reading, no lock needed ---------------------------------------------------------
     def survey(self) -> Survey:
         """What stands at the output path, what the directory holds and every record of
         ours there, read together (links never followed); nothing is judged here."""
-        ledger, checksums, journal, config = (
+        ledger, checksums, journal, config, partials = (
             fsio.read_if_regular(p)
-            for p in (self.ledger_path, self.checksums, self.journal_path, self.root / CONFIG_NAME)
+            for p in (
+                self.ledger_path,
+                self.checksums,
+                self.journal_path,
+                self.root / CONFIG_NAME,
+                self.partials_path,
+            )
         )
         entries: list[Path] = []
         files: dict[Path, int | None] = {}
@@ -386,6 +394,7 @@ class OutputDir:
             entries,
             files,
             unlisted,
+            [Path(e["path"]) for e in _json_lines(partials) if isinstance(e.get("path"), str)],
         )
 
     def resume_decision(
@@ -451,6 +460,7 @@ class OutputDir:
         faults.fault_point("lock.acquired")
         # Decided again on what is read under the lock; every change below is made from it.
         mode, records, found = self._decide(fingerprint, source, force)
+        self._partials = list(found.partials)
         # One path for every mode: the ledger is rewritten (atomically) with the records just
         # read; a torn last line of an interrupted run is left behind with it.
         ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
@@ -625,15 +635,17 @@ class OutputDir:
         one, may remove it: the only proof this tool has that the file is its own."""
         line = json.dumps({"path": str(path)}) + "\n"
         fsio.append_durably(self.partials_path, line.encode())
+        self._partials.append(path)
 
     def partials(self) -> list[Path]:
-        """Every partial download recorded by `note_partial` and not yet forgotten."""
-        entries = _json_lines(fsio.read_if_regular(self.partials_path))
-        return [Path(e["path"]) for e in entries if isinstance(e.get("path"), str)]
+        """Every partial download recorded and not yet forgotten: those the claim read
+        (under the lock, so no other run adds any) and those noted since."""
+        return list(self._partials)
 
     def forget_partials(self) -> None:
         """Called once every recorded partial download is removed."""
-        (self.partials_path).unlink(missing_ok=True)
+        self.partials_path.unlink(missing_ok=True)
+        self._partials.clear()
 
     def release(self, finished: bool) -> None:
         """Let go of the lock; a finished run also removes its state folder."""
