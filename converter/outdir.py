@@ -365,6 +365,9 @@ class OutputDir:
         files: dict[Path, int | None] = {}
         unlisted = None
         try:
+            # Less the hidden paths, never part of a checkpoint (the state folder, git's
+            # files, huggingface_hub's `.cache/huggingface/`): neither ours to remove nor in
+            # the way, so a clone of an empty model repo is an empty output directory.
             if fsio.is_real_dir(self.root):
                 entries, files = fsio.listing(self.root, contract.not_part_of_checkpoint)
         except OSError as exc:  # judged where a listing is needed (`_make_room`)
@@ -516,9 +519,13 @@ class OutputDir:
         """Make every final file what it must be, the index last; returns how many were
         (re)written. Refuses while anything else lies in the directory."""
         expected = {f.name for f in files} | set(self.ledger.done if self.ledger else ())
-        _, listed = fsio.listing(self.root, contract.not_part_of_checkpoint)
-        strays = {p: n for p, n in listed.items() if str(p.relative_to(self.root)) not in expected}
-        foreign = _foreign(strays, self.survey().ours(), self.root) if strays else []
+        found = self.survey()  # what stands now, and our records of it
+        if found.unlisted is not None:
+            raise found.unlisted
+        strays = {
+            p: n for p, n in found.files.items() if str(p.relative_to(self.root)) not in expected
+        }
+        foreign = _foreign(strays, found.ours(), self.root) if strays else []
         # Files our records say we wrote that this conversion no longer has (the source
         # dropped them): ours to remove, after the index (the output stops looking complete).
         dropped = [p for p in strays if p not in foreign]
