@@ -21,6 +21,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from . import fsio
 from .errors import Code, Fatal, fatal
@@ -28,7 +29,12 @@ from .errors import Code, Fatal, fatal
 _OWNER_MAX = 64 * 1024  # a lock we wrote names its owner in a few dozen bytes
 # Never through a link, never blocking on a FIFO planted in the lock's place.
 _FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-_FOLDER_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+_FOLDER_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_DIRECTORY", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 def _alive(pid: int) -> bool:
@@ -59,7 +65,7 @@ class _Refused:
     "not-a-lock" (something else lies at its path) or "not-a-folder" (its folder is not a
     real directory: a link would put the lock elsewhere)."""
 
-    why: str
+    why: Literal["vanished", "busy", "not-a-lock", "not-a-folder"]
     owner: dict | None = None
 
 
