@@ -16,6 +16,7 @@ import errno
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -156,6 +157,27 @@ def nearest_existing(path: Path) -> Path:
         if os.path.lexists(p):
             return p
     return Path(path.anchor or ".")
+
+
+def listing(root: Path, skip: Callable[[str], bool]) -> tuple[list[Path], dict[Path, int | None]]:
+    """What lies in a directory, links never followed: its entries, and every file under
+    them (a link is a file here, never entered) with its size where it is a regular file
+    (None otherwise); `skip` is asked with each path relative to `root`, posix-style."""
+    entries = [p for p in root.iterdir() if not skip(p.name)]
+    files: dict[Path, int | None] = {}
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            under = (p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir())
+            paths = sorted(p for p in under if not skip(p.relative_to(root).as_posix()))
+        else:
+            paths = [entry]
+        for path in paths:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # gone since it was listed: not there
+                continue
+            files[path] = st.st_size if stat.S_ISREG(st.st_mode) else None
+    return entries, files
 
 
 def append_durably(path: str | os.PathLike[str], data: bytes) -> None:

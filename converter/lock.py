@@ -4,19 +4,24 @@
 so a second run can say who holds it, and a lock left by a dead process on this host is
 taken over with a warning instead of blocking forever. The holder also keeps an `flock` on
 the file: the kernel drops it when the process dies, and it serialises a takeover, so two
-runs that find the same stale lock at once cannot both take it.
+runs that find the same stale lock at once cannot both take it. Every step is taken in
+the lock's folder opened without following a link (`dir_fd`), so a folder swapped for a
+link is refused, never written through.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import socket
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from . import fsio
 from .errors import Code, Fatal, fatal
@@ -24,6 +29,12 @@ from .errors import Code, Fatal, fatal
 _OWNER_MAX = 64 * 1024  # a lock we wrote names its owner in a few dozen bytes
 # Never through a link, never blocking on a FIFO planted in the lock's place.
 _FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_FOLDER_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_DIRECTORY", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 def _alive(pid: int) -> bool:
@@ -48,42 +59,76 @@ def _flock(fd: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class _Refused:
+    """Why the lock is not ours: "vanished" (three times), "busy" (`owner` holds it),
+    "not-a-lock" (something else lies at its path) or "not-a-folder" (its folder is not a
+    real directory: a link would put the lock elsewhere)."""
+
+    why: Literal["vanished", "busy", "not-a-lock", "not-a-folder"]
+    owner: dict | None = None
+
+
 class OutputLock:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.warning: str | None = None
         self._fd: int | None = None
+        # The lock's folder, opened without following a link: every step on the lock is
+        # taken in that very folder, whatever its path comes to name meanwhile.
+        self._folder: int | None = None
 
     def acquire(self) -> None:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        try:
+            refused = self._take(me)
+        except BaseException:
+            self._close_folder()
+            raise
+        if refused is not None:
+            self._close_folder()
+            raise self._refusal(refused)
+
+    def _take(self, me: dict) -> _Refused | None:
+        """None once we hold the lock; why not otherwise (a value: `acquire` raises once)."""
+        try:
+            self._folder = os.open(self.path.parent, _FOLDER_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                return _Refused("not-a-folder")
+            raise
         for _ in range(3):
             try:
-                fd = os.open(self.path, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(
+                    self.path.name, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=self._folder
+                )
             except FileExistsError:
-                if self._take_over_stale(me):
-                    return
-                continue  # the lock vanished (its owner finished): try to create it again
+                taken = self._take_over_stale(me)
+                if taken is False:
+                    continue  # the lock vanished (its owner finished): try to create it again
+                return None if taken is True else taken
             # Blocking: a taker may hold it for a moment, but never keeps a lock whose
             # content (still empty) names no dead owner.
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_EX)
             self._hold(fd, me)
-            return
-        raise fatal(Code.OUTPUT_LOCKED, rule="take", file=self.path)
+            return None
+        return _Refused("vanished")
 
-    def _take_over_stale(self, me: dict) -> bool:
-        """True if we now hold the lock, False if it vanished; raises if someone holds it."""
+    def _take_over_stale(self, me: dict) -> bool | _Refused:
+        """True if we now hold the lock, False if it vanished; why not where someone holds it
+        or it is no lock."""
         try:
-            fd = os.open(self.path, _FLAGS)
+            fd = os.open(self.path.name, _FLAGS, dir_fd=self._folder)
         except FileNotFoundError:
             return False
-        except OSError as exc:  # a link (ELOOP) or anything else that cannot be a lock
-            raise self._not_a_lock() from exc
+        except OSError:  # a link (ELOOP) or anything else that cannot be a lock
+            return _Refused("not-a-lock")
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise self._not_a_lock()
+                return _Refused("not-a-lock")
             if not _flock(fd):  # the owner is alive (or another run is taking over)
-                raise self._busy(_owner(fd))
+                return _Refused("busy", _owner(fd))
             if not self._is_current(fd):  # released and recreated while we waited
                 return False
             owner = _owner(fd)
@@ -91,7 +136,7 @@ class OutputLock:
             if not (
                 owner and owner.get("host") == me["host"] and type(pid) is int and not _alive(pid)
             ):
-                raise self._busy(owner)
+                return _Refused("busy", owner)
             self.warning = f"took over a stale lock left by pid {pid} (no longer running)"
             self._hold(fd, me)
             fd = -1
@@ -102,7 +147,7 @@ class OutputLock:
 
     def _is_current(self, fd: int) -> bool:
         try:
-            st = os.stat(self.path)
+            st = os.stat(self.path.name, dir_fd=self._folder, follow_symlinks=False)
         except FileNotFoundError:
             return False
         return os.fstat(fd).st_ino == st.st_ino
@@ -112,26 +157,42 @@ class OutputLock:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self._fd = fd
 
-    def _busy(self, owner: dict | None) -> Fatal:
+    def _refusal(self, refused: _Refused) -> Fatal:
+        """The one refusal `acquire` raises, worded from what stands there now."""
+        folder = self.path.parent
+        kind = {"not-a-folder": folder, "not-a-lock": self.path}.get(refused.why)
+        shown = fsio.describe(kind) if kind is not None else ""
+        if refused.why == "not-a-folder":
+            return fatal(
+                Code.STATE_FOLDER_INVALID, rule="state", file=folder, state=folder.name, kind=shown
+            )
+        if refused.why == "not-a-lock":
+            return fatal(Code.STATE_FOLDER_INVALID, rule="lock", file=self.path, kind=shown)
+        if refused.why == "vanished":
+            return fatal(Code.OUTPUT_LOCKED, rule="take", file=self.path)
+        owner = refused.owner
         who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
-        return fatal(
-            Code.OUTPUT_LOCKED, rule="busy", file=self.path.parent.parent, who=who, lock=self.path
-        )
-
-    def _not_a_lock(self) -> Fatal:
-        kind = fsio.describe(self.path)
-        return fatal(Code.STATE_FOLDER_INVALID, rule="lock", file=self.path, kind=kind)
+        return fatal(Code.OUTPUT_LOCKED, rule="busy", file=folder.parent, who=who, lock=self.path)
 
     def release(self) -> None:
         """Let go of a lock we hold (a no-op otherwise: never remove another run's lock)."""
         if self._fd is None:
+            self._close_folder()
             return
         # Unlink while still holding the flock, then let go: a waiter that opened the old
         # file sees it is no longer the lock (`_is_current`) and starts over.
-        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path.name, dir_fd=self._folder)
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self._fd = None
+        self._close_folder()
+
+    def _close_folder(self) -> None:
+        if self._folder is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._folder)
+            self._folder = None
 
 
 def _owner(fd: int) -> dict | None:

@@ -139,12 +139,13 @@ class Ledger:
                     records[record.shard] = record
         return (head if isinstance(head, dict) else {}), records
 
-    def start(self, records: Iterable[ShardRecord] = ()) -> None:
-        """A fresh ledger for this fingerprint, seeded with `records` (atomic)."""
+    def seed(self, records: Iterable[ShardRecord] = ()) -> bytes:
+        """Start from `records`; returns the ledger file that says so, for the claim to
+        write (atomically) once the directory is this run's."""
         self.done = {r.shard: r for r in records}
         lines = [json.dumps({"fingerprint": self.fingerprint, "source": self.source})]
         lines += [json.dumps(r.to_json(), separators=(",", ":")) for r in self.done.values()]
-        fsio.write_atomic(self.path, ("\n".join(lines) + "\n").encode(), self.path.parent)
+        return ("\n".join(lines) + "\n").encode()
 
     def record(self, record: ShardRecord) -> None:
         with self._lock:
@@ -190,8 +191,10 @@ class FinalFiles:
 @dataclass(frozen=True)
 class Standing:
     """What stands at the output path, seen without following links: the facts every
-    refusal before a write is judged on (`OutputDir.check_usable`)."""
+    refusal before a write is judged on (`Survey.refusal`)."""
 
+    root: Path
+    state_path: Path
     root_is_other: bool  # the output path is there and is not a directory
     state: str | None  # what the state folder is (`fsio.lkind`; None: nothing)
     state_shown: str  # the same, in words a user can act on
@@ -217,6 +220,62 @@ class Survey:
     journal: list[dict]  # every other file a run recorded before writing it
     config: object  # config.json, parsed (None if none)
     index: bool  # whether an index is there (it marks a complete output)
+    entries: list[Path]  # what the directory holds, less what is never part of a checkpoint
+    files: dict[Path, int | None]  # every file under `entries`, its size where regular
+    unlisted: OSError | None  # why the directory could not be listed (None: it was)
+    partials: list[Path]  # partial downloads a run recorded starting (`note_partial`)
+
+    def refusal(self, mode: Mode | None = None, force: bool = False) -> Fatal | None:
+        """Why a run must not write here, before anything is written (and in --dry-run
+        alike): not a directory, a state folder that is not a real directory (a link would
+        lead writes and deletions elsewhere), no write permission, or the conversion of
+        another source without --force. None: nothing in the way."""
+        where = self.standing
+        if where.root_is_other:
+            return fatal(Code.OUTPUT_NOT_DIRECTORY, rule="exists", file=where.root)
+        if where.state not in (None, "directory"):
+            return fatal(
+                Code.STATE_FOLDER_INVALID,
+                rule="state",
+                file=where.state_path,
+                state=STATE_DIR,
+                kind=where.state_shown,
+            )
+        if not where.base_is_dir:
+            return fatal(
+                Code.OUTPUT_NOT_DIRECTORY, rule="folder", file=where.base, kind=where.base_shown
+            )
+        if not where.base_writable:
+            return fatal(Code.PERMISSION_DENIED, rule="folder", file=where.base)
+        if mode is Mode.OTHER_SOURCE and not force:
+            return fatal(
+                Code.OUTPUT_OF_ANOTHER_SOURCE, file=where.root, owner=self.owner() or "unknown"
+            )
+        return None
+
+    def room_refusal(self, foreign: list[Path], force: bool) -> Fatal | None:
+        """Why a fresh run must not clear the directory: anything there without --force,
+        or, with it, files our records do not name (`foreign`). None: it may."""
+        root = self.standing.root
+        if not force:
+            hint = (
+                "pass --force to replace the files kimi-convert wrote there, or choose "
+                "another directory"
+                if not foreign
+                else "choose another directory: "
+                "this one holds files kimi-convert has no record of writing"
+            )
+            owner = self.owner()
+            if owner:
+                return fatal(
+                    Code.OUTPUT_NOT_EMPTY, rule="convert-owned", file=root, owner=owner, hint=hint
+                )
+            return fatal(Code.OUTPUT_NOT_EMPTY, rule="convert", file=root, hint=hint)
+        if foreign:
+            shown = ", ".join(str(p.relative_to(root)) for p in foreign[:5])
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            return fatal(Code.FOREIGN_OUTPUT, rule="force", file=root, files=shown + more)
+        return None
 
     def previous(self, fingerprint: str, source: SourceId) -> tuple[Mode, dict[str, ShardRecord]]:
         """What an earlier run of this plan left: its mode and shard records. A run of this
@@ -286,17 +345,37 @@ class OutputDir:
         self._state_made = False  # the state folder is there, a real directory, this run's
         self._write_lock = threading.Lock()
         self.warnings: list[str] = []
+        self._partials: list[Path] = []  # recorded partial downloads, as read by the claim
 
     # -- reading, no lock needed ---------------------------------------------------------
     def survey(self) -> Survey:
-        """What stands at the output path and every record of ours there, read together
-        (links never followed); nothing is judged here."""
-        ledger, checksums, journal, config = (
+        """What stands at the output path, what the directory holds and every record of
+        ours there, read together (links never followed); nothing is judged here."""
+        ledger, checksums, journal, config, partials = (
             fsio.read_if_regular(p)
-            for p in (self.ledger_path, self.checksums, self.journal_path, self.root / CONFIG_NAME)
+            for p in (
+                self.ledger_path,
+                self.checksums,
+                self.journal_path,
+                self.root / CONFIG_NAME,
+                self.partials_path,
+            )
         )
+        entries: list[Path] = []
+        files: dict[Path, int | None] = {}
+        unlisted = None
+        try:
+            # Less the hidden paths, never part of a checkpoint (the state folder, git's
+            # files, huggingface_hub's `.cache/huggingface/`): neither ours to remove nor in
+            # the way, so a clone of an empty model repo is an empty output directory.
+            if fsio.is_real_dir(self.root):
+                entries, files = fsio.listing(self.root, contract.not_part_of_checkpoint)
+        except OSError as exc:  # judged where a listing is needed (`_make_room`)
+            unlisted = exc
         base = fsio.nearest_existing(self.state)
         standing = Standing(
+            self.root,
+            self.state,
             os.path.lexists(self.root) and not os.path.isdir(self.root),
             fsio.lkind(self.state),
             fsio.describe(self.state),
@@ -315,6 +394,10 @@ class OutputDir:
             _json_lines(journal),
             _json_object(config),
             os.path.lexists(self.index),
+            entries,
+            files,
+            unlisted,
+            [Path(e["path"]) for e in _json_lines(partials) if isinstance(e.get("path"), str)],
         )
 
     def resume_decision(
@@ -332,35 +415,10 @@ class OutputDir:
         """`resume_decision`, with the survey it was made from."""
         found = self.survey()
         mode, records = found.previous(fingerprint, source)
-        self.check_usable(found, mode, force)
+        refusal = found.refusal(mode, force)
+        if refusal is not None:
+            raise refusal
         return (Mode.FRESH if mode is Mode.OTHER_SOURCE else mode), records, found
-
-    def check_usable(self, found: Survey, mode: Mode | None = None, force: bool = False) -> None:
-        """Refuse, before anything is written (and in --dry-run alike), an output path this
-        run could not or must not write: not a directory, a state folder that is not a real
-        directory (a link would lead writes and deletions elsewhere), no write permission,
-        or the conversion of another source without --force. Deletes nothing."""
-        where = found.standing
-        if where.root_is_other:
-            raise fatal(Code.OUTPUT_NOT_DIRECTORY, rule="exists", file=self.root)
-        if where.state not in (None, "directory"):
-            raise fatal(
-                Code.STATE_FOLDER_INVALID,
-                rule="state",
-                file=self.state,
-                state=STATE_DIR,
-                kind=where.state_shown,
-            )
-        if not where.base_is_dir:
-            raise fatal(
-                Code.OUTPUT_NOT_DIRECTORY, rule="folder", file=where.base, kind=where.base_shown
-            )
-        if not where.base_writable:
-            raise fatal(Code.PERMISSION_DENIED, rule="folder", file=where.base)
-        if mode is Mode.OTHER_SOURCE and not force:
-            raise fatal(
-                Code.OUTPUT_OF_ANOTHER_SOURCE, file=self.root, owner=found.owner() or "unknown"
-            )
 
     # -- claiming --------------------------------------------------------------------------
     def claim(
@@ -374,119 +432,79 @@ class OutputDir:
         """Take the lock, make the directory this run's (or refuse), let `prepare` (the
         executor) free what it may, then check there is room for the `shards` (name -> size,
         in plan order) not finished yet. A failure here abandons the claim (`_give_up`)."""
-        source = source or SourceId("", "")
         try:
-            mode, ledger = self._claim(fingerprint, force, source)
+            session = self._claim(fingerprint, force, source or SourceId("", ""), shards or {})
             if prepare is not None:
                 prepare(self)
-            shards = shards or {}
-            self.check_free_space(sum(n for s, n in shards.items() if s not in ledger.done))
+            needed = sum(n for s, n in session.sizes.items() if s not in session.ledger.done)
+            free = shutil.disk_usage(self.root).free
+            if needed > free:
+                raise fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
         except BaseException as exc:
             self._give_up(exc)
-        return Session(self, mode, ledger, source, list(shards))
+        return session
 
-    def _claim(self, fingerprint: str, force: bool, source: SourceId) -> tuple[Mode, Ledger]:
-        """Take the lock, then make the directory this run's (or refuse). Returns the mode;
-        `self.ledger` holds the records of shards an earlier run finished."""
+    def _claim(
+        self, fingerprint: str, force: bool, source: SourceId, shards: Mapping[str, int]
+    ) -> Session:
+        """Take the lock, then make the directory this run's (or refuse): decided on what
+        is read under the lock, then done. `self.ledger` holds the records of shards an
+        earlier run finished."""
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
         self.resume_decision(fingerprint, source, force)
         self._created += fsio.make_dirs(self.state)  # the root too, where it is missing
-        if not fsio.is_real_dir(self.state):  # replaced since `check_usable`: still refuse
-            self.check_usable(self.survey())
         self._state_made = True
+        # Taken in the state folder opened without following a link: one replaced since the
+        # decision is refused there, and nothing is written through it.
         self._lock = OutputLock(self.lock_path)
         self._lock.acquire()  # on any failure from here the caller calls `abandon`
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
         faults.fault_point("lock.acquired")
+        # Decided again on what is read under the lock; every change below is made from it.
         mode, records, found = self._decide(fingerprint, source, force)
-        if mode is Mode.FRESH:
-            self._make_room(force, found)  # what was just read, under the lock
+        self._partials = list(found.partials)
         # One path for every mode: the ledger is rewritten (atomically) with the records just
-        # read under the lock; a torn last line of an interrupted run is left behind with it.
+        # read; a torn last line of an interrupted run is left behind with it.
         ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
-        ledger.start(records.values())
+        data = ledger.seed(records.values())
+        session = Session(self, mode, ledger, source, dict(shards))
+        if mode is Mode.FRESH:
+            self._make_room(force, found)
+        fsio.write_atomic(self.ledger_path, data, self.state)
         fsio.remove(self.tmp)  # temporaries of a crashed run (a link: only the link)
         self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
-        return mode, ledger
+        return session
 
     def _make_room(self, force: bool, found: Survey) -> None:
         """A fresh run: the directory must be empty, or hold only files we recorded writing
-        (removed with --force). The state folder of another plan is reset."""
-        entries = self._entries()
-        if entries:
-            foreign = self._foreign(entries, found.ours())
-            if not force:
-                hint = (
-                    "pass --force to replace the files kimi-convert wrote there, or choose "
-                    "another directory"
-                    if not foreign
-                    else "choose another directory: "
-                    "this one holds files kimi-convert has no record of writing"
-                )
-                owner = found.owner()
-                if owner:
-                    raise fatal(
-                        Code.OUTPUT_NOT_EMPTY,
-                        rule="convert-owned",
-                        file=self.root,
-                        owner=owner,
-                        hint=hint,
-                    )
-                raise fatal(Code.OUTPUT_NOT_EMPTY, rule="convert", file=self.root, hint=hint)
-            if foreign:
-                shown = ", ".join(str(p.relative_to(self.root)) for p in foreign[:5])
-                more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-                raise fatal(Code.FOREIGN_OUTPUT, rule="force", file=self.root, files=shown + more)
-            self._remove_ours(entries, found.ours())
+        (removed with --force: the index first, as it marks an output complete, the
+        checksums file last, as it is the record; the journal keeps the record meanwhile).
+        The state folder of another plan is reset."""
+        if found.unlisted is not None:
+            raise found.unlisted
+        if found.entries:
+            ours = found.ours()
+            foreign = _foreign(found.files, ours, self.root)
+            refusal = found.room_refusal(foreign, force)
+            if refusal is not None:
+                raise refusal
+            lines = [
+                json.dumps({"file": str(p.relative_to(self.root)), "size": size}) + "\n"
+                for p, size in found.files.items()
+            ]
+            fsio.append_durably(self.journal_path, "".join(lines).encode())
+            last = {self.index: 0, self.checksums: 2}
+            for path in sorted(found.files, key=lambda p: last.get(p, 1)):
+                path.unlink(missing_ok=True)
+            for entry in found.entries:  # folders that held only our files
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+            fsio.fsync_dir(self.root)
         for path in self.state.iterdir():  # another plan's ledger and temporaries
             if path.name not in (_LOCK, _PARTIALS):  # the partials are still to be removed
                 fsio.remove(path)  # the state folder is a real directory (`claim`)
-
-    def _foreign(self, entries: list[Path], recorded: Mapping[str, tuple]) -> list[Path]:
-        """The files under `entries` that our records (`Survey.ours`) do not name with their
-        current size."""
-        foreign = []
-        for entry in entries:
-            paths = (
-                [entry]
-                if entry.is_symlink() or not entry.is_dir()
-                else sorted(
-                    p
-                    for p in entry.rglob("*")
-                    if (p.is_symlink() or not p.is_dir()) and not _ignored(p, self.root)
-                )
-            )
-            for path in paths:
-                rel = str(path.relative_to(self.root))
-                want = recorded.get(rel)
-                if (
-                    want is None
-                    or not fsio.is_regular(path, follow=False)
-                    or path.stat().st_size != want[0]
-                    or (want[1] is not None and shard_header_sha256(path) != want[1])
-                    or (want[2] is not None and sha256_file(path) != want[2])
-                ):
-                    foreign.append(path)
-        return foreign
-
-    def _remove_ours(self, entries: list[Path], recorded: Mapping[str, tuple]) -> None:
-        """Remove files proven ours: the index first (it marks an output complete), the
-        checksums file last (it is the record); the journal keeps the record meanwhile."""
-        files = self._all_files(entries)
-        lines = []
-        for path in files:
-            rel = str(path.relative_to(self.root))
-            lines.append(json.dumps({"file": rel, "size": recorded[rel][0]}) + "\n")
-        fsio.append_durably(self.journal_path, "".join(lines).encode())
-        last = {self.index: 0, self.checksums: 2}
-        for path in sorted(files, key=lambda p: last.get(p, 1)):
-            path.unlink(missing_ok=True)
-        for entry in entries:  # folders that held only our files
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-        fsio.fsync_dir(self.root)
 
     def begin_writes(self) -> None:
         """Called before the first change to the directory: it stops looking complete."""
@@ -496,21 +514,18 @@ class OutputDir:
                 fsio.fsync_dir(self.root)
                 self._writing = True
 
-    def check_free_space(self, needed: int) -> None:
-        free = shutil.disk_usage(self.root).free
-        if needed > free:
-            raise fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
-
     # -- finishing -------------------------------------------------------------------------
     def finalize(self, files: list[FinalFile]) -> int:
         """Make every final file what it must be, the index last; returns how many were
         (re)written. Refuses while anything else lies in the directory."""
         expected = {f.name for f in files} | set(self.ledger.done if self.ledger else ())
-        entries = self._entries()
-        strays = [
-            p for p in self._all_files(entries) if str(p.relative_to(self.root)) not in expected
-        ]
-        foreign = self._foreign(strays, self.survey().ours()) if strays else []
+        found = self.survey()  # what stands now, and our records of it
+        if found.unlisted is not None:
+            raise found.unlisted
+        strays = {
+            p: n for p, n in found.files.items() if str(p.relative_to(self.root)) not in expected
+        }
+        foreign = _foreign(strays, found.ours(), self.root) if strays else []
         # Files our records say we wrote that this conversion no longer has (the source
         # dropped them): ours to remove, after the index (the output stops looking complete).
         dropped = [p for p in strays if p not in foreign]
@@ -544,26 +559,6 @@ class OutputDir:
                 faults.fault_point(_FAULT_LABELS.get(f.name, "finalize.extra"))
             fsio.fsync_dir(self.root)  # everything else is durable before the index appears
         return rewritten
-
-    def _entries(self) -> list[Path]:
-        """What is in the directory, less the hidden paths, never part of a checkpoint (the
-        state folder, git's files, huggingface_hub's `.cache/huggingface/`: see
-        `contract.not_part_of_checkpoint`): neither ours to remove nor in the way, so a clone
-        of an empty model repo is an empty output directory."""
-        return [p for p in self.root.iterdir() if not contract.not_part_of_checkpoint(p.name)]
-
-    def _all_files(self, entries: list[Path]) -> list[Path]:
-        out = []
-        for entry in entries:
-            if entry.is_dir() and not entry.is_symlink():
-                out += [
-                    p
-                    for p in entry.rglob("*")
-                    if (p.is_symlink() or not p.is_dir()) and not _ignored(p, self.root)
-                ]
-            else:
-                out.append(entry)
-        return out
 
     def _journal(self, f: FinalFile) -> None:
         """Record a file before writing it, so --force may remove it after a crash."""
@@ -647,15 +642,17 @@ class OutputDir:
         one, may remove it: the only proof this tool has that the file is its own."""
         line = json.dumps({"path": str(path)}) + "\n"
         fsio.append_durably(self.partials_path, line.encode())
+        self._partials.append(path)
 
     def partials(self) -> list[Path]:
-        """Every partial download recorded by `note_partial` and not yet forgotten."""
-        entries = _json_lines(fsio.read_if_regular(self.partials_path))
-        return [Path(e["path"]) for e in entries if isinstance(e.get("path"), str)]
+        """Every partial download recorded and not yet forgotten: those the claim read
+        (under the lock, so no other run adds any) and those noted since."""
+        return list(self._partials)
 
     def forget_partials(self) -> None:
         """Called once every recorded partial download is removed."""
-        (self.partials_path).unlink(missing_ok=True)
+        self.partials_path.unlink(missing_ok=True)
+        self._partials.clear()
 
     def release(self, finished: bool) -> None:
         """Let go of the lock; a finished run also removes its state folder."""
@@ -696,13 +693,19 @@ class Session:
     describes still holds, then removes only the folders this run made."""
 
     def __init__(
-        self, out: OutputDir, mode: Mode, ledger: Ledger, source: SourceId, shards: list[str]
+        self,
+        out: OutputDir,
+        mode: Mode,
+        ledger: Ledger,
+        source: SourceId,
+        sizes: Mapping[str, int],
     ) -> None:
         self.output = out  # what an executor records its partial downloads in
         self.mode = mode
         self.ledger = ledger  # finished shards, of this run or an earlier one
         self.source = source
-        self.shards = shards  # in plan order: the checksums file lists them so
+        self.sizes = sizes  # shard -> size, in plan order
+        self.shards = list(sizes)  # the checksums file lists them in this order
         self.warnings = out.warnings  # what the claim found worth saying (a stale lock)
         self.root = out.root
         self.tmp = out.tmp  # the temporaries, renamed into place when complete
@@ -776,8 +779,22 @@ def _records_of(checksums: dict) -> dict[str, ShardRecord]:
     return records
 
 
-def _ignored(path: Path, root: Path) -> bool:
-    return contract.not_part_of_checkpoint(path.relative_to(root).as_posix())
+def _foreign(
+    files: Mapping[Path, int | None], recorded: Mapping[str, tuple], root: Path
+) -> list[Path]:
+    """The files (path -> size where regular, `fsio.listing`) that our records
+    (`Survey.ours`) do not name with their current size and content digest."""
+    foreign = []
+    for path, size in files.items():
+        want = recorded.get(str(path.relative_to(root)))
+        if (
+            want is None
+            or size != want[0]
+            or (want[1] is not None and shard_header_sha256(path) != want[1])
+            or (want[2] is not None and sha256_file(path) != want[2])
+        ):
+            foreign.append(path)
+    return foreign
 
 
 def _json_lines(data: bytes | None) -> list[dict]:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from . import contract
 from .errors import Code, Fatal, Problem, fatal
 from .execute import Executor
 from .execute.local import LocalExecutor
@@ -33,9 +31,9 @@ from .execute.shard import (
     SourceFiles,
     why_not_kept,
 )
-from .hashing import sha256_bytes, sha256_file
+from .final import final_files
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
-from .outdir import FinalFile, FinalFiles, Mode, OutputDir, Session, SourceId
+from .outdir import FinalFiles, Mode, OutputDir, Session, ShardRecord
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
 from .source import Origin, Source, read_source, source_id
 from .source.local import LocalOrigin
@@ -155,9 +153,9 @@ class Reporter:
 
 def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
     """Resolve, read headers, validate, plan: no writes. Raises with every problem."""
+    manifest = load_manifest(opts.manifest)
     if opts.max_shard_size <= 0:
         raise fatal(Code.USAGE, rule="max-shard-size", size=opts.max_shard_size)
-    manifest = load_manifest(opts.manifest)
     found = opts.origin.resolve(opts.source, opts.revision)
     root = found.root
     out = Path(os.path.realpath(opts.out.expanduser()))  # a link loop: no exception
@@ -202,39 +200,36 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     identity = source_id(source, source.reader)
     planned = {f: h.header_sha256 for f, h in source.headers.items()}
     sources = opts.executor.open_sources(source.root, source.shard_files, planned, source.reader)
-    out = OutputDir(opts.out)
-    result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
     try:
-        if opts.dry_run:
-            result.preview = preview(out, plan, sources, opts.rehash, identity, opts.force)
-            return result
-        final = final_files(source, plan, manifest, identity.name)
-        sizes = {s.name: s.file_size for s in plan.shards}
-        # The lock is released however the block is left (`Session`).
-        with out.claim(plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed) as run:
-            _run(opts, run, plan, sources, final, reporter, result)
+        # Computed before the output is looked at: a source problem found here changes nothing.
+        final = None if opts.dry_run else final_files(source, plan, manifest, identity.name)
+        out = OutputDir(opts.out)
+        # Refused before anything, in a dry run as in a run (whose claim judges again).
+        mode, records = out.resume_decision(plan.fingerprint, identity, opts.force)
+        result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
+        if final is not None:
+            sizes = {s.name: s.file_size for s in plan.shards}
+            # The lock is released however the block is left (`Session`).
+            with out.claim(
+                plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed
+            ) as run:
+                _run(opts, run, plan, sources, final, reporter, result)
+        else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
+            context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)
+            result.preview = preview(mode, records, plan, context)
     finally:
         sources.close()
     return result
 
 
 def preview(
-    out: OutputDir,
-    plan: Plan,
-    sources: SourceFiles,
-    rehash: bool,
-    identity: SourceId | None = None,
-    force: bool = False,
+    mode: Mode, records: Mapping[str, ShardRecord], plan: Plan, context: ShardContext
 ) -> Preview:
-    """Which shards a run would keep and which it would write, proven as a run proves them
-    (read-only: no lock, nothing written). Refuses what the run would refuse."""
-    identity = identity or SourceId("", "")
-    mode, records = out.resume_decision(plan.fingerprint, identity, force)
-    context = ShardContext(sources, out.root, out.tmp, rehash=rehash)
+    """Which shards a run in `mode` would keep and which it would write, proven as a run
+    proves them (read-only: no lock, nothing written)."""
     result = Preview(mode)
     for shard in plan.shards:
-        record = records.get(shard.name)
-        reason = why_not_kept(shard, record, context)
+        reason = why_not_kept(shard, records.get(shard.name), context)
         if reason is None:
             result.keep.append(shard.name)
         else:
@@ -295,51 +290,3 @@ def _run(
         )
     result.files_rewritten = run.finalize(final)
     result.seconds = time.perf_counter() - started
-
-
-def final_files(
-    source: Source, plan: Plan, manifest: Manifest, name: str | None = None
-) -> FinalFiles:
-    """The source's other files, config.json and the index, computed before any write."""
-    identity = {
-        # Published: a repo id or the source directory's own name, never a path of this
-        # machine (`source_id`).
-        "path": name if name is not None else source.root.name,
-        "files": {
-            f: {"size": h.file_size, "header_sha256": h.header_sha256}
-            for f, h in sorted(source.headers.items())
-        },
-    }
-    situ = {
-        k: float(contract.config_value(source.config, v))
-        for k, v in contract.SITU_CONFIG_KEYS.items()
-    }
-    block = contract.make_block(
-        **situ,
-        converter=f"kimi-w31 {__version__}",
-        manifest=manifest.name,
-        manifest_sha256=manifest.sha256,
-        source=identity,
-        dims=plan.dims.values,
-    )
-    config = contract.converted_config(source.config, block)
-    index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map()}
-    extras = [
-        FinalFile(
-            rel,
-            (source.root / rel).stat().st_size,
-            sha256_file(source.root / rel),
-            copy_from=source.root / rel,
-        )
-        for rel in source.extra_files
-    ]
-    return FinalFiles(
-        extras,
-        config=_json_file(contract.CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False)),
-        index=_json_file(contract.INDEX_NAME, json.dumps(index, indent=2)),
-    )
-
-
-def _json_file(name: str, doc: str) -> FinalFile:
-    data = (doc + "\n").encode()
-    return FinalFile(name, len(data), sha256_bytes(data), data=data)

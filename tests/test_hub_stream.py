@@ -26,7 +26,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import CliResult, cli_argv, cli_env, run_cli
 from hub_server import FakeHub
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kimi_w31.converter.console import human
+from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.execute.hub import download_order, estimate
 from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare
@@ -604,3 +607,44 @@ def test_schedule_follows_the_plan_and_finds_the_smallest_window(hub_source, tmp
     assert est.peak_bound == plan.output_bytes + largest3
     keep = estimate(plan.shards, source.shard_files, sizes, 10, 3, delete=False)
     assert keep.peak_bound == plan.output_bytes + sum(sizes.values()) + 10
+
+
+# -- what cannot be a repo id is refused before the Hub is asked ----------------------------
+_NOT_REPO_IDS = st.one_of(
+    st.text("abc-_", min_size=1, max_size=8),  # no slash
+    st.builds("/".join, st.lists(st.text("abc", min_size=1, max_size=4), min_size=3, max_size=4)),
+    st.builds(lambda a, b: f".{a}/{b}", st.text("abc", max_size=4), st.text("abc", max_size=4)),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=_NOT_REPO_IDS)
+def test_what_cannot_be_a_repo_id_is_refused_before_the_hub_is_asked(spec):
+    from kimi_w31.converter.source.hub import open_repo
+
+    with pytest.MonkeyPatch.context() as m:
+        _forbid_the_hub(m)
+        with pytest.raises(Fatal) as exc:
+            open_repo(spec, None)
+    assert exc.value.codes == [Code.USAGE]
+
+
+def test_a_local_path_is_never_taken_for_a_repo_id(tmp_path, monkeypatch):
+    from kimi_w31.converter.source.hub import open_repo
+
+    _forbid_the_hub(monkeypatch)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # "org/name" names a folder here
+    with pytest.raises(Fatal) as exc:
+        open_repo("org/name", None)
+    assert exc.value.codes == [Code.USAGE]
+
+
+def _forbid_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any question to the Hub fails the test: a refusal must come first."""
+    import huggingface_hub
+
+    def asked(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", asked)

@@ -75,7 +75,11 @@ def hub_error(
 def open_repo(
     repo_id: str, revision: str | None, endpoint: str | None = None, token: str | bool | None = None
 ) -> HubRepo:
-    """Pin the revision to a commit and list every file with its size and content id."""
+    """Pin the revision to a commit and list every file with its size and content id.
+    Refuses, before anything is asked of the Hub, what cannot be a repo id: a path that
+    exists here (a local source), or anything but one `org/name`."""
+    if Path(repo_id).expanduser().exists() or repo_id.count("/") != 1 or repo_id.startswith("."):
+        raise fatal(Code.USAGE, rule="hub-repo-id", file=repo_id)
     from huggingface_hub import HfApi
 
     try:
@@ -303,8 +307,6 @@ class HubOrigin:
 
     def resolve(self, spec: str, revision: str | None) -> Resolved:
         """Pin the revision, download the small files; the snapshot read from then on."""
-        if Path(spec).expanduser().exists() or spec.count("/") != 1 or spec.startswith("."):
-            raise fatal(Code.USAGE, rule="hub-repo-id", file=spec)
         repo = open_repo(spec, revision, self.endpoint, self.token)
         files = repo.files
         if CONFIG_NAME not in files:

@@ -1,0 +1,63 @@
+"""What a complete output holds besides its shards and its checksums file: the source's
+other files, `config.json` and the index, computed from the source and the plan before
+any byte of output is written (so a source problem found here changes nothing)."""
+
+from __future__ import annotations
+
+import json
+
+from .. import __version__
+from . import contract
+from .hashing import sha256_bytes, sha256_file
+from .manifest import Manifest
+from .outdir import FinalFile, FinalFiles
+from .plan import Plan
+from .source import Source
+
+
+def final_files(
+    source: Source, plan: Plan, manifest: Manifest, name: str | None = None
+) -> FinalFiles:
+    """The source's other files, config.json and the index, computed before any write."""
+    identity = {
+        # Published: a repo id or the source directory's own name, never a path of this
+        # machine (`source_id`).
+        "path": name if name is not None else source.root.name,
+        "files": {
+            f: {"size": h.file_size, "header_sha256": h.header_sha256}
+            for f, h in sorted(source.headers.items())
+        },
+    }
+    situ = {
+        k: float(contract.config_value(source.config, v))
+        for k, v in contract.SITU_CONFIG_KEYS.items()
+    }
+    block = contract.make_block(
+        **situ,
+        converter=f"kimi-w31 {__version__}",
+        manifest=manifest.name,
+        manifest_sha256=manifest.sha256,
+        source=identity,
+        dims=plan.dims.values,
+    )
+    config = contract.converted_config(source.config, block)
+    index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map()}
+    extras = [
+        FinalFile(
+            rel,
+            (source.root / rel).stat().st_size,
+            sha256_file(source.root / rel),
+            copy_from=source.root / rel,
+        )
+        for rel in source.extra_files
+    ]
+    return FinalFiles(
+        extras,
+        config=_json_file(contract.CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False)),
+        index=_json_file(contract.INDEX_NAME, json.dumps(index, indent=2)),
+    )
+
+
+def _json_file(name: str, doc: str) -> FinalFile:
+    data = (doc + "\n").encode()
+    return FinalFile(name, len(data), sha256_bytes(data), data=data)

@@ -1,0 +1,146 @@
+"""The output directory is read at once, judged by values, and changed only through what
+was read: the survey lists what stands without following a link, a refusal is a value the
+claim raises, and the lock is taken in its folder opened without following a link, so a
+folder swapped for a link between the decision and the lock is refused, never written
+through.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kimi_w31.converter import fsio
+from kimi_w31.converter.contract import not_part_of_checkpoint
+from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.lock import OutputLock
+from kimi_w31.converter.outdir import STATE_DIR, Mode, OutputDir, SourceId
+
+FP = "f" * 64
+SRC = SourceId("src", "/somewhere/src")
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): ("link" if p.is_symlink() else "dir" if p.is_dir() else "file")
+        for p in root.rglob("*")
+    }
+
+
+@pytest.mark.parametrize("target", ["dir", "file", "dangling"])
+def test_a_lock_folder_that_is_a_link_is_refused_and_nothing_is_written_through_it(
+    tmp_path, target
+):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    folder = tmp_path / "out" / STATE_DIR
+    folder.parent.mkdir()
+    pointee = {"dir": victim, "file": victim / "f", "dangling": victim / "gone"}[target]
+    if target == "file":
+        pointee.write_bytes(b"x")
+    folder.symlink_to(pointee)
+    before = _tree(victim)
+    with pytest.raises(Fatal) as exc:
+        OutputLock(folder / "lock").acquire()
+    assert exc.value.codes == [Code.STATE_FOLDER_INVALID]
+    assert _tree(victim) == before
+
+
+def test_a_lock_is_taken_in_the_folder_it_opened_even_if_its_path_moves(tmp_path):
+    folder = tmp_path / "state"
+    folder.mkdir()
+    lock = OutputLock(folder / "lock")
+    lock.acquire()
+    try:
+        moved = tmp_path / "moved"
+        folder.rename(moved)
+        folder.symlink_to(tmp_path / "elsewhere")  # the old path now leads away
+    finally:
+        lock.release()
+    assert not (moved / "lock").exists()  # removed where it was made, not through the link
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_held_lock_refuses_a_second_taker(tmp_path):
+    first = OutputLock(tmp_path / "lock")
+    first.acquire()
+    try:
+        with pytest.raises(Fatal) as exc:
+            OutputLock(tmp_path / "lock").acquire()
+        assert exc.value.codes == [Code.OUTPUT_LOCKED]
+    finally:
+        first.release()
+    OutputLock(tmp_path / "lock").acquire()  # released: free again
+
+
+_NAMES = st.sampled_from(["a", "b", ".git", ".kimi_w31", "c.safetensors", "d"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=st.lists(
+        st.tuples(_NAMES, st.sampled_from(["file", "dir", "link", "dirlink"]), _NAMES),
+        max_size=6,
+    )
+)
+def test_the_listing_never_follows_a_link_and_skips_what_is_never_ours(tmp_path_factory, layout):
+    root = tmp_path_factory.mktemp("root")
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret").write_bytes(b"s")
+    for top, kind, inner in layout:
+        path = root / top
+        if os.path.lexists(path):
+            continue
+        if kind == "file":
+            path.write_bytes(b"12345")
+        elif kind == "dir":
+            path.mkdir()
+            (path / inner).write_bytes(b"123")
+        elif kind == "link":
+            path.symlink_to(outside / "secret")
+        else:
+            path.symlink_to(outside)
+    entries, files = fsio.listing(root, not_part_of_checkpoint)
+    for path, size in files.items():
+        rel = path.relative_to(root).as_posix()
+        assert not not_part_of_checkpoint(rel)
+        assert outside not in path.parents  # nothing reached through a link
+        if path.is_symlink():
+            assert size is None  # a link is a file here, never a regular one
+        else:
+            assert size == path.stat().st_size
+    assert {p.name for p in entries} == {
+        p.name for p in root.iterdir() if not not_part_of_checkpoint(p.name)
+    }
+
+
+def test_a_refusal_is_a_value_and_the_decision_raises_it(tmp_path):
+    (tmp_path / "out").write_bytes(b"a file, not a directory")
+    out = OutputDir(tmp_path / "out")
+    found = out.survey()
+    refusal = found.refusal()
+    assert isinstance(refusal, Fatal) and refusal.codes == [Code.OUTPUT_NOT_DIRECTORY]
+    with pytest.raises(Fatal) as exc:
+        out.resume_decision(FP, SRC, force=False)
+    assert exc.value.codes == refusal.codes
+    assert (tmp_path / "out").read_bytes() == b"a file, not a directory"  # nothing changed
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_directory_holding_a_file_of_no_record_is_never_cleared(tmp_path, force):
+    root = tmp_path / "out"
+    root.mkdir()
+    (root / "notes.txt").write_bytes(b"mine")
+    found = OutputDir(root).survey()
+    assert found.previous(FP, SRC) == (Mode.FRESH, {})
+    want = Code.FOREIGN_OUTPUT if force else Code.OUTPUT_NOT_EMPTY
+    refusal = found.room_refusal([root / "notes.txt"], force)
+    assert refusal is not None and refusal.codes == [want]
+    with pytest.raises(Fatal) as exc:
+        OutputDir(root).claim(FP, force=force, source=SRC)
+    assert exc.value.codes == [want]
+    assert (root / "notes.txt").read_bytes() == b"mine"
+    assert not (root / STATE_DIR).exists()  # the claim abandoned: the folders it made are gone
