@@ -280,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 8])
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--slack", type=float, default=0.01)
-    # FlashInfer's defaults (3, 10): TP 1 alone then takes ~15 min per variant on an H200
+    # FlashInfer's defaults (3, 10); at those, TP 1 alone is estimated (from its first M
+    # buckets) at about 15 minutes per variant on an H200
     p.add_argument("--warmup", type=int, default=3, help="autotuner warm-up runs per tactic")
     p.add_argument("--repeat", type=int, default=10, help="autotuner timed runs per tactic")
     p.add_argument("--reps", type=int, default=20)
