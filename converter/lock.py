@@ -61,7 +61,7 @@ def _flock(fd: int) -> bool:
 
 @dataclass(frozen=True)
 class LockRefused:
-    """Why the lock is not ours, as a value (`OutputLock.take`): "vanished" (three times),
+    """Why the lock is not ours, as a value (`OutputLock.attempt`): "vanished" (three times),
     "busy" (`owner` holds it), "not-a-lock" (something else lies at its path) or
     "not-a-folder" (its folder is not a real directory: a link would put the lock elsewhere)."""
 
@@ -99,13 +99,13 @@ class OutputLock:
         self._folder: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock or raise why not (`take`, worded from what stands there now)."""
-        refused = self.take()
+        """Take the lock or raise why not (`attempt`, worded from what stands there now)."""
+        refused = self.attempt()
         if refused is not None:
             where = refused.where(self.path)
             raise refused.fatal(self.path, fsio.describe(where) if where is not None else "")
 
-    def take(self) -> LockRefused | None:
+    def attempt(self) -> LockRefused | None:
         """Take the lock: None once it is ours, why not otherwise (a value: the caller
         words and raises it once, from what it reads of the folder)."""
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}

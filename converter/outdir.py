@@ -466,7 +466,7 @@ class OutputDir:
         # Taken in the state folder opened without following a link: one replaced since the
         # decision is refused there, and nothing is written through it.
         self._lock = OutputLock(self.lock_path)
-        refused = self._lock.take()  # on any failure from here the caller calls `abandon`
+        refused = self._lock.attempt()  # on any failure from here the caller calls `abandon`
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
         if refused is None:
