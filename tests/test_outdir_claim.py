@@ -144,3 +144,50 @@ def test_a_directory_holding_a_file_of_no_record_is_never_cleared(tmp_path, forc
     assert exc.value.codes == [want]
     assert (root / "notes.txt").read_bytes() == b"mine"
     assert not (root / STATE_DIR).exists()  # the claim abandoned: the folders it made are gone
+
+
+def _plant(path: Path, kind: str, tmp: Path) -> None:
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link-to-file":
+        (tmp / "target").write_bytes(b"t")
+        path.symlink_to(tmp / "target")
+    else:  # a dangling link
+        path.symlink_to(tmp / "nowhere")
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo", "link-to-file", "dangling"])
+def test_a_refused_lock_is_worded_by_the_claim_as_the_lock_words_it_and_changes_nothing(
+    tmp_path, kind
+):
+    state = tmp_path / "out" / STATE_DIR
+    state.mkdir(parents=True)
+    _plant(state / "lock", kind, tmp_path)
+    with pytest.raises(Fatal) as alone:
+        OutputLock(state / "lock").acquire()
+    before = _tree(tmp_path / "out")
+    with pytest.raises(Fatal) as claimed:
+        OutputDir(tmp_path / "out").claim(FP, False, SRC)
+    assert claimed.value.codes == [Code.STATE_FOLDER_INVALID]
+    assert [p.as_dict() for p in claimed.value.problems] == [
+        p.as_dict() for p in alone.value.problems
+    ]
+    assert _tree(tmp_path / "out") == before  # no ledger, nothing removed
+
+
+def test_a_claim_refused_by_a_held_lock_leaves_the_holder_and_its_folder_alone(tmp_path):
+    state = tmp_path / "out" / STATE_DIR
+    state.mkdir(parents=True)
+    holder = OutputLock(state / "lock")
+    assert holder.attempt() is None
+    try:
+        held = (state / "lock").read_bytes()
+        with pytest.raises(Fatal) as exc:
+            OutputDir(tmp_path / "out").claim(FP, False, SRC)
+        assert exc.value.codes == [Code.OUTPUT_LOCKED]
+        assert (state / "lock").read_bytes() == held
+        assert sorted(p.name for p in state.iterdir()) == ["lock"]
+    finally:
+        holder.release()
