@@ -191,3 +191,21 @@ def test_a_claim_refused_by_a_held_lock_leaves_the_holder_and_its_folder_alone(t
         assert sorted(p.name for p in state.iterdir()) == ["lock"]
     finally:
         holder.release()
+
+
+def test_the_survey_does_not_fail_where_the_lock_cannot_be_looked_at(tmp_path, monkeypatch):
+    """A state folder this user cannot search (root bypasses modes, so the error is made):
+    the survey still reads, and the refusal is the permission one, not an OSError."""
+    out = OutputDir(tmp_path / "out")
+    out.state.mkdir(parents=True)
+    described = fsio.describe
+
+    def describe(path):
+        if Path(path) == out.lock_path:
+            raise PermissionError(13, "Permission denied", str(path))
+        return described(path)
+
+    monkeypatch.setattr(fsio, "describe", describe)
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    found = out.survey()
+    assert found.refusal().codes == [Code.PERMISSION_DENIED]
