@@ -390,7 +390,7 @@ class OutputDir:
             os.path.isdir(base),
             fsio.describe(base),
             os.access(base, os.W_OK | os.X_OK),
-            _described(self.lock_path),
+            fsio.describe(self.lock_path),
         )
         head, records = Ledger.parse(ledger)
         return Survey(
@@ -830,15 +830,6 @@ def _json_object(data: bytes | None) -> dict | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
-
-
-def _described(path: Path) -> str:
-    """`fsio.describe`, or why the path cannot be seen: the survey must not fail where a
-    folder it reads into is not searchable (a refusal says so, from `base_writable`)."""
-    try:
-        return fsio.describe(path)
-    except OSError as exc:
-        return f"unreadable ({exc.strerror or exc})"
 
 
 def _same_file(path: Path, f: FinalFile) -> bool:

@@ -198,14 +198,15 @@ def test_the_survey_does_not_fail_where_the_lock_cannot_be_looked_at(tmp_path, m
     the survey still reads, and the refusal is the permission one, not an OSError."""
     out = OutputDir(tmp_path / "out")
     out.state.mkdir(parents=True)
-    described = fsio.describe
+    lstat = os.lstat
 
-    def describe(path):
-        if Path(path) == out.lock_path:
+    def refused(path, *a, **k):
+        if Path(path).parent == out.state:
             raise PermissionError(13, "Permission denied", str(path))
-        return described(path)
+        return lstat(path, *a, **k)
 
-    monkeypatch.setattr(fsio, "describe", describe)
+    monkeypatch.setattr(os, "lstat", refused)
     monkeypatch.setattr(os, "access", lambda *a, **k: False)
     found = out.survey()
+    assert found.standing.lock_shown.startswith("unreadable")
     assert found.refusal().codes == [Code.PERMISSION_DENIED]
