@@ -68,7 +68,7 @@ class LockRefused:
     why: Literal["vanished", "busy", "not-a-lock", "not-a-folder"]
     owner: dict | None = None
 
-    def fatal(self, lock: Path, shown: str) -> Fatal:
+    def worded(self, lock: Path, shown: str) -> Fatal:
         """The refusal in words; `shown` is what stands where the lock or its folder should
         be (`fsio.describe`), read by the caller after the refusal."""
         folder = lock.parent
@@ -103,7 +103,7 @@ class OutputLock:
         refused = self.attempt()
         if refused is not None:
             where = refused.where(self.path)
-            raise refused.fatal(self.path, fsio.describe(where) if where is not None else "")
+            raise refused.worded(self.path, fsio.describe(where) if where is not None else "")
 
     def attempt(self) -> LockRefused | None:
         """Take the lock: None once it is ours, why not otherwise (a value: the caller

@@ -258,7 +258,7 @@ class Survey:
         """Why the lock was not ours, worded from this survey (read after the refusal)."""
         where = self.standing
         shown = where.state_shown if refused.why == "not-a-folder" else where.lock_shown
-        return refused.fatal(where.state_path / _LOCK, shown)
+        return refused.worded(where.state_path / _LOCK, shown)
 
     def room_refusal(self, foreign: list[Path], force: bool) -> Fatal | None:
         """Why a fresh run must not clear the directory: anything there without --force,
