@@ -445,10 +445,9 @@ class OutputDir:
             session = self._claim(fingerprint, force, source or SourceId("", ""), shards or {})
             if prepare is not None:
                 prepare(self)
-            needed = sum(n for s, n in session.sizes.items() if s not in session.ledger.done)
-            free = shutil.disk_usage(self.root).free
-            if needed > free:
-                raise fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
+            refusal = session.space_refusal(shutil.disk_usage(self.root).free)
+            if refusal is not None:
+                raise refusal
         except BaseException as exc:
             self._give_up(exc)
         return session
@@ -724,6 +723,13 @@ class Session:
         self.begin_writes = out.begin_writes  # before the first change: the index goes
         self.resume_hint = out.resume_hint
         self.finished = False
+
+    def space_refusal(self, free: int) -> Fatal | None:
+        """Why the shards not finished yet cannot fit in `free` bytes (None: they fit)."""
+        needed = sum(n for s, n in self.sizes.items() if s not in self.ledger.done)
+        if needed > free:
+            return fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
+        return None
 
     def finalize(self, files: FinalFiles) -> int:
         """The checksums file of every shard (all in the ledger by now) and of `files`, then

@@ -210,3 +210,24 @@ def test_the_survey_does_not_fail_where_the_lock_cannot_be_looked_at(tmp_path, m
     found = out.survey()
     assert found.standing.lock_shown.startswith("unreadable")
     assert found.refusal().codes == [Code.PERMISSION_DENIED]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 10**12), min_size=0, max_size=8),
+    done=st.sets(st.integers(0, 7)),
+    free=st.integers(0, 4 * 10**12),
+)
+def test_the_space_refusal_counts_only_the_shards_not_finished(tmp_path_factory, sizes, done, free):
+    from kimi_w31.converter.outdir import Ledger, Session, ShardRecord
+
+    out = OutputDir(tmp_path_factory.mktemp("out"))
+    names = {f"s{i}": n for i, n in enumerate(sizes)}
+    ledger = Ledger(out.ledger_path, FP)
+    ledger.seed(ShardRecord(f"s{i}", sizes[i], "h", {}, {}) for i in done if i < len(sizes))
+    refusal = Session(out, Mode.FRESH, ledger, SRC, names).space_refusal(free)
+    needed = sum(n for i, n in enumerate(sizes) if i not in done)
+    if needed > free:
+        assert refusal is not None and refusal.codes == [Code.NO_SPACE]
+    else:
+        assert refusal is None
