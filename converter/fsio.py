@@ -55,11 +55,16 @@ def lkind(path: str | os.PathLike[str]) -> str | None:
 
 
 def describe(path: str | os.PathLike[str]) -> str:
-    """What a path is, following a link and saying so: "symlink to a FIFO (-> /x)"."""
-    own = lkind(path)
-    if own != "symlink":
-        return own or "missing"
-    target = os.readlink(path)
+    """What a path is, following a link and saying so: "symlink to a FIFO (-> /x)". Never
+    raises: it words refusals, and a path that cannot be looked at (a folder on the way not
+    searchable) is "unreadable (why)"."""
+    try:
+        own = lkind(path)
+        if own != "symlink":
+            return own or "missing"
+        target = os.readlink(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
     try:
         what = kind(os.stat(path).st_mode)
     except OSError:

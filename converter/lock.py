@@ -60,13 +60,33 @@ def _flock(fd: int) -> bool:
 
 
 @dataclass(frozen=True)
-class _Refused:
-    """Why the lock is not ours: "vanished" (three times), "busy" (`owner` holds it),
-    "not-a-lock" (something else lies at its path) or "not-a-folder" (its folder is not a
-    real directory: a link would put the lock elsewhere)."""
+class LockRefused:
+    """Why the lock is not ours, as a value (`OutputLock.attempt`): "vanished" (three times),
+    "busy" (`owner` holds it), "not-a-lock" (something else lies at its path) or
+    "not-a-folder" (its folder is not a real directory: a link would put the lock elsewhere)."""
 
     why: Literal["vanished", "busy", "not-a-lock", "not-a-folder"]
     owner: dict | None = None
+
+    def worded(self, lock: Path, shown: str) -> Fatal:
+        """The refusal in words; `shown` is what stands where the lock or its folder should
+        be (`fsio.describe`), read by the caller after the refusal."""
+        folder = lock.parent
+        if self.why == "not-a-folder":
+            return fatal(
+                Code.STATE_FOLDER_INVALID, rule="state", file=folder, state=folder.name, kind=shown
+            )
+        if self.why == "not-a-lock":
+            return fatal(Code.STATE_FOLDER_INVALID, rule="lock", file=lock, kind=shown)
+        if self.why == "vanished":
+            return fatal(Code.OUTPUT_LOCKED, rule="take", file=lock)
+        owner = self.owner
+        who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
+        return fatal(Code.OUTPUT_LOCKED, rule="busy", file=folder.parent, who=who, lock=lock)
+
+    def where(self, lock: Path) -> Path | None:
+        """The path whose kind the refusal shows (None: it shows none)."""
+        return {"not-a-folder": lock.parent, "not-a-lock": lock}.get(self.why)
 
 
 class OutputLock:
@@ -79,6 +99,15 @@ class OutputLock:
         self._folder: int | None = None
 
     def acquire(self) -> None:
+        """Take the lock or raise why not (`attempt`, worded from what stands there now)."""
+        refused = self.attempt()
+        if refused is not None:
+            where = refused.where(self.path)
+            raise refused.worded(self.path, fsio.describe(where) if where is not None else "")
+
+    def attempt(self) -> LockRefused | None:
+        """Take the lock: None once it is ours, why not otherwise (a value: the caller
+        words and raises it once, from what it reads of the folder)."""
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         try:
             refused = self._take(me)
@@ -87,15 +116,15 @@ class OutputLock:
             raise
         if refused is not None:
             self._close_folder()
-            raise self._refusal(refused)
+        return refused
 
-    def _take(self, me: dict) -> _Refused | None:
+    def _take(self, me: dict) -> LockRefused | None:
         """None once we hold the lock; why not otherwise (a value: `acquire` raises once)."""
         try:
             self._folder = os.open(self.path.parent, _FOLDER_FLAGS)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                return _Refused("not-a-folder")
+                return LockRefused("not-a-folder")
             raise
         for _ in range(3):
             try:
@@ -113,9 +142,9 @@ class OutputLock:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             self._hold(fd, me)
             return None
-        return _Refused("vanished")
+        return LockRefused("vanished")
 
-    def _take_over_stale(self, me: dict) -> bool | _Refused:
+    def _take_over_stale(self, me: dict) -> bool | LockRefused:
         """True if we now hold the lock, False if it vanished; why not where someone holds it
         or it is no lock."""
         try:
@@ -123,12 +152,12 @@ class OutputLock:
         except FileNotFoundError:
             return False
         except OSError:  # a link (ELOOP) or anything else that cannot be a lock
-            return _Refused("not-a-lock")
+            return LockRefused("not-a-lock")
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return _Refused("not-a-lock")
+                return LockRefused("not-a-lock")
             if not _flock(fd):  # the owner is alive (or another run is taking over)
-                return _Refused("busy", _owner(fd))
+                return LockRefused("busy", _owner(fd))
             if not self._is_current(fd):  # released and recreated while we waited
                 return False
             owner = _owner(fd)
@@ -136,7 +165,7 @@ class OutputLock:
             if not (
                 owner and owner.get("host") == me["host"] and type(pid) is int and not _alive(pid)
             ):
-                return _Refused("busy", owner)
+                return LockRefused("busy", owner)
             self.warning = f"took over a stale lock left by pid {pid} (no longer running)"
             self._hold(fd, me)
             fd = -1
@@ -156,23 +185,6 @@ class OutputLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self._fd = fd
-
-    def _refusal(self, refused: _Refused) -> Fatal:
-        """The one refusal `acquire` raises, worded from what stands there now."""
-        folder = self.path.parent
-        kind = {"not-a-folder": folder, "not-a-lock": self.path}.get(refused.why)
-        shown = fsio.describe(kind) if kind is not None else ""
-        if refused.why == "not-a-folder":
-            return fatal(
-                Code.STATE_FOLDER_INVALID, rule="state", file=folder, state=folder.name, kind=shown
-            )
-        if refused.why == "not-a-lock":
-            return fatal(Code.STATE_FOLDER_INVALID, rule="lock", file=self.path, kind=shown)
-        if refused.why == "vanished":
-            return fatal(Code.OUTPUT_LOCKED, rule="take", file=self.path)
-        owner = refused.owner
-        who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "unknown owner"
-        return fatal(Code.OUTPUT_LOCKED, rule="busy", file=folder.parent, who=who, lock=self.path)
 
     def release(self) -> None:
         """Let go of a lock we hold (a no-op otherwise: never remove another run's lock)."""

@@ -36,7 +36,7 @@ from . import contract, faults, fsio
 from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
 from .errors import Code, Fatal, fatal, problem
 from .hashing import CHUNK_SIZE, TENSOR_HASH, sha256_bytes, sha256_file, shard_header_sha256
-from .lock import OutputLock
+from .lock import LockRefused, OutputLock
 
 STATE_DIR = ".kimi_w31"
 _LOCK, _LEDGER, _JOURNAL, _TMP = "lock", "ledger.jsonl", "journal.jsonl", "tmp"
@@ -202,6 +202,7 @@ class Standing:
     base_is_dir: bool
     base_shown: str
     base_writable: bool
+    lock_shown: str  # what stands where the lock is (a refused lock is worded with it)
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,12 @@ class Survey:
                 Code.OUTPUT_OF_ANOTHER_SOURCE, file=where.root, owner=self.owner() or "unknown"
             )
         return None
+
+    def lock_refusal(self, refused: LockRefused) -> Fatal:
+        """Why the lock was not ours, worded from this survey (read after the refusal)."""
+        where = self.standing
+        shown = where.state_shown if refused.why == "not-a-folder" else where.lock_shown
+        return refused.worded(where.state_path / _LOCK, shown)
 
     def room_refusal(self, foreign: list[Path], force: bool) -> Fatal | None:
         """Why a fresh run must not clear the directory: anything there without --force,
@@ -383,6 +390,7 @@ class OutputDir:
             os.path.isdir(base),
             fsio.describe(base),
             os.access(base, os.W_OK | os.X_OK),
+            fsio.describe(self.lock_path),
         )
         head, records = Ledger.parse(ledger)
         return Survey(
@@ -410,12 +418,13 @@ class OutputDir:
         return mode, records
 
     def _decide(
-        self, fingerprint: str, source: SourceId, force: bool
+        self, fingerprint: str, source: SourceId, force: bool, refused: LockRefused | None = None
     ) -> tuple[Mode, dict[str, ShardRecord], Survey]:
-        """`resume_decision`, with the survey it was made from."""
+        """`resume_decision`, with the survey it was made from; a refused lock (`refused`)
+        is the first refusal, worded from the same survey."""
         found = self.survey()
         mode, records = found.previous(fingerprint, source)
-        refusal = found.refusal(mode, force)
+        refusal = found.lock_refusal(refused) if refused else found.refusal(mode, force)
         if refusal is not None:
             raise refusal
         return (Mode.FRESH if mode is Mode.OTHER_SOURCE else mode), records, found
@@ -436,10 +445,9 @@ class OutputDir:
             session = self._claim(fingerprint, force, source or SourceId("", ""), shards or {})
             if prepare is not None:
                 prepare(self)
-            needed = sum(n for s, n in session.sizes.items() if s not in session.ledger.done)
-            free = shutil.disk_usage(self.root).free
-            if needed > free:
-                raise fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
+            refusal = session.space_refusal(shutil.disk_usage(self.root).free)
+            if refusal is not None:
+                raise refusal
         except BaseException as exc:
             self._give_up(exc)
         return session
@@ -457,12 +465,14 @@ class OutputDir:
         # Taken in the state folder opened without following a link: one replaced since the
         # decision is refused there, and nothing is written through it.
         self._lock = OutputLock(self.lock_path)
-        self._lock.acquire()  # on any failure from here the caller calls `abandon`
+        refused = self._lock.attempt()  # on any failure from here the caller calls `abandon`
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
-        faults.fault_point("lock.acquired")
-        # Decided again on what is read under the lock; every change below is made from it.
-        mode, records, found = self._decide(fingerprint, source, force)
+        if refused is None:
+            faults.fault_point("lock.acquired")
+        # Decided again on what is read under the lock (a refused lock: on what stands
+        # there now, to word why); every change below is made from it.
+        mode, records, found = self._decide(fingerprint, source, force, refused)
         self._partials = list(found.partials)
         # One path for every mode: the ledger is rewritten (atomically) with the records just
         # read; a torn last line of an interrupted run is left behind with it.
@@ -713,6 +723,13 @@ class Session:
         self.begin_writes = out.begin_writes  # before the first change: the index goes
         self.resume_hint = out.resume_hint
         self.finished = False
+
+    def space_refusal(self, free: int) -> Fatal | None:
+        """Why the shards not finished yet cannot fit in `free` bytes (None: they fit)."""
+        needed = sum(n for s, n in self.sizes.items() if s not in self.ledger.done)
+        if needed > free:
+            return fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
+        return None
 
     def finalize(self, files: FinalFiles) -> int:
         """The checksums file of every shard (all in the ledger by now) and of `files`, then

@@ -144,3 +144,90 @@ def test_a_directory_holding_a_file_of_no_record_is_never_cleared(tmp_path, forc
     assert exc.value.codes == [want]
     assert (root / "notes.txt").read_bytes() == b"mine"
     assert not (root / STATE_DIR).exists()  # the claim abandoned: the folders it made are gone
+
+
+def _plant(path: Path, kind: str, tmp: Path) -> None:
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link-to-file":
+        (tmp / "target").write_bytes(b"t")
+        path.symlink_to(tmp / "target")
+    else:  # a dangling link
+        path.symlink_to(tmp / "nowhere")
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo", "link-to-file", "dangling"])
+def test_a_refused_lock_is_worded_by_the_claim_as_the_lock_words_it_and_changes_nothing(
+    tmp_path, kind
+):
+    state = tmp_path / "out" / STATE_DIR
+    state.mkdir(parents=True)
+    _plant(state / "lock", kind, tmp_path)
+    with pytest.raises(Fatal) as alone:
+        OutputLock(state / "lock").acquire()
+    before = _tree(tmp_path / "out")
+    with pytest.raises(Fatal) as claimed:
+        OutputDir(tmp_path / "out").claim(FP, False, SRC)
+    assert claimed.value.codes == [Code.STATE_FOLDER_INVALID]
+    assert [p.as_dict() for p in claimed.value.problems] == [
+        p.as_dict() for p in alone.value.problems
+    ]
+    assert _tree(tmp_path / "out") == before  # no ledger, nothing removed
+
+
+def test_a_claim_refused_by_a_held_lock_leaves_the_holder_and_its_folder_alone(tmp_path):
+    state = tmp_path / "out" / STATE_DIR
+    state.mkdir(parents=True)
+    holder = OutputLock(state / "lock")
+    assert holder.attempt() is None
+    try:
+        held = (state / "lock").read_bytes()
+        with pytest.raises(Fatal) as exc:
+            OutputDir(tmp_path / "out").claim(FP, False, SRC)
+        assert exc.value.codes == [Code.OUTPUT_LOCKED]
+        assert (state / "lock").read_bytes() == held
+        assert sorted(p.name for p in state.iterdir()) == ["lock"]
+    finally:
+        holder.release()
+
+
+def test_the_survey_does_not_fail_where_the_lock_cannot_be_looked_at(tmp_path, monkeypatch):
+    """A state folder this user cannot search (root bypasses modes, so the error is made):
+    the survey still reads, and the refusal is the permission one, not an OSError."""
+    out = OutputDir(tmp_path / "out")
+    out.state.mkdir(parents=True)
+    lstat = os.lstat
+
+    def refused(path, *a, **k):
+        if Path(path).parent == out.state:
+            raise PermissionError(13, "Permission denied", str(path))
+        return lstat(path, *a, **k)
+
+    monkeypatch.setattr(os, "lstat", refused)
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    found = out.survey()
+    assert found.standing.lock_shown.startswith("unreadable")
+    assert found.refusal().codes == [Code.PERMISSION_DENIED]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 10**12), min_size=0, max_size=8),
+    done=st.sets(st.integers(0, 7)),
+    free=st.integers(0, 4 * 10**12),
+)
+def test_the_space_refusal_counts_only_the_shards_not_finished(tmp_path_factory, sizes, done, free):
+    from kimi_w31.converter.outdir import Ledger, Session, ShardRecord
+
+    out = OutputDir(tmp_path_factory.mktemp("out"))
+    names = {f"s{i}": n for i, n in enumerate(sizes)}
+    ledger = Ledger(out.ledger_path, FP)
+    ledger.seed(ShardRecord(f"s{i}", sizes[i], "h", {}, {}) for i in done if i < len(sizes))
+    refusal = Session(out, Mode.FRESH, ledger, SRC, names).space_refusal(free)
+    needed = sum(n for i, n in enumerate(sizes) if i not in done)
+    if needed > free:
+        assert refusal is not None and refusal.codes == [Code.NO_SPACE]
+    else:
+        assert refusal is None
