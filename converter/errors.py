@@ -239,7 +239,6 @@ manifest-invalid/section-keys: manifest is malformed: '{section}' must have exac
 manifest-invalid/entry: manifest is malformed: '{section}.{key}' must be {{"dtype": str, "shape":
     [formula, ...]}} with formulas like N, 2*N, K/32 over the symbols in 'dims'
 manifest-invalid/name: manifest is malformed: 'name' must be a string
-manifest-invalid/shape: manifest is malformed: {section}.{key}: {why}
 manifest-invalid/inventory: manifest is malformed: 'inventory' must be {{"dtypes": [str], "aliases":
     {{str: str}}, "layer_prefix": str with {{L}}, "vision_block_prefix": str with {{B}},
     "vision_blocks": [field, default], "groups": [{{"place": one of {places}, "names": [str],
@@ -1086,12 +1085,3 @@ class Fatal(Exception):
     @property
     def codes(self) -> list[Code]:
         return [p.code for p in self.problems]
-
-
-def fail(code: Code, what: str, *, hint: str | None = None, **where: str | None) -> Fatal:
-    """Shorthand for a single-problem error."""
-    return Fatal([Problem(code, what, **where)], hint=hint)
-
-
-def usage(what: str, **where: str | None) -> Fatal:
-    return fail(Code.USAGE, what, **where)

@@ -15,7 +15,6 @@ from kimi_w31.converter.errors import (
     Code,
     Fatal,
     Problem,
-    fail,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +44,7 @@ def test_no_raise_site_chooses_an_exit_code():
 
 @pytest.mark.parametrize("code", list(Code))
 def test_a_fatal_exits_as_its_reason_says(code):
-    assert fail(code, "x").exit_code == EXIT_CODES[code]
+    assert Fatal([Problem(code, "x")]).exit_code == EXIT_CODES[code]
 
 
 def test_a_usage_reason_wins_over_a_data_reason():
