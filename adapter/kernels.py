@@ -370,9 +370,8 @@ def cooperative_tile(m: int, n: int, k: int) -> bool:
 def selectable(instance: str, trim: Trim) -> bool:
     """Whether a tactic of the served runner can call this launcher. What we cannot read
     (no tile, no schedule) counts as selectable: it is compiled as FlashInfer wrote it."""
-    if f"{trim.kernel_marker}, " in instance and f"{trim.kernel_marker}, {SERVED_OUTPUT}" not in (
-        " ".join(instance.split())
-    ):
+    text = " ".join(instance.split())
+    if trim.kernel_marker in text and f"{trim.kernel_marker}, {SERVED_OUTPUT}" not in text:
         return False  # another output type of the served dtype pair
     if _SMALL_K in instance:
         return True  # Humming's small-K configs: every tile and schedule is a candidate
