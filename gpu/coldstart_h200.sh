@@ -21,10 +21,11 @@
 #   bundle16 the W4A16 bundle from the workspace a cache-route probe already compiled
 #   smoke16, smoke8   (after build16 / build8) every tactic FlashInfer's autotuner can
 #            select, profiled once through the bundle's module (TP 8, M <= 64): none may fail
-#   tactics16, tactics8   gpu/tactics.py on the prebuilt W4A16 / W4A8 module: what the
-#            autotuner picks at Kimi-K3 per-rank shapes, the smallest set within 1 %, and
-#            the whole forward re-timed with that set against the full one (a smoke run at
-#            TP 8, M <= 64 first, so a broken script stops in seconds)
+#   tactics16, tactics8   gpu/tactics.py on the prebuilt W4A16 / W4A8 module (every
+#            launcher): every valid tactic of each GEMM timed in the whole forward at
+#            Kimi-K3 per-rank shapes (TP 8, 2, 1; M 1..8192), the fewest launchers within
+#            1 %, and the forward re-timed with that set against the full one (a smoke run
+#            at TP 8, M <= 64 first, so a broken script stops in seconds)
 set -uo pipefail
 
 WORK=${KIMI_W31_WORK:-/root/kimi-w31-cold}
@@ -157,7 +158,7 @@ pipeline() {
         python3 -m gpu.tactics --variant "$v" --prebuilt "$so" --out "$OUTD/smoke" --tp 8 \
             --max-tokens 64 --reps 3 --rounds 1 > "$OUTD/$step-smoke.log" 2>&1 \
             || { echo "== $step smoke FAILED"; tail -20 "$OUTD/$step-smoke.log"; continue; }
-        python3 -m gpu.tactics --variant "$v" --prebuilt "$so" --out "$OUTD" \
+        python3 -m gpu.tactics --variant "$v" --prebuilt "$so" --out "$OUTD" --tp 8,2,1 \
             > "$OUTD/$step.log" 2>&1
         echo "== $step exit $? $(tail -1 "$OUTD/$step.log")"
     done

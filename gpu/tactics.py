@@ -28,7 +28,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -100,31 +100,47 @@ def describe_all(humming: bool, gemm1_count: int, gemm2_count: int) -> dict[int,
 Case = tuple[int, int, int]  # (tp, M bucket, gemm)
 
 
-def cover(times: Mapping[Case, Mapping[int, float]], slack: float) -> list[int]:
-    """The fewest tactics (greedy) such that every case has one within `slack` of its best."""
+def cover(
+    times: Mapping[Case, Mapping[int, float]],
+    slack: float,
+    key: Callable[[int], int] = lambda t: t,
+    start: Iterable[int] = (),
+) -> list[int]:
+    """The fewest keys (greedy; a key is a tactic, or with `key` what it needs, such as the
+    kernel launcher GEMM1's and GEMM2's tactics share) such that every case has a tactic
+    within `slack` of its best whose key is chosen. `start`: keys chosen beforehand."""
     near = {
-        case: {t for t, v in by.items() if v <= min(by.values()) * (1 + slack)}
+        case: {key(t) for t, v in by.items() if v <= min(by.values()) * (1 + slack)}
         for case, by in times.items()
         if by
     }
-    chosen: list[int] = []
-    todo = set(near)
+    chosen = sorted(set(start))
+    todo = {case for case in near if not near[case] & set(chosen)}
     while todo:
         counts: dict[int, int] = defaultdict(int)
         speed: dict[int, float] = defaultdict(float)
         for case in todo:
             best = min(times[case].values())
-            for t in near[case]:
-                counts[t] += 1
-                speed[t] += best / times[case][t]
-        pick = max(counts, key=lambda t: (counts[t], speed[t], -t))
+            fastest: dict[int, float] = {}
+            for t, v in times[case].items():
+                fastest[key(t)] = min(v, fastest.get(key(t), v))
+            for k in near[case]:
+                counts[k] += 1
+                speed[k] += best / fastest[k]
+        pick = max(counts, key=lambda k: (counts[k], speed[k], -k))
         chosen.append(pick)
         todo = {case for case in todo if pick not in near[case]}
     return sorted(chosen)
 
 
-def best_in(by: Mapping[int, float], allowed: Iterable[int] | None = None) -> int:
-    pool = by if allowed is None else {t: v for t, v in by.items() if t in set(allowed)}
+def best_in(
+    by: Mapping[int, float],
+    allowed: Iterable[int] | None = None,
+    key: Callable[[int], int] = lambda t: t,
+) -> int:
+    """The fastest tactic of a case (among those whose key is `allowed`)."""
+    keep = None if allowed is None else set(allowed)
+    pool = {t: v for t, v in by.items() if keep is None or key(t) in keep}
     return min(pool, key=lambda t: (pool[t], t))
 
 
@@ -260,14 +276,218 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _moe_runners() -> Iterable[Any]:
-    """FlashInfer's module-level runners (`MoERunner.runner_dict`; the class is local to
-    `get_cutlass_fused_moe_module`, so found among live objects)."""
+def launcher_of(counts: tuple[int, int]) -> Callable[[int], int]:
+    """Tactic id -> its index in one GEMM's candidate list: GEMM1's tactic i and GEMM2's
+    tactic gemm1_count + i run the same kernel launcher (tile x cluster x schedule)."""
+    return lambda t: t - counts[0] if t >= counts[0] else t
+
+
+def near_best(times: Mapping[int, float], near: float) -> list[int]:
+    """The tactics whose first, short timing is within `near` of the best: the only ones
+    worth timing carefully (a 1 % set cannot use a tactic 10 % off)."""
+    best = min(times.values())
+    return sorted(t for t, v in times.items() if v <= best * (1 + near))
+
+
+def _valid_tactics(runner: Any, kw: Mapping[str, Any], stage: int) -> list[int]:
+    """FlashInfer's own `MoERunner.get_valid_tactics` for one GEMM (occupancy, then the W4
+    group-scaling shape filter), called on the live runner: what its autotuner would time."""
+    import torch
+
+    cls = next(c for c in _moe_classes())
+    fake = type("Runner", (), {})()
+    fake.fused_moe_runner = runner
+    fake.gemm_idx_for_tuning = stage
+    fake.activation_type = kw["activation_type"]
+    fake.use_mxfp8_act_scaling = kw["use_mxfp8_act_scaling"]
+    fake.use_w4_group_scaling = kw["use_w4_group_scaling"]
+    fake.x_dtype, fake.weight_dtype = kw["input"].dtype, torch.uint8
+    inputs = [kw["input"], kw["fc1_expert_weights"], None, kw["fc2_expert_weights"], None]
+    return [int(t) for t in cls.get_valid_tactics(fake, inputs, None) if int(t) >= 0]
+
+
+def run_forward(args: argparse.Namespace) -> dict[str, Any]:
+    """Every valid tactic of each GEMM timed in the whole MoE forward (CUDA graph replays,
+    the other GEMM at its best), per (TP, M); the set; the set's best pair re-timed against
+    the full set's, interleaved."""
+    import torch
+    from flashinfer.fused_moe import ActivationType, cutlass_fused_moe
+    from kimi_w31.adapter import flashinfer_moe as fm
+    from kimi_w31.adapter import kernels
+
+    humming = args.variant == "w4a8"
+    if args.prebuilt is None:
+        kernels.ensure("sm90", humming)
+    else:
+        kernels.install(kernels.VARIANTS[args.variant], args.prebuilt)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool = torch.cuda.graph_pool_handle()
+    buckets = [1 << i for i in range(args.max_tokens.bit_length()) if 1 << i <= args.max_tokens]
+    report: dict[str, Any] = {
+        "variant": args.variant, "method": "forward", "experts": EXPERTS, "k": K,
+        "top_k": TOP_K, "reps": args.reps, "rounds": args.rounds, "near": args.near,
+        "slack": args.slack,
+    }  # fmt: skip
+    times: dict[Case, dict[int, float]] = {}
+    failed: dict[str, str] = {}
+    counts: tuple[int, int] | None = None
+
+    def capture(kw: dict[str, Any], pair: list[int]) -> torch.cuda.CUDAGraph:
+        fn = partial(cutlass_fused_moe, **kw, profile_ids=pair)
+        fn()  # eagerly first: a tactic that cannot run raises here, outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        graph.replay()
+        return graph
+
+    def window(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    def timed(kw: dict[str, Any], pairs: dict[int, list[int]], case: str) -> dict[int, float]:
+        """Screen every pair with one short window; time those near the best carefully."""
+        first: dict[int, float] = {}
+        for t, pair in pairs.items():
+            try:
+                first[t] = window(capture(kw, pair), args.screen)
+            except Exception as e:  # a tactic FlashInfer lists but cannot run here
+                torch.cuda.synchronize()
+                failed[f"{case} tactic {t}"] = str(e).splitlines()[0][:200]
+        keep = near_best(first, args.near)
+        graphs = {t: capture(kw, pairs[t]) for t in keep}
+        samples: dict[int, list[float]] = defaultdict(list)
+        for _ in range(args.rounds):  # interleaved: drift hits every candidate alike
+            for t in keep:
+                samples[t].append(window(graphs[t], args.reps))
+        del graphs
+        return {**first, **{t: statistics.median(v) for t, v in samples.items()}}
+
+    checks_in: list[tuple[int, int, dict[str, Any]]] = []
+    for tp in args.tp:
+        t0 = time.time()
+        n = N // tp
+
+        def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
+            return torch.randint(lo, hi, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+        w31, s31 = u8(EXPERTS, 2 * n, K // 2), u8(EXPERTS, 2 * n, K // 32, lo=118, hi=124)
+        w2, s2 = u8(EXPERTS, K, n // 2), u8(EXPERTS, K, n // 32, lo=118, hi=124)
+        prep = fm.prepare_sm90_humming if humming else fm.prepare_sm90
+        weights = prep(w31, s31, w2, s2)
+        del w31, s31, w2, s2
+        beta, linear_beta = fm.situ_params(EXPERTS, device="cuda")
+        valid: tuple[list[int], list[int]] | None = None
+        for m in buckets:
+            x = torch.randn(m, K, generator=g, device="cuda").to(torch.bfloat16)
+            ids = torch.stack(
+                [torch.randperm(EXPERTS, generator=g, device="cuda")[:TOP_K] for _ in range(m)]
+            ).to(torch.int32)
+            topw = torch.full((m, TOP_K), 1 / TOP_K, device="cuda", dtype=torch.float32)
+            out = torch.empty(m, K, device="cuda", dtype=torch.bfloat16)
+            kw = fm.build_moe_kwargs(
+                x, ids, topw, weights, ActivationType.Situ, situ_beta=beta,
+                situ_linear_beta=linear_beta, output=out, tune_max_num_tokens=args.max_tokens,
+            )  # fmt: skip
+            if valid is None:
+                cutlass_fused_moe(**kw)  # creates the runner
+                runner = next(iter(_moe_runners()))
+                counts = (runner.get_gemm1_tactic_count(), runner.get_gemm2_tactic_count())
+                valid = (_valid_tactics(runner, kw, 1), _valid_tactics(runner, kw, 2))
+                print(f"tp {tp}: {len(valid[0])} + {len(valid[1])} valid tactics of {counts}")
+            assert counts is not None
+            default2 = counts[0] if counts[0] in valid[1] else valid[1][0]
+            one = timed(kw, {t: [t, default2] for t in valid[0]}, f"tp {tp} m {m} gemm1")
+            best1 = best_in(one)
+            two = timed(kw, {t: [best1, t] for t in valid[1]}, f"tp {tp} m {m} gemm2")
+            times[(tp, m, 1)], times[(tp, m, 2)] = one, two
+            checks_in.append((tp, m, kw))
+            print(
+                f"tp {tp} m {m}: best {best1}/{best_in(two)} {min(two.values()):.4f} ms, "
+                f"{len(near_best(one, args.near))}+{len(near_best(two, args.near))} near, "
+                f"{time.time() - t0:.0f} s"
+            )
+        report[f"tp{tp}_s"] = round(time.time() - t0, 1)
+        report["times"] = {",".join(map(str, c)): by for c, by in sorted(times.items())}
+        report["failed"] = failed
+        _write(args, report)  # the raw timings so far, should a later TP not finish
+    assert counts is not None
+    _conclude(args, report, times, counts, checks_in, capture, window)
+    return report
+
+
+def _conclude(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    times: Mapping[Case, Mapping[int, float]],
+    counts: tuple[int, int],
+    cases: Sequence[tuple[int, int, dict[str, Any]]],
+    capture: Callable[..., Any],
+    window: Callable[..., float],
+) -> None:
+    """The set (fewest launchers keeping every case within the slack), and for every case
+    the whole forward with the set's best pair against the full set's, interleaved."""
+    key = launcher_of(counts)
+    chosen = cover(times, args.slack, key, start=[0])  # config 0: the runner's default
+    names = describe_all(args.variant == "w4a8", *counts)
+    report["tactic_counts"] = {"gemm1": counts[0], "gemm2": counts[1]}
+    report["set_launchers"] = chosen
+    report["set_configs"] = {str(i): names[i] for i in chosen}
+    report["cases"], report["checks"] = [], []
+    for tp, m, kw in cases:
+        by1, by2 = times[(tp, m, 1)], times[(tp, m, 2)]
+        full = [best_in(by1), best_in(by2)]
+        sub = [best_in(by1, chosen, key), best_in(by2, chosen, key)]
+        for gemm, by, b in ((1, by1, full[0]), (2, by2, full[1])):
+            report["cases"].append(
+                {"tp": tp, "m": m, "gemm": gemm, "tactics_timed": len(by),
+                 "best": b, "best_ms": round(by[b], 5),
+                 "set_best": sub[gemm - 1], "set_ms": round(by[sub[gemm - 1]], 5),
+                 "ratio": round(by[sub[gemm - 1]] / by[b], 4)}
+            )  # fmt: skip
+        if sub == full:
+            report["checks"].append({"tp": tp, "m": m, "full": full, "set": sub, "ratio": 1.0})
+            continue
+        a, b = capture(kw, full), capture(kw, sub)
+        fa, fb = [], []
+        for _ in range(args.rounds + 2):
+            fa.append(window(a, args.reps))
+            fb.append(window(b, args.reps))
+        ra, rb = statistics.median(fa), statistics.median(fb)
+        report["checks"].append(
+            {"tp": tp, "m": m, "full": full, "set": sub, "full_ms": round(ra, 5),
+             "set_ms": round(rb, 5), "ratio": round(rb / ra, 4)}
+        )  # fmt: skip
+        print(f"check tp {tp} m {m}: full {full} {ra:.4f} ms, set {sub} {rb:.4f} ms")
+    report["max_ratio_cases"] = max(c["ratio"] for c in report["cases"])
+    report["max_ratio_forward"] = max(c["ratio"] for c in report["checks"])
+
+
+def _write(args: argparse.Namespace, report: Mapping[str, Any]) -> Path:
+    path = args.out / f"tactics-{args.variant}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def _moe_classes() -> Iterable[Any]:
+    """FlashInfer's `MoERunner` class (local to `get_cutlass_fused_moe_module`)."""
     import gc
 
     for obj in gc.get_objects():
         if isinstance(obj, type) and obj.__name__ == "MoERunner":
-            yield from getattr(obj, "runner_dict", {}).values()
+            yield obj
+
+
+def _moe_runners() -> Iterable[Any]:
+    """FlashInfer's module-level runners (`MoERunner.runner_dict`)."""
+    for cls in _moe_classes():
+        yield from getattr(cls, "runner_dict", {}).values()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -277,6 +497,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--prebuilt", type=Path, default=None, help="module to load (else the plugin's own)"
     )
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--method",
+        choices=("forward", "autotuner"),
+        default="forward",
+        help="forward: every tactic timed in the whole forward (minutes); autotuner: "
+        "FlashInfer's autotuner's own per-GEMM profiles (about an hour at all shapes)",
+    )
     p.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 8])
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--slack", type=float, default=0.01)
@@ -284,19 +511,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     # buckets) at about 15 minutes per variant on an H200
     p.add_argument("--warmup", type=int, default=3, help="autotuner warm-up runs per tactic")
     p.add_argument("--repeat", type=int, default=10, help="autotuner timed runs per tactic")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--screen", type=int, default=2, help="forward: replays of the first timing")
+    p.add_argument(
+        "--near", type=float, default=0.1, help="forward: time carefully within this of best"
+    )
+    p.add_argument("--reps", type=int, default=5, help="replays (calls) per timing window")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved windows per tactic")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    report = run(args)
+    report = run_forward(args) if args.method == "forward" else run(args)
     report["wall_s"] = round(time.time() - t0, 1)
-    path = args.out / f"tactics-{args.variant}.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(
-        f"{args.variant}: picked {len(report['picked'])} distinct, set {report['set']}, "
-        f"max ratio profiles {report['max_ratio_profiles']}, forward {report['max_ratio_forward']}"
-    )
+    _write(args, report)
+    if args.method == "forward":
+        print(
+            f"{args.variant}: set of {len(report['set_launchers'])} launchers "
+            f"{report['set_launchers']}, max ratio per GEMM {report['max_ratio_cases']}, "
+            f"forward {report['max_ratio_forward']}, {report['wall_s']} s"
+        )
+    else:
+        print(
+            f"{args.variant}: picked {len(report['picked'])} distinct, set {report['set']}, "
+            f"max ratio profiles {report['max_ratio_profiles']}, "
+            f"forward {report['max_ratio_forward']}"
+        )
     return 0
 
 

@@ -45,3 +45,26 @@ def test_tactic_ids_follow_flashinfers_order_and_counts() -> None:
     assert humming[125]["schedule"] == "sw_rolling" and humming[125]["tile"] == "128x64x128"
     with pytest.raises(SystemExit):
         T.describe_all(humming=False, gemm1_count=120, gemm2_count=116)  # a changed list
+
+
+@given(times=cases, slack=st.sampled_from([0.0, 0.01, 0.02]), start=st.sets(st.integers(0, 3)))
+def test_a_launcher_set_serves_every_case_and_keeps_what_was_chosen_before(
+    times, slack, start
+) -> None:
+    key = T.launcher_of((10, 11))  # tactic 10 + i runs GEMM1's launcher i
+    chosen = T.cover(times, slack, key, start=start)
+    assert set(start) <= set(chosen) and chosen == sorted(set(chosen))
+    for by in times.values():
+        assert by[T.best_in(by, chosen, key)] <= min(by.values()) * (1 + slack)
+
+
+def test_gemm1_and_gemm2_tactics_of_one_launcher_are_chosen_once() -> None:
+    key = T.launcher_of((4, 4))
+    times = {(8, 1, 1): {2: 1.0, 0: 1.5}, (8, 1, 2): {6: 1.0, 4: 1.5}}  # 6 = GEMM2's launcher 2
+    assert T.cover(times, 0.01, key) == [2]
+    assert T.cover(times, 0.01, key, start=[0]) == [0, 2]
+    assert T.cover(times, 0.6, key, start=[0]) == [0]  # the default is within 60 %: enough
+
+
+def test_only_tactics_near_the_first_best_are_timed_again() -> None:
+    assert T.near_best({1: 1.0, 2: 1.09, 3: 1.11, 4: 5.0}, 0.1) == [1, 2]
