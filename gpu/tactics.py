@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -289,12 +290,18 @@ def near_best(times: Mapping[int, float], near: float) -> list[int]:
     return sorted(t for t, v in times.items() if v <= best * (1 + near))
 
 
+def reps_for(ms: float, least: int, window_ms: float) -> int:
+    """Replays per timing window: at least `least`, and enough that a window lasts about
+    `window_ms` (a window of a few 0.1 ms calls is mostly timer noise), at most 500."""
+    return max(least, min(500, math.ceil(window_ms / max(ms, 1e-3))))
+
+
 def _valid_tactics(runner: Any, kw: Mapping[str, Any], stage: int) -> list[int]:
     """FlashInfer's own `MoERunner.get_valid_tactics` for one GEMM (occupancy, then the W4
     group-scaling shape filter), called on the live runner: what its autotuner would time."""
     import torch
 
-    cls = next(c for c in _moe_classes())
+    cls = next(c for c in _moe_classes() if runner in c.runner_dict.values())
     fake = type("Runner", (), {})()
     fake.fused_moe_runner = runner
     fake.gemm_idx_for_tuning = stage
@@ -325,7 +332,8 @@ def run_forward(args: argparse.Namespace) -> dict[str, Any]:
     buckets = [1 << i for i in range(args.max_tokens.bit_length()) if 1 << i <= args.max_tokens]
     report: dict[str, Any] = {
         "variant": args.variant, "method": "forward", "experts": EXPERTS, "k": K,
-        "top_k": TOP_K, "reps": args.reps, "rounds": args.rounds, "near": args.near,
+        "top_k": TOP_K, "reps": args.reps, "window_ms": args.window_ms, "rounds": args.rounds,
+        "near": args.near,
         "slack": args.slack,
     }  # fmt: skip
     times: dict[Case, dict[int, float]] = {}
@@ -360,12 +368,15 @@ def run_forward(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as e:  # a tactic FlashInfer lists but cannot run here
                 torch.cuda.synchronize()
                 failed[f"{case} tactic {t}"] = str(e).splitlines()[0][:200]
+        if not first:
+            raise SystemExit(f"{case}: no tactic ran ({failed})")
         keep = near_best(first, args.near)
         graphs = {t: capture(kw, pairs[t]) for t in keep}
+        reps = reps_for(min(first.values()), args.reps, args.window_ms)
         samples: dict[int, list[float]] = defaultdict(list)
         for _ in range(args.rounds):  # interleaved: drift hits every candidate alike
             for t in keep:
-                samples[t].append(window(graphs[t], args.reps))
+                samples[t].append(window(graphs[t], reps))
         del graphs
         return {**first, **{t: statistics.median(v) for t, v in samples.items()}}
 
@@ -401,6 +412,8 @@ def run_forward(args: argparse.Namespace) -> dict[str, Any]:
                 counts = (runner.get_gemm1_tactic_count(), runner.get_gemm2_tactic_count())
                 valid = (_valid_tactics(runner, kw, 1), _valid_tactics(runner, kw, 2))
                 print(f"tp {tp}: {len(valid[0])} + {len(valid[1])} valid tactics of {counts}")
+                if not all(valid):
+                    raise SystemExit(f"tp {tp}: FlashInfer lists no valid tactic for a GEMM")
             assert counts is not None
             default2 = counts[0] if counts[0] in valid[1] else valid[1][0]
             one = timed(kw, {t: [t, default2] for t in valid[0]}, f"tp {tp} m {m} gemm1")
@@ -455,10 +468,11 @@ def _conclude(
             report["checks"].append({"tp": tp, "m": m, "full": full, "set": sub, "ratio": 1.0})
             continue
         a, b = capture(kw, full), capture(kw, sub)
+        reps = reps_for(window(a, 1), 4 * args.reps, 4 * args.window_ms)
         fa, fb = [], []
-        for _ in range(args.rounds + 2):
-            fa.append(window(a, args.reps))
-            fb.append(window(b, args.reps))
+        for _ in range(2 * args.rounds + 1):
+            fa.append(window(a, reps))
+            fb.append(window(b, reps))
         ra, rb = statistics.median(fa), statistics.median(fb)
         report["checks"].append(
             {"tp": tp, "m": m, "full": full, "set": sub, "full_ms": round(ra, 5),
@@ -476,11 +490,16 @@ def _write(args: argparse.Namespace, report: Mapping[str, Any]) -> Path:
 
 
 def _moe_classes() -> Iterable[Any]:
-    """FlashInfer's `MoERunner` class (local to `get_cutlass_fused_moe_module`)."""
+    """FlashInfer's CUTLASS `MoERunner` class: local to `get_cutlass_fused_moe_module`, so
+    found among live objects (other backends have classes of the same name)."""
     import gc
 
     for obj in gc.get_objects():
-        if isinstance(obj, type) and obj.__name__ == "MoERunner":
+        if (
+            isinstance(obj, type)
+            and obj.__name__ == "MoERunner"
+            and "get_cutlass_fused_moe_module" in obj.__qualname__
+        ):
             yield obj
 
 
@@ -515,7 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--near", type=float, default=0.1, help="forward: time carefully within this of best"
     )
-    p.add_argument("--reps", type=int, default=5, help="replays (calls) per timing window")
+    p.add_argument("--reps", type=int, default=5, help="least replays per timing window")
+    p.add_argument("--window-ms", type=float, default=5.0, help="forward: least window length")
     p.add_argument("--rounds", type=int, default=3, help="interleaved windows per tactic")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

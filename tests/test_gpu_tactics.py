@@ -68,3 +68,10 @@ def test_gemm1_and_gemm2_tactics_of_one_launcher_are_chosen_once() -> None:
 
 def test_only_tactics_near_the_first_best_are_timed_again() -> None:
     assert T.near_best({1: 1.0, 2: 1.09, 3: 1.11, 4: 5.0}, 0.1) == [1, 2]
+
+
+@given(ms=st.floats(0.001, 100.0), least=st.integers(1, 50), window=st.floats(0.5, 20.0))
+def test_a_timing_window_lasts_long_enough_without_running_away(ms, least, window) -> None:
+    reps = T.reps_for(ms, least, window)
+    assert reps >= least and (reps == least or reps <= 500)
+    assert reps * ms >= window or reps == 500
