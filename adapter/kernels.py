@@ -41,7 +41,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -120,6 +120,36 @@ template class CutlassMoeFCRunner<__nv_fp8_e4m3, Fp4Type, __nv_bfloat16, __nv_bf
 """
 
 
+SPLIT_DIR = "kimi_w31_split"  # where split parts go (see `part_path`)
+Shape3 = tuple[int, int, int]
+Launcher = tuple[Shape3, Shape3]  # (CTA tile M x N x K, cluster shape)
+
+# The launchers Kimi-K3's W4A16 serving needs, as (tile, cluster) with their index in
+# FlashInfer 0.7.2's SM90 candidate list (tile-major, clusters 1x1x1, 2x1x1, 1x2x1, 2x2x1).
+# Measured on an H200 (`python -m gpu.tactics --variant w4a16`, results in
+# gpu/results/2026-12-01-h200-tactics/): every valid tactic of both GEMMs timed in the whole
+# forward at per-rank shapes TP 1, 2, 8 x M 1..8192; the fewest launchers keeping every case
+# within 1 % of its best (9), plus the full set's best of the one case whose forward
+# re-check came out over 2 % (72); and the launcher FlashInfer sizes its workspace with
+# (`calcMaxWorkspaceSizeTmaWarpSpecializedMixedInput`: 128x64x256, 1x1x1). Config 0 is the
+# runner's default tactic. 11 of the 116 launchers of the full set.
+KIMI_K3_W4A16: frozenset[Launcher] = frozenset(
+    {
+        ((64, 16, 128), (1, 1, 1)),  # 0: the default tactic
+        ((64, 64, 128), (2, 1, 1)),  # 25
+        ((128, 16, 128), (1, 1, 1)),  # 48
+        ((128, 16, 256), (2, 1, 1)),  # 53
+        ((128, 16, 512), (1, 1, 1)),  # 56
+        ((128, 16, 512), (2, 1, 1)),  # 57
+        ((128, 32, 128), (1, 1, 1)),  # 60
+        ((128, 32, 256), (1, 1, 1)),  # 64
+        ((128, 64, 128), (1, 1, 1)),  # 72
+        ((128, 64, 128), (2, 1, 1)),  # 73
+        ((128, 64, 256), (1, 1, 1)),  # 76: workspace sizing
+    }
+)
+
+
 @dataclass(frozen=True)
 class Trim:
     """What a trimmed module keeps of FlashInfer's stock source list."""
@@ -130,6 +160,9 @@ class Trim:
     instantiation_head: str
     required_runner: str  # must appear in the stock instantiation file
     derived_prefix: str
+    # (tile, cluster) of the launchers compiled; None: every launcher a tactic can select
+    launchers: frozenset[Launcher] | None = None
+    split_dir: str = SPLIT_DIR  # one tree per launcher set: their parts differ
 
 
 @dataclass(frozen=True)
@@ -161,6 +194,20 @@ W4A16 = Variant(
         instantiation_head=_INSTANTIATION_W4A16,
         required_runner="CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>",
         derived_prefix=TRIMMED_PREFIX,
+        launchers=KIMI_K3_W4A16,
+    ),
+)
+W4A16_ALL = Variant(
+    key="w4a16-all",
+    arch="sm90",
+    module_name="fused_moe_90_kimi_w31_w4a16_all",
+    stock_prefix="fused_moe_90",
+    generator="gen_cutlass_fused_moe_sm90_module",
+    trim=replace(
+        W4A16.trim,  # type: ignore[arg-type]
+        launchers=None,
+        derived_prefix=TRIMMED_PREFIX + "all_",
+        split_dir="kimi_w31_split_all",
     ),
 )
 W4A8_HUMMING = Variant(
@@ -186,14 +233,23 @@ SM120 = Variant(
     generator="gen_cutlass_fused_moe_sm120_module",
     trim=None,
 )
-VARIANTS = {v.key: v for v in (W4A16, W4A8_HUMMING, SM120)}
+VARIANTS = {v.key: v for v in (W4A16, W4A16_ALL, W4A8_HUMMING, SM120)}
 DEFAULT_VARIANTS: dict[str, tuple[str, ...]] = {"sm90": ("w4a16",), "sm120": ("sm120",)}
+# "all": serve SM90 W4A16 with every tactic FlashInfer lists (module `w4a16-all`), e.g. for
+# shapes far from Kimi-K3's, instead of the measured Kimi-K3 set
+ENV_TACTICS = "KIMI_W31_TACTICS"
+TACTIC_SETS = ("kimi-k3", "all")
 
 
-def variant_for(arch: Arch, humming: bool = False) -> Variant:
-    """The module a serving path needs (SM90 W4A8 only with `humming`)."""
+def variant_for(arch: Arch, humming: bool = False, tactics: str = "kimi-k3") -> Variant:
+    """The module a serving path needs (SM90 W4A8 only with `humming`; W4A16 with the
+    Kimi-K3 tactic set unless `tactics` is "all")."""
+    if tactics not in TACTIC_SETS:
+        raise ValueError(f"{ENV_TACTICS}={tactics!r}: expected one of {', '.join(TACTIC_SETS)}")
     if arch == "sm90":
-        return W4A8_HUMMING if humming else W4A16
+        if humming:
+            return W4A8_HUMMING
+        return W4A16_ALL if tactics == "all" else W4A16
     if arch == "sm120":
         return SM120
     raise ValueError(f"unsupported arch {arch!r}: expected 'sm90' or 'sm120'")
@@ -375,11 +431,13 @@ def selectable(instance: str, trim: Trim) -> bool:
         return False  # another output type of the served dtype pair
     if _SMALL_K in instance:
         return True  # Humming's small-K configs: every tile and schedule is a candidate
-    tile, schedule = _TILE.search(instance), _SCHEDULE.search(instance)
-    if tile is None or schedule is None:
+    shapes, schedule = _TILE.findall(instance), _SCHEDULE.search(instance)
+    if len(shapes) < 2 or schedule is None:
         return True
-    m, n, k = (int(x) for x in tile.groups())
-    return (schedule.group(1) == "Cooperative") == cooperative_tile(m, n, k)
+    tile, cluster = (tuple(int(x) for x in shape) for shape in shapes[:2])
+    if (schedule.group(1) == "Cooperative") != cooperative_tile(*tile):
+        return False
+    return trim.launchers is None or (tile, cluster) in trim.launchers
 
 
 def prune_generated(text: str, trim: Trim) -> tuple[str, list[str]]:
@@ -435,15 +493,12 @@ def unbuilt_definitions(instances: Sequence[str]) -> str:
         bodies.append(
             f"template <>\nvoid {name}<{args}>(\n{params}) {{\n"
             f'  TLLM_THROW("kimi_w31: this CUTLASS MoE launcher is not built into the '
-            f"plugin's module (no tactic selects it)\");\n}}\n"
+            f"plugin's module (outside its tactic set)\");\n}}\n"
         )
     return _UNBUILT_HEAD + "\n".join(bodies) + _UNBUILT_TAIL
 
 
-SPLIT_DIR = "kimi_w31_split"
-
-
-def part_path(path: Path, index: int, count: int) -> Path:
+def part_path(path: Path, index: int, count: int, split_dir: str = SPLIT_DIR) -> Path:
     """Where part `index` (1-based) of a generated kernel file goes.
 
     Not beside it: FlashInfer's generator deletes every file of its output directory
@@ -457,7 +512,7 @@ def part_path(path: Path, index: int, count: int) -> Path:
     if len(path.parents) < 5:
         raise ValueError(f"{path}: not a generated kernel file path (<gen>/x/<arch>/a/b/file)")
     stem = path.name.removesuffix(".generated.cu")
-    where = path.parents[4] / SPLIT_DIR / path.parents[2].name / path.parents[1].name
+    where = path.parents[4] / split_dir / path.parents[2].name / path.parents[1].name
     return where / path.parent.name / f"{stem}.{SPLIT_TAG}{index}of{count}.cu"
 
 
@@ -598,13 +653,14 @@ def build_units(
                 units.append(Unit(path, parts[0].weight))
             else:
                 units += [
-                    Unit(part_path(path, i, len(parts)), p.weight, p.text)
+                    Unit(part_path(path, i, len(parts), trim.split_dir), p.weight, p.text)
                     for i, p in enumerate(parts, 1)
                 ]
         else:
             units.append(Unit(path, fixed_cost(path, trim)))
     if unbuilt:
-        where = part_path(generated[0], 1, 1).parent / f"{trim.derived_prefix}unbuilt_launchers.cu"
+        split = part_path(generated[0], 1, 1, trim.split_dir).parent
+        where = split / f"{trim.derived_prefix}unbuilt_launchers.cu"
         units.append(Unit(where, UNBUILT_COST, unbuilt_definitions(unbuilt)))
     return units
 
@@ -755,7 +811,7 @@ def ensure(arch: Arch, humming: bool = False) -> Variant:
     from the bundle `$KIMI_W31_KERNELS` names (refused unless it matches this stack: raises
     `bundle.BundleError`), else built into FlashInfer's JIT cache on first use. Idempotent;
     an explicit `install` made earlier in the process (the GPU harness) is kept."""
-    variant = variant_for(arch, humming)
+    variant = variant_for(arch, humming, os.environ.get(ENV_TACTICS, "").strip() or "kimi-k3")
     current = _installed.get(arch)
     if current is not None and current[0] == variant.key:
         return variant

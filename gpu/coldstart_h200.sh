@@ -105,7 +105,7 @@ probe() {  # probe NAME [env...]
 smoke() {  # smoke VARIANT PHASE: the bundle's module under FlashInfer's own autotuner
     echo "== $2 $(date -u +%FT%TZ)"
     KIMI_W31_KERNELS=$BUNDLE FLASHINFER_WORKSPACE_BASE=$WORK/fiws-$2 python3 -m gpu.tactics \
-        --variant "$1" --out "$OUTD/$2" --tp 8 --max-tokens 64 --reps 3 --rounds 1 \
+        --variant "$1" --method autotuner --out "$OUTD/$2" --tp 8 --max-tokens 64 --reps 3 --rounds 1 \
         > "$OUTD/$2.log" 2>&1
     echo "== $2 exit $? $(tail -1 "$OUTD/$2.log")"
 }

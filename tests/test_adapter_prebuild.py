@@ -71,9 +71,9 @@ def fake_flashinfer(monkeypatch, tmp_path):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     monkeypatch.delenv("MAX_JOBS", raising=False)
+    sources = {"w4a16": 6, "w4a16-all": 7, "w4a8": 9, "sm120": 4}
     specs = {
-        key: FakeSpec(tmp_path, f"{v.module_name}", {"w4a16": 6, "w4a8": 9, "sm120": 4}[key])
-        for key, v in K.VARIANTS.items()
+        key: FakeSpec(tmp_path, f"{v.module_name}", sources[key]) for key, v in K.VARIANTS.items()
     }
     monkeypatch.setattr(K, "recipe", lambda v, **_: v.key)
     monkeypatch.setattr(K, "jit_spec", lambda key, write=True: specs[key])

@@ -75,3 +75,45 @@ def test_a_timing_window_lasts_long_enough_without_running_away(ms, least, windo
     reps = T.reps_for(ms, least, window)
     assert reps >= least and (reps == least or reps <= 500)
     assert reps * ms >= window or reps == 500
+
+
+def test_a_case_over_the_limit_brings_its_full_best_launchers() -> None:
+    key = T.launcher_of((116, 116))
+    checks = [
+        {"full": [73, 188], "set": [73, 141], "ratio": 1.0281},
+        {"full": [56, 164], "set": [48, 164], "ratio": 1.01},
+    ]
+    assert T.amend([0, 25, 73], checks, key) == [0, 25, 72, 73]
+    assert T.amend([0, 25, 73], checks[1:], key) == [0, 25, 73]
+
+
+def test_the_shipped_w4a16_set_is_the_measured_one() -> None:
+    """adapter/kernels.py's Kimi-K3 launchers: the H200 study's cover, amended by its
+    forward re-checks, plus the launcher FlashInfer sizes its workspace with."""
+    import json
+    from pathlib import Path
+
+    from kimi_w31.adapter import kernels as K
+
+    study = Path(__file__).parent.parent / "gpu/results/2026-12-01-h200-tactics/tactics-w4a16.json"
+    report = json.loads(study.read_text())
+    counts = (report["tactic_counts"]["gemm1"], report["tactic_counts"]["gemm2"])
+    times = {
+        tuple(int(x) for x in case.split(",")): {int(t): v for t, v in by.items()}
+        for case, by in report["times"].items()
+    }
+    key = T.launcher_of(counts)
+    chosen = T.cover(times, report["slack"], key, start=[0])
+    assert chosen == report["set_launchers"]
+    shipped = T.amend(chosen, report["checks"], key)
+    names = T.describe_all(False, *counts)
+
+    def shape(text: str) -> tuple[int, int, int]:
+        return tuple(int(x) for x in text.split("x"))  # type: ignore[return-value]
+
+    expected = {(shape(names[i]["tile"]), shape(names[i]["cluster"])) for i in shipped}
+    workspace = ((128, 64, 256), (1, 1, 1))
+    assert expected | {workspace} == K.KIMI_K3_W4A16
+    # every case of the study keeps a launcher within 1 % of its best, by its own timings
+    for by in times.values():
+        assert by[T.best_in(by, shipped, key)] <= min(by.values()) * 1.01

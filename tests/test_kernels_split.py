@@ -206,8 +206,11 @@ def test_selectable_is_flashinfers_candidate_list() -> None:
             for cl in clusters:
                 name = "cooperative" if schedule == COOP else "pingpong"
                 key = ("x".join(map(str, tile)), name, "x".join(map(str, cl)))
-                assert K.selectable(launcher(tile, schedule, cl), K.W4A16.trim) == (
-                    key in tactics
+                one = launcher(tile, schedule, cl)
+                assert K.selectable(one, K.W4A16_ALL.trim) == (key in tactics), key
+                # the shipped module: only the Kimi-K3 set's launchers of those
+                assert K.selectable(one, K.W4A16.trim) == (
+                    key in tactics and (tile, cl) in K.KIMI_K3_W4A16
                 ), key
     # W4A8: only the bf16 output the plugin serves
     fp8 = "__nv_fp8_e4m3"
@@ -227,8 +230,8 @@ def test_selectable_is_flashinfers_candidate_list() -> None:
 def test_pruning_keeps_the_selectable_launchers_and_defines_the_rest_to_refuse(picks) -> None:
     found = [launcher(t, s, (c, 1, 1)) for t, s, c in picks]
     text = generated(found)
-    kept, left = K.prune_generated(text, K.W4A16.trim)
-    keep = [x for x in found if K.selectable(x, K.W4A16.trim)]
+    kept, left = K.prune_generated(text, K.W4A16_ALL.trim)
+    keep = [x for x in found if K.selectable(x, K.W4A16_ALL.trim)]
     assert _INST.findall(kept) == _INST.findall("".join(keep))
     assert left == [x for x in found if x not in keep] or len(set(found)) < len(found)
     assert (kept == "") == (not keep)
