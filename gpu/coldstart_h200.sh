@@ -19,7 +19,7 @@
 #            the prebuilt W4A8 library, through the product
 #   build8   kimi-convert prebuild --precision w4a8 --out BUNDLE, empty cache
 #   bundle16 the W4A16 bundle from the workspace a cache-route probe already compiled
-#   smoke16, smoke8   (after build16 / build8) every tactic FlashInfer's autotuner can
+#   smoke16, smoke8   (after the gates) every tactic FlashInfer's autotuner can
 #            select, profiled once through the bundle's module (TP 8, M <= 64): none may fail
 #   tactics16, tactics8   gpu/tactics.py on the prebuilt W4A16 / W4A8 module (every
 #            launcher): every valid tactic of each GEMM timed in the whole forward at
@@ -122,13 +122,11 @@ pipeline() {
             --precision w4a16 --out "$BUNDLE" --progress lines > "$OUTD/bundle16.log" 2>&1
         echo "== bundle16 rc $? $(tail -1 "$OUTD/bundle16.log")"
     fi
-    if has smoke16; then smoke w4a16 smoke16; fi
     if has probe; then
         probe bundle KIMI_W31_KERNELS="$BUNDLE" FLASHINFER_WORKSPACE_BASE="$WORK/fiws-serve"
         probe cache FLASHINFER_WORKSPACE_BASE="$WORK/fiws-build16"
     fi
     if has build8; then build w4a8 build8; fi
-    if has smoke8; then smoke w4a8 smoke8; fi
     if has gate16 || has gate8; then
         rm -rf "$WORK/src" "$WORK/conv"
         python3 -m kimi_w31 synth "$WORK/src" --layers 1 --experts 28 --top-k 16 --real-dims >/dev/null
@@ -151,6 +149,8 @@ pipeline() {
             > "$OUTD/gate8.log" 2>&1
         echo "== gate8 exit $? $(grep -h 'verdict' "$OUTD/gate8.log" | tail -1)"
     fi
+    if has smoke16; then smoke w4a16 smoke16; fi
+    if has smoke8; then smoke w4a8 smoke8; fi
     for v in w4a16 w4a8; do
         local step=tactics${v#w4a} so=$WORK/prebuilt_$v.so
         has "$step" || continue
