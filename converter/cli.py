@@ -23,8 +23,8 @@ from .errors import EXIT_OK, Code, fatal
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
-from .outdir import Mode
 from .pipeline import ConvertOptions, ConvertResult, Reporter, convert, gc_paused
+from .records import Mode
 
 RESUME_HINT = "rerun the same command to resume: finished shards are kept"
 

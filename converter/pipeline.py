@@ -33,8 +33,10 @@ from .execute.shard import (
 )
 from .final import final_files
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
-from .outdir import FinalFiles, Mode, OutputDir, Session, ShardRecord
+from .outdir import OutputDir
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
+from .records import FinalFiles, Mode, ShardRecord
+from .session import Session
 from .source import Origin, Source, read_source, source_id
 from .source.local import LocalOrigin
 from .validate import validate_source
@@ -209,10 +211,11 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
         result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
         if final is not None:
             sizes = {s.name: s.file_size for s in plan.shards}
-            # The lock is released however the block is left (`Session`).
-            with out.claim(
+            mode, ledger = out.claim(
                 plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed
-            ) as run:
+            )
+            # The lock is released however the block is left (`Session`).
+            with Session(out, mode, ledger, identity, list(sizes)) as run:
                 _run(opts, run, plan, sources, final, reporter, result)
         else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
             context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)

@@ -17,7 +17,8 @@ from kimi_w31.converter import fsio
 from kimi_w31.converter.contract import not_part_of_checkpoint
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.lock import OutputLock
-from kimi_w31.converter.outdir import STATE_DIR, Mode, OutputDir, SourceId
+from kimi_w31.converter.outdir import STATE_DIR, OutputDir
+from kimi_w31.converter.records import Mode, SourceId
 
 FP = "f" * 64
 SRC = SourceId("src", "/somewhere/src")
@@ -219,13 +220,13 @@ def test_the_survey_does_not_fail_where_the_lock_cannot_be_looked_at(tmp_path, m
     free=st.integers(0, 4 * 10**12),
 )
 def test_the_space_refusal_counts_only_the_shards_not_finished(tmp_path_factory, sizes, done, free):
-    from kimi_w31.converter.outdir import Ledger, Session, ShardRecord
+    from kimi_w31.converter.records import Ledger, ShardRecord
 
     out = OutputDir(tmp_path_factory.mktemp("out"))
     names = {f"s{i}": n for i, n in enumerate(sizes)}
     ledger = Ledger(out.ledger_path, FP)
     ledger.seed(ShardRecord(f"s{i}", sizes[i], "h", {}, {}) for i in done if i < len(sizes))
-    refusal = Session(out, Mode.FRESH, ledger, SRC, names).space_refusal(free)
+    refusal = ledger.space_refusal(out.root, names, free)
     needed = sum(n for i, n in enumerate(sizes) if i not in done)
     if needed > free:
         assert refusal is not None and refusal.codes == [Code.NO_SPACE]

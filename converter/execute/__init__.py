@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from ..outdir import Ledger, OutputDir
+from ..outdir import OutputDir
 from ..plan import OutputShard, Plan
+from ..records import Ledger
 from ..source import SourceReader
 from .shard import ShardContext, ShardOutcome, SourceFiles
 

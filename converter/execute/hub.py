@@ -38,8 +38,9 @@ from typing import Protocol, runtime_checkable
 
 from ..errors import Code, fatal
 from ..hashing import Interrupted
-from ..outdir import Ledger, OutputDir
+from ..outdir import OutputDir
 from ..plan import OutputShard, Plan
+from ..records import Ledger
 from ..source import SourceReader
 from . import DownloadProgress, Executor, OnDone
 from .shard import (

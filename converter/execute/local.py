@@ -11,8 +11,9 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ..hashing import Interrupted
-from ..outdir import Ledger, OutputDir
+from ..outdir import OutputDir
 from ..plan import OutputShard
+from ..records import Ledger
 from . import Executor, OnDone
 from .shard import ShardContext, ShardOutcome, commit, settle
 
