@@ -50,6 +50,43 @@ def test_a_lock_folder_that_is_a_link_is_refused_and_nothing_is_written_through_
     assert _tree(victim) == before
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    depth=st.integers(1, 4),
+    link_at=st.one_of(st.none(), st.integers(0, 3)),
+    umask=st.sampled_from([0o022, 0o077, 0o277]),
+)
+def test_the_lock_makes_its_missing_folders_and_never_through_a_link(
+    tmp_path_factory, depth, link_at, umask
+):
+    """Missing folders on the way to the lock are made (0755 whatever the umask) and named in
+    `made`, outermost first; a link anywhere on the part still to make is refused as the lock
+    folder's refusal, and nothing is made through it."""
+    tmp = tmp_path_factory.mktemp("lock")
+    victim = tmp / "victim"
+    victim.mkdir()
+    names = [f"d{i}" for i in range(depth)]
+    folder = tmp.joinpath("out", *names)
+    if link_at is not None and link_at < depth:
+        tmp.joinpath("out", *names[:link_at]).mkdir(parents=True, exist_ok=True)
+        tmp.joinpath("out", *names[: link_at + 1]).symlink_to(victim)
+    lock = OutputLock(folder / "lock")
+    old = os.umask(umask)
+    try:
+        refused = lock.attempt()
+    finally:
+        os.umask(old)
+        lock.release()
+    assert list(victim.iterdir()) == []  # nothing made or written through the link
+    if link_at is not None and link_at < depth:
+        assert refused is not None and refused.why == "not-a-folder"
+        assert all(not p.is_symlink() and p.is_dir() for p in lock.made)
+        return
+    assert refused is None
+    assert lock.made == [tmp.joinpath("out", *names[:i]) for i in range(depth + 1)]
+    assert all(p.stat().st_mode & 0o777 == 0o755 for p in lock.made)
+
+
 def test_a_lock_is_taken_in_the_folder_it_opened_even_if_its_path_moves(tmp_path):
     folder = tmp_path / "state"
     folder.mkdir()
