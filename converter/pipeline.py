@@ -56,6 +56,11 @@ class ConvertOptions:
     origin: Origin = field(default_factory=LocalOrigin)
     executor: Executor = field(default_factory=LocalExecutor)
 
+    def __post_init__(self) -> None:
+        # Options that no run can use are refused where they are made, before anything.
+        if self.max_shard_size <= 0:
+            raise fatal(Code.USAGE, rule="max-shard-size", size=self.max_shard_size)
+
 
 @dataclass
 class Preview:
@@ -156,8 +161,6 @@ class Reporter:
 def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
     """Resolve, read headers, validate, plan: no writes. Raises with every problem."""
     manifest = load_manifest(opts.manifest)
-    if opts.max_shard_size <= 0:
-        raise fatal(Code.USAGE, rule="max-shard-size", size=opts.max_shard_size)
     found = opts.origin.resolve(opts.source, opts.revision)
     root = found.root
     out = Path(os.path.realpath(opts.out.expanduser()))  # a link loop: no exception
