@@ -36,7 +36,7 @@ from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
 from .errors import Code, Fatal, fatal, problem
 from .hashing import CHUNK_SIZE, sha256_file, shard_header_sha256
 from .lock import LockRefused, OutputLock
-from .records import FinalFile, Ledger, Mode, ShardRecord, SourceId
+from .records import FinalFile, Ledger, Mode, PartialDownloads, ShardRecord, SourceId
 
 STATE_DIR = ".kimi_w31"
 _LOCK, _LEDGER, _JOURNAL, _TMP = "lock", "ledger.jsonl", "journal.jsonl", "tmp"
@@ -87,7 +87,7 @@ class Survey:
     entries: list[Path]  # what the directory holds, less what is never part of a checkpoint
     files: dict[Path, int | None]  # every file under `entries`, its size where regular
     unlisted: OSError | None  # why the directory could not be listed (None: it was)
-    partials: list[Path]  # partial downloads a run recorded starting (`note_partial`)
+    partials: list[Path]  # partial downloads a run recorded starting (`PartialDownloads`)
 
     def refusal(self, mode: Mode | None = None, force: bool = False) -> Fatal | None:
         """Why a run must not write here, before anything is written (and in --dry-run
@@ -225,7 +225,6 @@ class OutputDir:
         self._state_made = False  # the state folder is there, a real directory, this run's
         self._write_lock = threading.Lock()
         self.warnings: list[str] = []
-        self._partials: list[Path] = []  # recorded partial downloads, as read by the claim
 
     # -- reading, no lock needed ---------------------------------------------------------
     def survey(self) -> Survey:
@@ -309,7 +308,7 @@ class OutputDir:
         force: bool,
         source: SourceId | None = None,
         shards: Mapping[str, int] | None = None,
-        prepare: Callable[[OutputDir], None] | None = None,
+        prepare: Callable[[PartialDownloads], None] | None = None,
     ) -> tuple[Mode, Ledger]:
         """Take the lock, make the directory this run's (or refuse), let `prepare` (the
         executor) free what it may, then check there is room for the `shards` (name -> size,
@@ -317,9 +316,9 @@ class OutputDir:
         committed to (a `session.Session` holds them). A failure here abandons the claim
         (`give_up`)."""
         try:
-            mode, ledger = self._claim(fingerprint, force, source or SourceId("", ""))
+            mode, ledger, downloads = self._claim(fingerprint, force, source or SourceId("", ""))
             if prepare is not None:
-                prepare(self)
+                prepare(downloads)
             free = shutil.disk_usage(self.root).free
             refusal = ledger.space_refusal(self.root, shards or {}, free)
             if refusal is not None:
@@ -328,7 +327,9 @@ class OutputDir:
             self.give_up(exc)
         return mode, ledger
 
-    def _claim(self, fingerprint: str, force: bool, source: SourceId) -> tuple[Mode, Ledger]:
+    def _claim(
+        self, fingerprint: str, force: bool, source: SourceId
+    ) -> tuple[Mode, Ledger, PartialDownloads]:
         """Refuse, or take the lock; decide again on what is read under it; then make the
         directory this run's. Nothing changes before the decision that allows it."""
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
@@ -349,12 +350,12 @@ class OutputDir:
         # Decided again on what is read under the lock (a refused lock: on what stands
         # there now, to word why); every change below is made from it.
         mode, records, found = self._decide(fingerprint, source, force, refused)
-        self._partials = list(found.partials)
         room = self._room(force, found) if mode is Mode.FRESH else _Room()
         # One path for every mode: the ledger is rewritten (atomically) with the records just
         # read; a torn last line of an interrupted run is left behind with it.
         ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
         data = ledger.seed(records.values())
+        downloads = PartialDownloads(self.partials_path, found.partials)
         # Then done, in this order: a fresh run's files recorded in the journal (so --force
         # may finish the job after a crash), removed, and the state folder of another plan
         # reset; then the ledger, and fresh temporaries.
@@ -368,7 +369,7 @@ class OutputDir:
         fsio.remove(self.tmp)  # temporaries of a crashed run (a link: only the link)
         self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
-        return mode, ledger
+        return mode, ledger, downloads
 
     def _room(self, force: bool, found: Survey) -> _Room:
         """What a fresh run removes to make room, decided from `found`: the directory must be
@@ -521,24 +522,6 @@ class OutputDir:
         done = len(self.ledger.done) if self.ledger else 0
         kept = f"the {done} finished shard(s) are kept" if done else "it starts where it stopped"
         return f"{first}, then rerun the same command: {kept}"
-
-    # -- partial downloads -----------------------------------------------------------------
-    def note_partial(self, path: Path) -> None:
-        """Record a partial download this run started (fsynced), so that a later run, or this
-        one, may remove it: the only proof this tool has that the file is its own."""
-        line = json.dumps({"path": str(path)}) + "\n"
-        fsio.append_durably(self.partials_path, line.encode())
-        self._partials.append(path)
-
-    def partials(self) -> list[Path]:
-        """Every partial download recorded and not yet forgotten: those the claim read
-        (under the lock, so no other run adds any) and those noted since."""
-        return list(self._partials)
-
-    def forget_partials(self) -> None:
-        """Called once every recorded partial download is removed."""
-        self.partials_path.unlink(missing_ok=True)
-        self._partials.clear()
 
     def release(self, finished: bool) -> None:
         """Let go of the lock; a finished run also removes its state folder."""

@@ -164,3 +164,28 @@ class FinalFiles:
         """In the order they are written: the record of every file before the two that
         make the directory read as a conversion (the config, then the index)."""
         return [*self.extras, checksums, self.config, self.index]
+
+
+class PartialDownloads:
+    """The partial downloads a Hub run started (outside the output directory), each recorded
+    (fsynced) in the state folder before it can matter: the only proof this tool has that
+    such a file is its own, so that a later run, or this one, may remove it."""
+
+    def __init__(self, path: Path, recorded: Iterable[Path] = ()) -> None:
+        self.path = path
+        self._paths = list(recorded)  # as the claim read them (under the lock), then noted
+
+    def note(self, path: Path) -> None:
+        line = json.dumps({"path": str(path)}) + "\n"
+        fsio.append_durably(self.path, line.encode())
+        self._paths.append(path)
+
+    def recorded(self) -> list[Path]:
+        """Every partial download recorded and not yet forgotten: those the claim read (no
+        other run adds any while the lock is held) and those noted since."""
+        return list(self._paths)
+
+    def forget(self) -> None:
+        """Called once every recorded partial download is removed."""
+        self.path.unlink(missing_ok=True)
+        self._paths.clear()

@@ -38,9 +38,8 @@ from typing import Protocol, runtime_checkable
 
 from ..errors import Code, fatal
 from ..hashing import Interrupted
-from ..outdir import OutputDir
 from ..plan import OutputShard, Plan
-from ..records import Ledger
+from ..records import Ledger, PartialDownloads
 from ..source import SourceReader
 from . import DownloadProgress, Executor, OnDone
 from .shard import (
@@ -311,7 +310,9 @@ class _DownloadWatch:
     the fallback should the client stop naming the file there.
     """
 
-    def __init__(self, partials: Partials, journal: OutputDir, measure: Callable[[], None]) -> None:
+    def __init__(
+        self, partials: Partials, journal: PartialDownloads, measure: Callable[[], None]
+    ) -> None:
         self.partials = partials
         self.journal = journal
         self.measure = measure
@@ -328,7 +329,7 @@ class _DownloadWatch:
             found = [created] if created is not None else self.partials.open()
             for path in found:
                 if path not in self.noted and self.partials.owns(path):
-                    self.journal.note_partial(path)
+                    self.journal.note(path)
                     self.noted.add(path)
 
     def _loop(self) -> None:
@@ -376,15 +377,15 @@ class Tally:
         with self.lock:
             self.peak_disk_measured = max(self.peak_disk_measured, now)
 
-    def remove_partials(self, partials: Partials, journal: OutputDir) -> None:
+    def remove_partials(self, partials: Partials, journal: PartialDownloads) -> None:
         """Remove every partial download the journal records (none was another's), then
         forget them: at the start of a run (a killed run's) and at its end (this run's)."""
-        for path in journal.partials():
+        for path in journal.recorded():
             freed = partials.remove(path)
             if freed is not None:  # None: renamed into place when it completed
                 self.partials_removed += 1
                 self.partial_bytes_removed += freed
-        journal.forget_partials()
+        journal.forget()
 
     def delete(self, sources: StreamedSources, file: str) -> None:
         sources.remote.delete(sources.root, file)
@@ -408,7 +409,7 @@ class HubExecutor(Executor):
     # What the pipeline tells it, in this order (a dry run stops after the first).
     _sources: StreamedSources | None = field(default=None, init=False, repr=False)
     # The claimed output: it records partial downloads.
-    _journal: OutputDir | None = field(default=None, init=False, repr=False)
+    _journal: PartialDownloads | None = field(default=None, init=False, repr=False)
 
     def open_sources(
         self,
@@ -479,12 +480,12 @@ class HubExecutor(Executor):
             }
         }
 
-    def claimed(self, out: OutputDir) -> None:
+    def claimed(self, downloads: PartialDownloads) -> None:
         """The output is ours: free what an earlier run killed mid-download left (recorded
         in its state folder) before the free-space check counts it."""
-        self._journal = out
+        self._journal = downloads
         if self._sources is not None:
-            self.tally.remove_partials(self._sources.remote.partials, out)
+            self.tally.remove_partials(self._sources.remote.partials, downloads)
 
     def run(
         self, shards: list[OutputShard], context: ShardContext, ledger: Ledger, on_done: OnDone
@@ -557,7 +558,7 @@ class _Stream:
         sources: StreamedSources,
         context: ShardContext,
         ledger: Ledger,
-        journal: OutputDir,
+        journal: PartialDownloads,
         reasons: dict[str, str | None],
         on_done: OnDone,
     ) -> None:
