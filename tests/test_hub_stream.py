@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.console import human
 from kimi_w31.converter.errors import Code, Fatal
-from kimi_w31.converter.execute.hub import download_order, estimate
+from kimi_w31.converter.execute.stream import download_order, estimate
 from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare
 from kimi_w31.converter.records import PartialDownloads
