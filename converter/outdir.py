@@ -249,7 +249,7 @@ class OutputDir:
             # the way, so a clone of an empty model repo is an empty output directory.
             if fsio.is_real_dir(self.root):
                 entries, files = fsio.listing(self.root, contract.not_part_of_checkpoint)
-        except OSError as exc:  # judged where a listing is needed (`_make_room`)
+        except OSError as exc:  # judged where a listing is needed (`_room`)
             unlisted = exc
         base = fsio.nearest_existing(self.state)
         standing = Standing(

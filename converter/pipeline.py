@@ -214,11 +214,12 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
         result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
         if final is not None:
             sizes = {s.name: s.file_size for s in plan.shards}
-            mode, ledger = out.claim(
+            # Judged again under the lock; from here the lock is released however the
+            # block is left (`Session`).
+            claimed, ledger = out.claim(
                 plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed
             )
-            # The lock is released however the block is left (`Session`).
-            with Session(out, mode, ledger, identity, list(sizes)) as run:
+            with Session(out, claimed, ledger, identity, list(sizes)) as run:
                 _run(opts, run, plan, sources, final, reporter, result)
         else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
             context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)

@@ -87,7 +87,7 @@ def checksums_document(
         "tensor_checksum": TENSOR_HASH,
         "plan_fingerprint": fingerprint,
         # Where the source was read from, hashed: a rerun continues only the same source's
-        # conversion (`OutputDir.previous_records`); no path of this machine is published.
+        # conversion (`Survey.previous`); no path of this machine is published.
         "source": {"sha256": source.digest if source is not None else None},
         "files": files,
     }

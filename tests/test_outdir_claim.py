@@ -269,3 +269,50 @@ def test_the_space_refusal_counts_only_the_shards_not_finished(tmp_path_factory,
         assert refusal is not None and refusal.codes == [Code.NO_SPACE]
     else:
         assert refusal is None
+
+
+_ENTRY_KINDS = ["file", "link-to-file", "link-to-dir", "dangling", "dir"]
+
+
+def _entry(path: Path, kind: str, victim: Path) -> None:
+    if kind == "file":
+        path.write_bytes(b"ours")
+    elif kind == "link-to-file":
+        path.symlink_to(victim / "f")
+    elif kind == "link-to-dir":
+        path.symlink_to(victim)
+    elif kind == "dangling":
+        path.symlink_to(victim / "gone")
+    else:
+        path.mkdir()
+        (path / "inner").write_bytes(b"ours")
+        (path / "inner-link").symlink_to(victim)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(_ENTRY_KINDS), min_size=1, max_size=6),
+    keep=st.sets(st.integers(0, 5)),
+)
+def test_clearing_removes_links_as_links_and_keeps_what_it_is_told(tmp_path_factory, kinds, keep):
+    """`fsio.remove_all` and `fsio.empty` (how a claim clears room and resets the state
+    folder) remove a link as itself, never what it leads to, and leave the names kept."""
+    tmp = tmp_path_factory.mktemp("clear")
+    victim = tmp / "victim"
+    victim.mkdir()
+    (victim / "f").write_bytes(b"not ours")
+    before = _tree(victim)
+    area = tmp / "area"
+    area.mkdir()
+    paths = [area / f"e{i}" for i in range(len(kinds))]
+    for path, kind in zip(paths, kinds, strict=True):
+        _entry(path, kind, victim)
+    files = [p for p, k in zip(paths, kinds, strict=True) if k != "dir"]
+    folders = [p for p, k in zip(paths, kinds, strict=True) if k == "dir"]
+    fsio.remove_all(files, folders)
+    assert list(area.iterdir()) == [] and _tree(victim) == before
+    for path, kind in zip(paths, kinds, strict=True):
+        _entry(path, kind, victim)
+    kept = {f"e{i}" for i in keep if i < len(kinds)}
+    fsio.empty(area, keep=kept)
+    assert {p.name for p in area.iterdir()} == kept and _tree(victim) == before
