@@ -20,11 +20,12 @@ from . import console
 from .console import err, human, out, parse_size, run_guarded
 from .contract import GROUP_SIZE
 from .errors import EXIT_OK, Code, fatal
+from .execute import Executor
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
-from .outdir import Mode
 from .pipeline import ConvertOptions, ConvertResult, Reporter, convert, gc_paused
+from .records import Mode
 
 RESUME_HINT = "rerun the same command to resume: finished shards are kept"
 
@@ -325,19 +326,19 @@ def convert_cmd(
       kimi-convert /shared/Kimi-K3 /shared/out --executor ray --ray-address HEAD:6379
       nohup kimi-convert SRC out/ --progress lines > convert.log 2>&1 &
     """
-    opts = ConvertOptions(
-        source=source,
-        out=output,
-        manifest=manifest,
-        revision=revision,
-        max_shard_size=max_shard_size,
-        dry_run=dry_run,
-        force=force,
-        check_scales=check_scales,
-        rehash=rehash,
-    )
 
     def body() -> None:
+        opts = ConvertOptions(
+            source=source,
+            out=output,
+            manifest=manifest,
+            revision=revision,
+            max_shard_size=max_shard_size,
+            dry_run=dry_run,
+            force=force,
+            check_scales=check_scales,
+            rehash=rehash,
+        )
         _origin_and_executor(opts, workers, **where)
         mode = console.resolve_mode(progress_mode, quiet or as_json)
         reporter = ProgressReporter(mode)
@@ -345,16 +346,16 @@ def convert_cmd(
         # The GC stays off until the plan is gone too: re-enabled over ~2M live objects,
         # its first collection alone would rescan them all (see `gc_paused`).
         with gc_paused():
-            report(convert(opts, reporter))
+            report(convert(opts, reporter), opts.executor)
 
-    def report(result: ConvertResult) -> None:
-        summary = {**result.summary(), **opts.executor.summary(result.plan)}
+    def report(result: ConvertResult, executor: Executor) -> None:
+        summary = {**result.summary(), **executor.summary(result.plan)}
         if as_json:
             out.print_json(json.dumps({"ok": True, "exit_code": EXIT_OK, **summary}))
         elif quiet:
             return
         elif dry_run:
-            _print_plan(result, opts.executor.plan_rows(result.plan))
+            _print_plan(result, executor.plan_rows(result.plan))
         elif result.already_complete:
             err.print(
                 f"[green]already complete:[/] {escape(str(result.out))} holds this "

@@ -10,8 +10,8 @@ from .. import __version__
 from . import contract
 from .hashing import sha256_bytes, sha256_file
 from .manifest import Manifest
-from .outdir import FinalFile, FinalFiles
 from .plan import Plan
+from .records import FinalFile, FinalFiles
 from .source import Source
 
 

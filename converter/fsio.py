@@ -16,7 +16,7 @@ import errno
 import os
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from pathlib import Path
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -138,6 +138,24 @@ def remove(path: str | os.PathLike[str]) -> None:
         shutil.rmtree(path)
     else:
         os.unlink(path)
+
+
+def remove_all(files: Iterable[Path], folders: Iterable[Path] = ()) -> None:
+    """Remove `files` in order (a link as itself; nothing there: nothing to do), then each of
+    `folders` that is still a real directory, with what it holds: never through a link."""
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    for path in folders:
+        if is_real_dir(path):
+            shutil.rmtree(path)
+
+
+def empty(folder: Path, keep: Container[str] = ()) -> None:
+    """Remove what lies in `folder` (a real directory) but the names in `keep` (`remove`)."""
+    for path in folder.iterdir():
+        if path.name not in keep:
+            remove(path)
 
 
 def make_dirs(path: Path) -> list[Path]:

@@ -6,7 +6,8 @@ taken over with a warning instead of blocking forever. The holder also keeps an 
 the file: the kernel drops it when the process dies, and it serialises a takeover, so two
 runs that find the same stale lock at once cannot both take it. Every step is taken in
 the lock's folder opened without following a link (`dir_fd`), so a folder swapped for a
-link is refused, never written through.
+link is refused, never written through; a folder that is missing is made first, each one
+in the folder above it, opened the same way.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class OutputLock:
         # The lock's folder, opened without following a link: every step on the lock is
         # taken in that very folder, whatever its path comes to name meanwhile.
         self._folder: int | None = None
+        self.made: list[Path] = []  # the folders `attempt` made, outermost first
 
     def acquire(self) -> None:
         """Take the lock or raise why not (`attempt`, worded from what stands there now)."""
@@ -106,8 +108,9 @@ class OutputLock:
             raise refused.worded(self.path, fsio.describe(where) if where is not None else "")
 
     def attempt(self) -> LockRefused | None:
-        """Take the lock: None once it is ours, why not otherwise (a value: the caller
-        words and raises it once, from what it reads of the folder)."""
+        """Take the lock, its folder made first where missing (the folders above it too):
+        None once it is ours, why not otherwise (a value: the caller words and raises it
+        once, from what it reads of the folder)."""
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         try:
             refused = self._take(me)
@@ -121,7 +124,7 @@ class OutputLock:
     def _take(self, me: dict) -> LockRefused | None:
         """None once we hold the lock; why not otherwise (a value: `acquire` raises once)."""
         try:
-            self._folder = os.open(self.path.parent, _FOLDER_FLAGS)
+            self._folder = _open_folder(self.path.parent, self.made)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 return LockRefused("not-a-folder")
@@ -205,6 +208,37 @@ class OutputLock:
             with contextlib.suppress(OSError):
                 os.close(self._folder)
             self._folder = None
+
+
+def _open_folder(folder: Path, made: list[Path]) -> int:
+    """`folder` opened without following a link, made first where missing with the folders
+    above it (0755 whatever the umask: others must read it). Each missing folder is made and
+    opened inside the one above it, itself opened: a link met on the way (ELOOP, ENOTDIR) is
+    refused, never followed. The folders made are added to `made`, outermost first; one made
+    meanwhile by someone else is not ours."""
+    missing: list[str] = []
+    there = folder
+    while not os.path.lexists(there) and there != there.parent:
+        missing.append(there.name)
+        there = there.parent
+    fd = os.open(there, _FOLDER_FLAGS)
+    try:
+        for name in reversed(missing):
+            there = there / name
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+                made.append(there)
+            except FileExistsError:
+                pass
+            inner = os.open(name, _FOLDER_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+            if made and made[-1] == there:
+                os.fchmod(fd, 0o755)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _owner(fd: int) -> dict | None:

@@ -6,8 +6,8 @@ finished shard), a journal of every other file the run writes, and the temporari
 complete output holds the shards, the source's other files, `kimi_w31.checksums.json`
 (the ledger of record: every file and every tensor checksum, and each shard's source
 identity), `config.json` and, written last, the index; the state folder is then removed.
-A run holds the directory as a `Session`, from `OutputDir.claim` to the end of its `with`
-block: every step it takes there goes through it, and leaving it releases the lock.
+A run holds the directory from `OutputDir.claim` to the end of a `with` block of its
+`session.Session`: every step it takes there goes through it, and leaving it releases the lock.
 
 Rules that keep the promise "never a wrong, stale or incomplete output that looks complete":
 - the index is removed before anything in the directory changes, and written last;
@@ -26,17 +26,17 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
-from enum import Enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
 from . import contract, faults, fsio
 from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
 from .errors import Code, Fatal, fatal, problem
-from .hashing import CHUNK_SIZE, TENSOR_HASH, sha256_bytes, sha256_file, shard_header_sha256
+from .hashing import CHUNK_SIZE, sha256_file, shard_header_sha256
 from .lock import LockRefused, OutputLock
+from .records import FinalFile, Ledger, Mode, PartialDownloads, ShardRecord, SourceId
 
 STATE_DIR = ".kimi_w31"
 _LOCK, _LEDGER, _JOURNAL, _TMP = "lock", "ledger.jsonl", "journal.jsonl", "tmp"
@@ -49,143 +49,6 @@ _FAULT_LABELS = {
 }
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
-
-
-@dataclass(frozen=True)
-class SourceId:
-    """Which source an output is the conversion of.
-
-    `key` says where the source was read from (its real path, or a Hub repo and commit): it is
-    machine-local, so only the state folder keeps it as it is; the published checksums file
-    keeps `digest`, a hash of it. `name` (a repo id, or the source directory's own name) is
-    what the published config records and what a refusal shows.
-    """
-
-    name: str
-    key: str
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(
-            b"kimi-w31 source\0" + self.key.encode("utf-8", "replace")
-        ).hexdigest()
-
-
-@dataclass(frozen=True)
-class ShardRecord:
-    """What a finished shard was: written after it is fsynced and renamed into place."""
-
-    shard: str
-    size: int
-    header_sha256: str
-    tensors: dict[str, str]  # tensor -> CRC-32 of its bytes
-    sources: dict[str, list]  # source file -> identity when it was copied (see SourceFiles)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: object) -> ShardRecord | None:
-        """None for anything that is not a well-formed record (a torn or edited line)."""
-        if not isinstance(data, dict):
-            return None
-        try:
-            record = cls(
-                data["shard"], data["size"], data["header_sha256"], data["tensors"], data["sources"]
-            )
-        except (KeyError, TypeError):
-            return None
-        ok = (
-            isinstance(record.shard, str)
-            and type(record.size) is int
-            and isinstance(record.header_sha256, str)
-            and isinstance(record.tensors, dict)
-            and isinstance(record.sources, dict)
-        )
-        return record if ok else None
-
-
-class Mode(Enum):
-    FRESH = "fresh"  # nothing of this plan was there
-    RESUME = "resume"  # an interrupted run of this plan
-    RECHECK = "recheck"  # a complete output of this plan: prove it again, repair what fails
-    OTHER_SOURCE = "other-source"  # a run of this plan from another source: --force only
-
-
-class Ledger:
-    """Append-only, fsynced record of finished shards; line 1 names the plan fingerprint and
-    where the source was read from (`SourceId.key`)."""
-
-    def __init__(self, path: Path, fingerprint: str, source: str = "") -> None:
-        self.path = path
-        self.fingerprint = fingerprint
-        self.source = source
-        self.done: dict[str, ShardRecord] = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def parse(data: bytes | None) -> tuple[dict, dict[str, ShardRecord]]:
-        """(first line, records) of a ledger file's bytes; a torn last line is ignored."""
-        try:
-            lines = (data or b"").decode("utf-8").splitlines()
-            head = json.loads(lines[0])
-        except (ValueError, IndexError):
-            return {}, {}
-        records = {}
-        for line in lines[1:]:
-            with contextlib.suppress(ValueError):
-                record = ShardRecord.from_json(json.loads(line))
-                if record is not None:
-                    records[record.shard] = record
-        return (head if isinstance(head, dict) else {}), records
-
-    def seed(self, records: Iterable[ShardRecord] = ()) -> bytes:
-        """Start from `records`; returns the ledger file that says so, for the claim to
-        write (atomically) once the directory is this run's."""
-        self.done = {r.shard: r for r in records}
-        lines = [json.dumps({"fingerprint": self.fingerprint, "source": self.source})]
-        lines += [json.dumps(r.to_json(), separators=(",", ":")) for r in self.done.values()]
-        return ("\n".join(lines) + "\n").encode()
-
-    def record(self, record: ShardRecord) -> None:
-        with self._lock:
-            faults.fault_point("ledger.append")
-            line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
-            fsio.append_durably(self.path, line.encode())
-            faults.fault_point("ledger.appended")
-            self.done[record.shard] = record
-
-    def forget(self, shard: str) -> None:
-        self.done.pop(shard, None)
-
-
-@dataclass(frozen=True)
-class FinalFile:
-    """A file written at finalization: bytes computed in memory, or a source file copied."""
-
-    name: str
-    size: int
-    sha256: str
-    data: bytes | None = None
-    copy_from: Path | None = None
-
-
-@dataclass(frozen=True)
-class FinalFiles:
-    """The files a conversion has besides its shards and its checksums file, by role."""
-
-    extras: list[FinalFile]  # the source's other files, copied unchanged
-    config: FinalFile
-    index: FinalFile  # written last: a directory with an index is a complete conversion
-
-    def __iter__(self) -> Iterator[FinalFile]:
-        """In the order the checksums file lists them."""
-        return iter([*self.extras, self.config, self.index])
-
-    def with_checksums(self, checksums: FinalFile) -> list[FinalFile]:
-        """In the order they are written: the record of every file before the two that
-        make the directory read as a conversion (the config, then the index)."""
-        return [*self.extras, checksums, self.config, self.index]
 
 
 @dataclass(frozen=True)
@@ -224,7 +87,7 @@ class Survey:
     entries: list[Path]  # what the directory holds, less what is never part of a checkpoint
     files: dict[Path, int | None]  # every file under `entries`, its size where regular
     unlisted: OSError | None  # why the directory could not be listed (None: it was)
-    partials: list[Path]  # partial downloads a run recorded starting (`note_partial`)
+    partials: list[Path]  # partial downloads a run recorded starting (`PartialDownloads`)
 
     def refusal(self, mode: Mode | None = None, force: bool = False) -> Fatal | None:
         """Why a run must not write here, before anything is written (and in --dry-run
@@ -334,6 +197,16 @@ class Survey:
         return names
 
 
+@dataclass(frozen=True)
+class _Room:
+    """What a fresh run removes to make room (`OutputDir._room`): the journal lines that
+    record the files first, the files in the order they go, then the folders that held them."""
+
+    journal: bytes = b""
+    files: list[Path] = field(default_factory=list)
+    folders: list[Path] = field(default_factory=list)
+
+
 class OutputDir:
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root.expanduser()))  # a link loop: no exception
@@ -352,7 +225,6 @@ class OutputDir:
         self._state_made = False  # the state folder is there, a real directory, this run's
         self._write_lock = threading.Lock()
         self.warnings: list[str] = []
-        self._partials: list[Path] = []  # recorded partial downloads, as read by the claim
 
     # -- reading, no lock needed ---------------------------------------------------------
     def survey(self) -> Survey:
@@ -377,7 +249,7 @@ class OutputDir:
             # the way, so a clone of an empty model repo is an empty output directory.
             if fsio.is_real_dir(self.root):
                 entries, files = fsio.listing(self.root, contract.not_part_of_checkpoint)
-        except OSError as exc:  # judged where a listing is needed (`_make_room`)
+        except OSError as exc:  # judged where a listing is needed (`_room`)
             unlisted = exc
         base = fsio.nearest_existing(self.state)
         standing = Standing(
@@ -436,85 +308,90 @@ class OutputDir:
         force: bool,
         source: SourceId | None = None,
         shards: Mapping[str, int] | None = None,
-        prepare: Callable[[OutputDir], None] | None = None,
-    ) -> Session:
+        prepare: Callable[[PartialDownloads], None] | None = None,
+    ) -> tuple[Mode, Ledger]:
         """Take the lock, make the directory this run's (or refuse), let `prepare` (the
         executor) free what it may, then check there is room for the `shards` (name -> size,
-        in plan order) not finished yet. A failure here abandons the claim (`_give_up`)."""
+        in plan order) not finished yet. Returns the run's mode and the ledger its shards are
+        committed to (a `session.Session` holds them). A failure here abandons the claim
+        (`give_up`)."""
         try:
-            session = self._claim(fingerprint, force, source or SourceId("", ""), shards or {})
+            mode, ledger, downloads = self._claim(fingerprint, force, source or SourceId("", ""))
             if prepare is not None:
-                prepare(self)
-            refusal = session.space_refusal(shutil.disk_usage(self.root).free)
+                prepare(downloads)
+            free = shutil.disk_usage(self.root).free
+            refusal = ledger.space_refusal(self.root, shards or {}, free)
             if refusal is not None:
                 raise refusal
         except BaseException as exc:
-            self._give_up(exc)
-        return session
+            self.give_up(exc)
+        return mode, ledger
 
     def _claim(
-        self, fingerprint: str, force: bool, source: SourceId, shards: Mapping[str, int]
-    ) -> Session:
-        """Take the lock, then make the directory this run's (or refuse): decided on what
-        is read under the lock, then done. `self.ledger` holds the records of shards an
-        earlier run finished."""
+        self, fingerprint: str, force: bool, source: SourceId
+    ) -> tuple[Mode, Ledger, PartialDownloads]:
+        """Refuse, or take the lock; decide again on what is read under it; then make the
+        directory this run's. Nothing changes before the decision that allows it."""
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
         self.resume_decision(fingerprint, source, force)
-        self._created += fsio.make_dirs(self.state)  # the root too, where it is missing
-        self._state_made = True
-        # Taken in the state folder opened without following a link: one replaced since the
-        # decision is refused there, and nothing is written through it.
+        # The lock makes its folder where missing (the root too), then takes the lock in that
+        # folder opened without following a link: one replaced since the decision is refused
+        # there, and nothing is written through it.
         self._lock = OutputLock(self.lock_path)
-        refused = self._lock.attempt()  # on any failure from here the caller calls `abandon`
+        try:
+            refused = self._lock.attempt()  # on any failure from here the caller calls `abandon`
+        finally:
+            self._created += self._lock.made
         if self._lock.warning:
             self.warnings.append(self._lock.warning)
         if refused is None:
+            self._state_made = True
             faults.fault_point("lock.acquired")
         # Decided again on what is read under the lock (a refused lock: on what stands
         # there now, to word why); every change below is made from it.
         mode, records, found = self._decide(fingerprint, source, force, refused)
-        self._partials = list(found.partials)
+        room = self._room(force, found) if mode is Mode.FRESH else _Room()
         # One path for every mode: the ledger is rewritten (atomically) with the records just
         # read; a torn last line of an interrupted run is left behind with it.
         ledger = self.ledger = Ledger(self.ledger_path, fingerprint, source.key)
         data = ledger.seed(records.values())
-        session = Session(self, mode, ledger, source, dict(shards))
-        if mode is Mode.FRESH:
-            self._make_room(force, found)
+        downloads = PartialDownloads(self.partials_path, found.partials)
+        # Then done, in this order: a fresh run's files recorded in the journal (so --force
+        # may finish the job after a crash), removed, and the state folder of another plan
+        # reset; then the ledger, and fresh temporaries.
+        if room.files or room.folders:
+            fsio.append_durably(self.journal_path, room.journal)
+            fsio.remove_all(room.files, room.folders)
+            fsio.fsync_dir(self.root)
+        if mode is Mode.FRESH:  # the partials are still to be removed
+            fsio.empty(self.state, keep=(_LOCK, _PARTIALS))
         fsio.write_atomic(self.ledger_path, data, self.state)
         fsio.remove(self.tmp)  # temporaries of a crashed run (a link: only the link)
         self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
-        return session
+        return mode, ledger, downloads
 
-    def _make_room(self, force: bool, found: Survey) -> None:
-        """A fresh run: the directory must be empty, or hold only files we recorded writing
-        (removed with --force: the index first, as it marks an output complete, the
-        checksums file last, as it is the record; the journal keeps the record meanwhile).
-        The state folder of another plan is reset."""
+    def _room(self, force: bool, found: Survey) -> _Room:
+        """What a fresh run removes to make room, decided from `found`: the directory must be
+        empty, or hold only files we recorded writing (removed with --force: the index first,
+        as it marks an output complete, the checksums file last, as it is the record; then
+        the folders that held them); refuses anything else."""
         if found.unlisted is not None:
             raise found.unlisted
-        if found.entries:
-            ours = found.ours()
-            foreign = _foreign(found.files, ours, self.root)
-            refusal = found.room_refusal(foreign, force)
-            if refusal is not None:
-                raise refusal
-            lines = [
-                json.dumps({"file": str(p.relative_to(self.root)), "size": size}) + "\n"
-                for p, size in found.files.items()
-            ]
-            fsio.append_durably(self.journal_path, "".join(lines).encode())
-            last = {self.index: 0, self.checksums: 2}
-            for path in sorted(found.files, key=lambda p: last.get(p, 1)):
-                path.unlink(missing_ok=True)
-            for entry in found.entries:  # folders that held only our files
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-            fsio.fsync_dir(self.root)
-        for path in self.state.iterdir():  # another plan's ledger and temporaries
-            if path.name not in (_LOCK, _PARTIALS):  # the partials are still to be removed
-                fsio.remove(path)  # the state folder is a real directory (`claim`)
+        if not found.entries:
+            return _Room()
+        foreign = _foreign(found.files, found.ours(), self.root)
+        refusal = found.room_refusal(foreign, force)
+        if refusal is not None:
+            raise refusal
+        journal = "".join(
+            json.dumps({"file": str(p.relative_to(self.root)), "size": size}) + "\n"
+            for p, size in found.files.items()
+        )
+        last = {self.index: 0, self.checksums: 2}
+        files = sorted(found.files, key=lambda p: last.get(p, 1))
+        folders = [e for e in found.entries if e.is_dir() and not e.is_symlink()]
+        return _Room(journal.encode(), files, folders)
 
     def begin_writes(self) -> None:
         """Called before the first change to the directory: it stops looking complete."""
@@ -646,24 +523,6 @@ class OutputDir:
         kept = f"the {done} finished shard(s) are kept" if done else "it starts where it stopped"
         return f"{first}, then rerun the same command: {kept}"
 
-    # -- partial downloads -----------------------------------------------------------------
-    def note_partial(self, path: Path) -> None:
-        """Record a partial download this run started (fsynced), so that a later run, or this
-        one, may remove it: the only proof this tool has that the file is its own."""
-        line = json.dumps({"path": str(path)}) + "\n"
-        fsio.append_durably(self.partials_path, line.encode())
-        self._partials.append(path)
-
-    def partials(self) -> list[Path]:
-        """Every partial download recorded and not yet forgotten: those the claim read
-        (under the lock, so no other run adds any) and those noted since."""
-        return list(self._partials)
-
-    def forget_partials(self) -> None:
-        """Called once every recorded partial download is removed."""
-        self.partials_path.unlink(missing_ok=True)
-        self._partials.clear()
-
     def release(self, finished: bool) -> None:
         """Let go of the lock; a finished run also removes its state folder."""
         if self._lock is not None:
@@ -672,7 +531,7 @@ class OutputDir:
         if finished and fsio.is_real_dir(self.state):  # never through a link
             shutil.rmtree(self.state, ignore_errors=True)
 
-    def _give_up(self, exc: BaseException) -> NoReturn:
+    def give_up(self, exc: BaseException) -> NoReturn:
         """After a failure: word it while the state it describes still holds, then
         `abandon`, then raise it."""
         error = self.io_error(exc) if isinstance(exc, OSError) else None
@@ -693,94 +552,6 @@ class OutputDir:
                 if path != self.state:
                     with contextlib.suppress(OSError):
                         path.rmdir()  # only if empty
-
-
-class Session:
-    """One run's hold on its output directory, made by `OutputDir.claim` and left by the end
-    of a `with` block: what the claim found, the ledger the shards are committed to, and
-    the finalization. Leaving releases the lock on every path: after `finalize` it also
-    removes the state folder; after a failure it words the error while the state it
-    describes still holds, then removes only the folders this run made."""
-
-    def __init__(
-        self,
-        out: OutputDir,
-        mode: Mode,
-        ledger: Ledger,
-        source: SourceId,
-        sizes: Mapping[str, int],
-    ) -> None:
-        self.output = out  # what an executor records its partial downloads in
-        self.mode = mode
-        self.ledger = ledger  # finished shards, of this run or an earlier one
-        self.source = source
-        self.sizes = sizes  # shard -> size, in plan order
-        self.shards = list(sizes)  # the checksums file lists them in this order
-        self.warnings = out.warnings  # what the claim found worth saying (a stale lock)
-        self.root = out.root
-        self.tmp = out.tmp  # the temporaries, renamed into place when complete
-        # Bound methods, not wrappers: `begin_writes` is on the shard path.
-        self.begin_writes = out.begin_writes  # before the first change: the index goes
-        self.resume_hint = out.resume_hint
-        self.finished = False
-
-    def space_refusal(self, free: int) -> Fatal | None:
-        """Why the shards not finished yet cannot fit in `free` bytes (None: they fit)."""
-        needed = sum(n for s, n in self.sizes.items() if s not in self.ledger.done)
-        if needed > free:
-            return fatal(Code.NO_SPACE, rule="output", file=self.root, need=needed, free=free)
-        return None
-
-    def finalize(self, files: FinalFiles) -> int:
-        """The checksums file of every shard (all in the ledger by now) and of `files`, then
-        every final file made what it must be, the index last (`OutputDir.finalize`).
-        Returns how many were (re)written."""
-        records = [self.ledger.done[name] for name in self.shards]
-        data = checksums_document(self.ledger.fingerprint, records, list(files), self.source)
-        checksums = FinalFile(CHECKSUMS_NAME, len(data), sha256_bytes(data), data=data)
-        rewritten = self.output.finalize(files.with_checksums(checksums))
-        self.finished = True
-        return rewritten
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if exc is not None:
-            self.output._give_up(exc)
-        try:
-            self.output.release(finished=self.finished)
-        except BaseException as late:
-            self.output._give_up(late)
-
-
-def checksums_document(
-    fingerprint: str,
-    records: list[ShardRecord],
-    others: list[FinalFile],
-    source: SourceId | None = None,
-) -> bytes:
-    """`kimi_w31.checksums.json`: every shard's record, and size + sha256 of every other file."""
-    files: dict[str, dict] = {}
-    for r in records:
-        files[r.shard] = {
-            "size": r.size,
-            "header_sha256": r.header_sha256,
-            "tensors": r.tensors,
-            "sources": r.sources,
-        }
-    for f in others:
-        files[f.name] = {"size": f.size, "sha256": f.sha256}
-    doc = {
-        "format_version": CHECKSUMS_FORMAT,
-        "tensor_checksum": TENSOR_HASH,
-        "plan_fingerprint": fingerprint,
-        # Where the source was read from, hashed: a rerun continues only the same source's
-        # conversion (`OutputDir.previous_records`); no path of this machine is published.
-        "source": {"sha256": source.digest if source is not None else None},
-        "files": files,
-    }
-    return (json.dumps(doc) + "\n").encode()
 
 
 def _records_of(checksums: dict) -> dict[str, ShardRecord]:

@@ -33,8 +33,10 @@ from .execute.shard import (
 )
 from .final import final_files
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
-from .outdir import FinalFiles, Mode, OutputDir, Session, ShardRecord
+from .outdir import OutputDir
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
+from .records import FinalFiles, Mode, ShardRecord
+from .session import Session
 from .source import Origin, Source, read_source, source_id
 from .source.local import LocalOrigin
 from .validate import validate_source
@@ -53,6 +55,11 @@ class ConvertOptions:
     rehash: bool = False  # prove kept shards by re-reading their data too
     origin: Origin = field(default_factory=LocalOrigin)
     executor: Executor = field(default_factory=LocalExecutor)
+
+    def __post_init__(self) -> None:
+        # Options that no run can use are refused where they are made, before anything.
+        if self.max_shard_size <= 0:
+            raise fatal(Code.USAGE, rule="max-shard-size", size=self.max_shard_size)
 
 
 @dataclass
@@ -154,8 +161,6 @@ class Reporter:
 def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
     """Resolve, read headers, validate, plan: no writes. Raises with every problem."""
     manifest = load_manifest(opts.manifest)
-    if opts.max_shard_size <= 0:
-        raise fatal(Code.USAGE, rule="max-shard-size", size=opts.max_shard_size)
     found = opts.origin.resolve(opts.source, opts.revision)
     root = found.root
     out = Path(os.path.realpath(opts.out.expanduser()))  # a link loop: no exception
@@ -209,10 +214,12 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
         result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
         if final is not None:
             sizes = {s.name: s.file_size for s in plan.shards}
-            # The lock is released however the block is left (`Session`).
-            with out.claim(
+            # Judged again under the lock; from here the lock is released however the
+            # block is left (`Session`).
+            claimed, ledger = out.claim(
                 plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed
-            ) as run:
+            )
+            with Session(out, claimed, ledger, identity, list(sizes)) as run:
                 _run(opts, run, plan, sources, final, reporter, result)
         else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
             context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)

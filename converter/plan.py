@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from . import contract
-from .errors import Code, fatal
+from .errors import Code, Fatal, fatal, problem
 from .manifest import Dims
 from .safetensors_format import MAX_HEADER_BYTES, TensorInfo, build_header
 from .source import Source
@@ -186,7 +186,8 @@ def pack_shards(
     """Greedy, order-preserving: a new shard starts when the next tensor would overflow the
     data size, or the header bound (checked on the header itself, which every shard needs
     anyway; only a shard found over it is packed again by entry). A tensor larger than the
-    limit gets a shard of its own (as huggingface_hub does)."""
+    limit gets a shard of its own (as huggingface_hub does). A shard whose header passes the
+    format's bound even so (one tensor's name alone) is refused, every such shard at once."""
     packed: list[tuple[list[OutputTensor], bytes]] = []
     for group in _greedy(tensors, max_shard_size, lambda t: t.nbytes):
         header = build_header(group)  # OutputTensor has HeaderEntry's fields
@@ -195,17 +196,22 @@ def pack_shards(
             continue
         for part in _greedy(group, max_header, header_entry_bound):
             packed.append((part, build_header(part)))
-    shards = []
-    for i, (group, header) in enumerate(packed, start=1):
-        shard = OutputShard(shard_name(i, len(packed)), group, header)
-        if len(header) - 8 > MAX_HEADER_BYTES:  # one tensor alone: its name is > 100 MB
-            raise fatal(
-                Code.OUTPUT_HEADER_TOO_LARGE,
-                file=shard.name,
-                limit=MAX_HEADER_BYTES,
-                length=len(header) - 8,
-            )
-        shards.append(shard)
+    shards = [
+        OutputShard(shard_name(i, len(packed)), group, header)
+        for i, (group, header) in enumerate(packed, start=1)
+    ]
+    too_large = [  # one tensor alone: its name is > 100 MB
+        problem(
+            Code.OUTPUT_HEADER_TOO_LARGE,
+            file=s.name,
+            limit=MAX_HEADER_BYTES,
+            length=len(s.header) - 8,
+        )
+        for s in shards
+        if len(s.header) - 8 > MAX_HEADER_BYTES
+    ]
+    if too_large:
+        raise Fatal(too_large)
     return shards
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
-from kimi_w31.converter.errors import Code
+from hypothesis import given
+from hypothesis import strategies as st
+from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.pipeline import ConvertOptions
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 EXPERT = "language_model.model.layers.1.mlp.experts.3"
@@ -181,6 +185,14 @@ def test_usage_errors_exit_2(small_source, tmp_path):
     assert run_cli([small_source, tmp_path / "o", "--revision", "main"]).returncode == 2
     assert run_cli(["/definitely/not/here", tmp_path / "o"]).returncode == 1
     assert not (tmp_path / "o").exists()
+
+
+@given(size=st.integers(max_value=0))
+def test_options_no_run_can_use_are_refused_where_they_are_made(size):
+    with pytest.raises(Fatal) as exc:
+        ConvertOptions("src", Path("out"), max_shard_size=size)
+    assert exc.value.codes == [Code.USAGE]
+    assert ConvertOptions("src", Path("out"), max_shard_size=1 - size).max_shard_size >= 1
 
 
 def test_non_empty_unrelated_output_is_never_cleared(small_source, tmp_path):

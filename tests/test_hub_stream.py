@@ -30,9 +30,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.console import human
 from kimi_w31.converter.errors import Code, Fatal
-from kimi_w31.converter.execute.hub import download_order, estimate
+from kimi_w31.converter.execute.stream import download_order, estimate
 from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare
+from kimi_w31.converter.records import PartialDownloads
 from kimi_w31.converter.source.hub import remove_partial
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
@@ -501,6 +502,7 @@ def test_only_recorded_partial_downloads_are_removed(tmp_path):
     not one of the client's temporaries (a finished blob, a link) is never removed."""
     out = OutputDir(tmp_path / "out")
     out.state.mkdir(parents=True)
+    downloads = PartialDownloads(out.partials_path)
     blobs = tmp_path / "blobs"
     blobs.mkdir()
     etag = "a" * 64
@@ -511,11 +513,12 @@ def test_only_recorded_partial_downloads_are_removed(tmp_path):
     blob.write_bytes(b"z")
     link.symlink_to(blob)
     for path in (ours, blob, link, blobs / f"{etag}.00000000.incomplete"):  # the last: gone
-        out.note_partial(path)
-    assert out.partials() == [ours, blob, link, blobs / f"{etag}.00000000.incomplete"]
-    assert [remove_partial(p) for p in out.partials()] == [10, None, None, None]
-    out.forget_partials()
-    assert out.partials() == []
+        downloads.note(path)
+    assert downloads.recorded() == [ours, blob, link, blobs / f"{etag}.00000000.incomplete"]
+    assert [remove_partial(p) for p in downloads.recorded()] == [10, None, None, None]
+    downloads.forget()
+    assert downloads.recorded() == []
+    assert not out.partials_path.exists()  # forgotten on disk too
     assert not ours.exists() and other.exists() and blob.exists() and link.is_symlink()
 
 

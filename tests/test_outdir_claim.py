@@ -17,7 +17,8 @@ from kimi_w31.converter import fsio
 from kimi_w31.converter.contract import not_part_of_checkpoint
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.lock import OutputLock
-from kimi_w31.converter.outdir import STATE_DIR, Mode, OutputDir, SourceId
+from kimi_w31.converter.outdir import STATE_DIR, OutputDir
+from kimi_w31.converter.records import Mode, SourceId
 
 FP = "f" * 64
 SRC = SourceId("src", "/somewhere/src")
@@ -47,6 +48,43 @@ def test_a_lock_folder_that_is_a_link_is_refused_and_nothing_is_written_through_
         OutputLock(folder / "lock").acquire()
     assert exc.value.codes == [Code.STATE_FOLDER_INVALID]
     assert _tree(victim) == before
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    depth=st.integers(1, 4),
+    link_at=st.one_of(st.none(), st.integers(0, 3)),
+    umask=st.sampled_from([0o022, 0o077, 0o277]),
+)
+def test_the_lock_makes_its_missing_folders_and_never_through_a_link(
+    tmp_path_factory, depth, link_at, umask
+):
+    """Missing folders on the way to the lock are made (0755 whatever the umask) and named in
+    `made`, outermost first; a link anywhere on the part still to make is refused as the lock
+    folder's refusal, and nothing is made through it."""
+    tmp = tmp_path_factory.mktemp("lock")
+    victim = tmp / "victim"
+    victim.mkdir()
+    names = [f"d{i}" for i in range(depth)]
+    folder = tmp.joinpath("out", *names)
+    if link_at is not None and link_at < depth:
+        tmp.joinpath("out", *names[:link_at]).mkdir(parents=True, exist_ok=True)
+        tmp.joinpath("out", *names[: link_at + 1]).symlink_to(victim)
+    lock = OutputLock(folder / "lock")
+    old = os.umask(umask)
+    try:
+        refused = lock.attempt()
+    finally:
+        os.umask(old)
+        lock.release()
+    assert list(victim.iterdir()) == []  # nothing made or written through the link
+    if link_at is not None and link_at < depth:
+        assert refused is not None and refused.why == "not-a-folder"
+        assert all(not p.is_symlink() and p.is_dir() for p in lock.made)
+        return
+    assert refused is None
+    assert lock.made == [tmp.joinpath("out", *names[:i]) for i in range(depth + 1)]
+    assert all(p.stat().st_mode & 0o777 == 0o755 for p in lock.made)
 
 
 def test_a_lock_is_taken_in_the_folder_it_opened_even_if_its_path_moves(tmp_path):
@@ -219,15 +257,62 @@ def test_the_survey_does_not_fail_where_the_lock_cannot_be_looked_at(tmp_path, m
     free=st.integers(0, 4 * 10**12),
 )
 def test_the_space_refusal_counts_only_the_shards_not_finished(tmp_path_factory, sizes, done, free):
-    from kimi_w31.converter.outdir import Ledger, Session, ShardRecord
+    from kimi_w31.converter.records import Ledger, ShardRecord
 
     out = OutputDir(tmp_path_factory.mktemp("out"))
     names = {f"s{i}": n for i, n in enumerate(sizes)}
     ledger = Ledger(out.ledger_path, FP)
     ledger.seed(ShardRecord(f"s{i}", sizes[i], "h", {}, {}) for i in done if i < len(sizes))
-    refusal = Session(out, Mode.FRESH, ledger, SRC, names).space_refusal(free)
+    refusal = ledger.space_refusal(out.root, names, free)
     needed = sum(n for i, n in enumerate(sizes) if i not in done)
     if needed > free:
         assert refusal is not None and refusal.codes == [Code.NO_SPACE]
     else:
         assert refusal is None
+
+
+_ENTRY_KINDS = ["file", "link-to-file", "link-to-dir", "dangling", "dir"]
+
+
+def _entry(path: Path, kind: str, victim: Path) -> None:
+    if kind == "file":
+        path.write_bytes(b"ours")
+    elif kind == "link-to-file":
+        path.symlink_to(victim / "f")
+    elif kind == "link-to-dir":
+        path.symlink_to(victim)
+    elif kind == "dangling":
+        path.symlink_to(victim / "gone")
+    else:
+        path.mkdir()
+        (path / "inner").write_bytes(b"ours")
+        (path / "inner-link").symlink_to(victim)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(_ENTRY_KINDS), min_size=1, max_size=6),
+    keep=st.sets(st.integers(0, 5)),
+)
+def test_clearing_removes_links_as_links_and_keeps_what_it_is_told(tmp_path_factory, kinds, keep):
+    """`fsio.remove_all` and `fsio.empty` (how a claim clears room and resets the state
+    folder) remove a link as itself, never what it leads to, and leave the names kept."""
+    tmp = tmp_path_factory.mktemp("clear")
+    victim = tmp / "victim"
+    victim.mkdir()
+    (victim / "f").write_bytes(b"not ours")
+    before = _tree(victim)
+    area = tmp / "area"
+    area.mkdir()
+    paths = [area / f"e{i}" for i in range(len(kinds))]
+    for path, kind in zip(paths, kinds, strict=True):
+        _entry(path, kind, victim)
+    files = [p for p, k in zip(paths, kinds, strict=True) if k != "dir"]
+    folders = [p for p, k in zip(paths, kinds, strict=True) if k == "dir"]
+    fsio.remove_all(files, folders)
+    assert list(area.iterdir()) == [] and _tree(victim) == before
+    for path, kind in zip(paths, kinds, strict=True):
+        _entry(path, kind, victim)
+    kept = {f"e{i}" for i in keep if i < len(kinds)}
+    fsio.empty(area, keep=kept)
+    assert {p.name for p in area.iterdir()} == kept and _tree(victim) == before

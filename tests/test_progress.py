@@ -16,7 +16,7 @@ from kimi_w31.converter import console
 from kimi_w31.converter.cli import ProgressReporter
 from kimi_w31.converter.errors import EXIT_CODES, Code
 from kimi_w31.converter.execute.shard import Outcome, ShardOutcome
-from kimi_w31.converter.outdir import ShardRecord
+from kimi_w31.converter.records import ShardRecord
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 LINE = re.compile(

@@ -20,14 +20,9 @@ from hub_server import FakeHub
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import CHECKSUMS_NAME, CONFIG_NAME
-from kimi_w31.converter.execute.hub import (
-    HubExecutor,
-    Remote,
-    Window,
-    download_order,
-    estimate,
-    fewest_slots,
-)
+from kimi_w31.converter.execute.hub import HubExecutor
+from kimi_w31.converter.execute.remote import Remote
+from kimi_w31.converter.execute.stream import Window, download_order, estimate, fewest_slots
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare, source_id
 from kimi_w31.converter.source import Resolved, SourceReader
 from kimi_w31.converter.source.hub import HubOrigin

@@ -376,11 +376,17 @@ def test_importing_the_converter_never_imports_sglang_flashinfer_torch_or_the_ad
 
 
 def test_a_tensor_whose_own_header_entry_passes_the_limit_is_refused():
-    """Packing can split shards, not names: a 100 MB name is refused with its reason."""
-    huge = OutputTensor("n" * 100_000_000, "U8", (1,), (Piece("f", 0, 1),), 1)
+    """Packing can split shards, not names: a 100 MB name is refused with its reason, and
+    every shard over the bound is named at once."""
+    small = OutputTensor("small", "U8", (1,), (Piece("f", 0, 1),), 1)
+    huge = [OutputTensor(c * 100_000_000, "U8", (1,), (Piece("f", 0, 1),), 1) for c in "nm"]
     with pytest.raises(Fatal) as exc:
-        pack_shards([huge], 1 << 40)
-    assert exc.value.codes == [Code.OUTPUT_HEADER_TOO_LARGE]
+        pack_shards([huge[0], small, huge[1]], 1 << 40)
+    assert exc.value.codes == [Code.OUTPUT_HEADER_TOO_LARGE] * 2
+    assert [p.file for p in exc.value.problems] == [
+        "model-00001-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+    ]
 
 
 @given(

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard, Plan
+from ..records import Ledger, PartialDownloads
 from ..source import SourceReader
 from .shard import ShardContext, ShardOutcome, SourceFiles
 
@@ -52,8 +52,10 @@ class Executor(Protocol):
     # calls it. The default instance shows nothing (it holds no state).
     download_progress: DownloadProgress = DownloadProgress()
 
-    def claimed(self, out: OutputDir) -> None:
-        """Called once the output directory is this run's, before its free-space check."""
+    def claimed(self, downloads: PartialDownloads) -> None:
+        """Called once the output directory is this run's, before its free-space check, with
+        the record of partial downloads kept there (a downloading executor frees what an
+        earlier run left, and records its own)."""
 
     def open_sources(
         self,

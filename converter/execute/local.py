@@ -11,8 +11,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ..hashing import Interrupted
-from ..outdir import Ledger, OutputDir
 from ..plan import OutputShard
+from ..records import Ledger, PartialDownloads
 from . import Executor, OnDone
 from .shard import ShardContext, ShardOutcome, commit, settle
 
@@ -27,7 +27,7 @@ def default_workers() -> int:
 class LocalExecutor(Executor):
     workers: int = 0  # 0: default_workers()
 
-    def claimed(self, out: OutputDir) -> None:
+    def claimed(self, downloads: PartialDownloads) -> None:
         """Nothing to prepare."""
 
     def run(

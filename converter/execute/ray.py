@@ -22,8 +22,8 @@ from pathlib import Path
 
 from ..errors import Code, Fatal, fatal
 from ..hashing import Interrupted
-from ..outdir import Ledger, ShardRecord
 from ..plan import OutputShard
+from ..records import Ledger, ShardRecord
 from . import Executor, OnDone
 from .shard import (
     Outcome,

@@ -29,8 +29,9 @@ from ..hashing import (
     sha256_bytes,
     source_header_sha256,
 )
-from ..outdir import SPACE_ERRNOS, Ledger, ShardRecord
+from ..outdir import SPACE_ERRNOS
 from ..plan import OutputShard
+from ..records import Ledger, ShardRecord
 from .streaming import RangeHasher, copy_range, write_all
 
 

@@ -25,7 +25,7 @@ from typing import Protocol
 from .. import fsio
 from ..contract import CONFIG_NAME, INDEX_NAME
 from ..errors import Code, Fatal, Problem, fatal, problem
-from ..outdir import SourceId
+from ..records import SourceId
 from ..safetensors_format import ShardHeader
 
 
