@@ -6,7 +6,8 @@ MoE: 248 translation units, about 55 minutes on 16 cores. The plugin calls one o
 serving path:
 
 - `w4a16` (SM90): `CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>` and the
-  `<__nv_bfloat16, SafeFP4>` grouped GEMMs;
+  `<__nv_bfloat16, SafeFP4>` grouped GEMMs of Kimi-K3's measured tactic set
+  (`KIMI_K3_W4A16`); `w4a16-all` the same runner with every tactic FlashInfer lists;
 - `w4a8` (SM90, `--flashinfer-mxfp4-moe-precision fp8`): the two Humming runners (FP8 x
   MXFP4, pre-MMA E8M0) and the `<__nv_fp8_e4m3, SafeFP4>` grouped GEMMs;
 - `sm120`: FlashInfer's whole SM120 module, not trimmed (no SM120 machine has validated a

@@ -268,3 +268,29 @@ def test_variants_per_serving_path() -> None:
     assert len({v.module_name for v in K.VARIANTS.values()}) == len(K.VARIANTS)
     with pytest.raises(ValueError):
         K.variant_for("sm100")  # type: ignore[arg-type]
+    # W4A16's full tactic set on request; W4A8 and SM120 have one module each
+    assert K.variant_for("sm90", tactics="all") is K.W4A16_ALL
+    assert K.variant_for("sm90", humming=True, tactics="all") is K.W4A8_HUMMING
+    with pytest.raises(ValueError):
+        K.variant_for("sm90", tactics="fast")
+    # the two W4A16 modules never share a cache entry, a derived file or a split part
+    a, b = K.W4A16, K.W4A16_ALL
+    assert a.trim is not None and b.trim is not None and b.trim.launchers is None
+    assert all(x != y for x, y in zip(
+        (a.module_name, a.trim.derived_prefix, a.trim.split_dir),
+        (b.module_name, b.trim.derived_prefix, b.trim.split_dir), strict=True
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["", "kimi-k3", "all", "fast"])
+def test_the_plugin_takes_its_w4a16_tactic_set_from_the_environment(monkeypatch, value) -> None:
+    installed: list[str] = []
+    monkeypatch.setattr(K, "install", lambda v, library=None: installed.append(v.key))
+    monkeypatch.setattr(K, "_installed", {})
+    monkeypatch.delenv(K.ENV_BUNDLE, raising=False)
+    monkeypatch.setenv(K.ENV_TACTICS, value)
+    if value == "fast":
+        with pytest.raises(ValueError):
+            K.ensure("sm90")
+        return
+    assert K.ensure("sm90").key == installed[-1] == ("w4a16-all" if value == "all" else "w4a16")

@@ -685,10 +685,12 @@ def run_prebuild(
 @click.option(
     "--precision",
     "precision",
-    type=click.Choice(["w4a16", "w4a8", "sm120"]),
+    type=click.Choice(["w4a16", "w4a16-all", "w4a8", "sm120"]),
     multiple=True,
     help="Which serving path's module (repeatable) [default: w4a16 on sm90, sm120 on sm120]; "
-    "w4a8 is SM90 --flashinfer-mxfp4-moe-precision fp8.",
+    "w4a8 is SM90 --flashinfer-mxfp4-moe-precision fp8; w4a16-all is W4A16 with every "
+    "tactic FlashInfer lists instead of Kimi-K3's measured set (served with "
+    "KIMI_W31_TACTICS=all).",
 )
 @click.option(
     "--out",
@@ -718,7 +720,8 @@ def prebuild_command(
     """Build the plugin's FlashInfer MoE modules before serving, optionally as a bundle.
 
     The plugin runs on its own FlashInfer modules, one per serving path with only the runner
-    it calls (SM90 W4A16: 46 translation units instead of FlashInfer's 248). Without them
+    it calls and, for SM90 W4A16, only the kernels of the tactics measured fastest at
+    Kimi-K3's shapes (25 translation units instead of FlashInfer's 248). Without them
     built, every cold server rank compiles one inside weight loading. This compiles them
     into FlashInfer's JIT cache here and, with --out, into a bundle that serving nodes
     load with no compiler (`serve --kernels DIR`). A second run returns at once.
