@@ -27,9 +27,9 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 class NotRegularFile(OSError):
     """A path that is there but is not a regular file (FIFO, socket, device, directory)."""
 
-    def __init__(self, path: str | os.PathLike[str], kind: str) -> None:
-        super().__init__(errno.EINVAL, f"not a regular file ({kind})", os.fspath(path))
-        self.kind = kind
+
+def not_regular(path: str | os.PathLike[str], mode: int) -> NotRegularFile:
+    return NotRegularFile(errno.EINVAL, f"not a regular file ({kind(mode)})", os.fspath(path))
 
 
 def kind(mode: int) -> str:
@@ -83,7 +83,7 @@ def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
             with contextlib.suppress(OSError):
                 mode = (os.stat if follow else os.lstat)(path).st_mode
                 if not stat.S_ISREG(mode):
-                    raise NotRegularFile(path, kind(mode)) from None
+                    raise not_regular(path, mode) from None
         raise
     try:
         mode = os.fstat(fd).st_mode
@@ -92,7 +92,7 @@ def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
         raise
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise NotRegularFile(path, kind(mode))
+        raise not_regular(path, mode)
     if _NONBLOCK:  # regular files ignore it, but a caller's reads must not see EAGAIN
         os.set_blocking(fd, True)
     return fd
@@ -211,7 +211,7 @@ def append_durably(path: str | os.PathLike[str], data: bytes) -> None:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise NotRegularFile(path, kind(mode))
+            raise not_regular(path, mode)
         os.set_blocking(fd, True)
         view = memoryview(data)
         while view:
