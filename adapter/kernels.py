@@ -198,12 +198,12 @@ W4A16 = Variant(
         launchers=KIMI_K3_W4A16,
     ),
 )
-W4A16_ALL = Variant(
+# The same runner with every launcher a tactic can select: its own module name, derived
+# files and split tree, so the two never share a cache entry, a bundle entry or a part.
+W4A16_ALL = replace(
+    W4A16,
     key="w4a16-all",
-    arch="sm90",
     module_name="fused_moe_90_kimi_w31_w4a16_all",
-    stock_prefix="fused_moe_90",
-    generator="gen_cutlass_fused_moe_sm90_module",
     trim=replace(
         W4A16.trim,  # type: ignore[arg-type]
         launchers=None,

@@ -161,6 +161,37 @@ def best_in(
     return min(pool, key=lambda t: (pool[t], t))
 
 
+def _layer(tp: int, humming: bool, g: Any) -> tuple[Any, Any, Any]:
+    """One Kimi-K3 MoE layer of TP `tp`'s per-rank shape, prepared for the module: random
+    MXFP4 bytes, E8M0 scales near 1; (weights, situ beta, situ linear beta)."""
+    import torch
+    from kimi_w31.adapter import flashinfer_moe as fm
+
+    n = N // tp
+
+    def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+    w31, s31 = u8(EXPERTS, 2 * n, K // 2), u8(EXPERTS, 2 * n, K // 32, lo=118, hi=124)
+    w2, s2 = u8(EXPERTS, K, n // 2), u8(EXPERTS, K, n // 32, lo=118, hi=124)
+    prep = fm.prepare_sm90_humming if humming else fm.prepare_sm90
+    weights = prep(w31, s31, w2, s2)
+    del w31, s31, w2, s2
+    return (weights, *fm.situ_params(EXPERTS, device="cuda"))
+
+
+def _tokens(m: int, g: Any) -> tuple[Any, Any, Any]:
+    """`m` tokens: bf16 activations, TOP_K distinct experts each (uniform), equal weights."""
+    import torch
+
+    x = torch.randn(m, K, generator=g, device="cuda").to(torch.bfloat16)
+    ids = torch.stack(
+        [torch.randperm(EXPERTS, generator=g, device="cuda")[:TOP_K] for _ in range(m)]
+    ).to(torch.int32)
+    topw = torch.full((m, TOP_K), 1 / TOP_K, device="cuda", dtype=torch.float32)
+    return x, ids, topw
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from flashinfer.autotuner import AutoTuner, autotune
@@ -203,26 +234,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layers: dict[int, Any] = {}
     counts = None
     for tp in args.tp:
-        n = N // tp
-
-        def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
-            return torch.randint(lo, hi, shape, generator=g, device="cuda", dtype=torch.uint8)
-
-        w31, s31 = u8(EXPERTS, 2 * n, K // 2), u8(EXPERTS, 2 * n, K // 32, lo=118, hi=124)
-        w2, s2 = u8(EXPERTS, K, n // 2), u8(EXPERTS, K, n // 32, lo=118, hi=124)
-        prep = fm.prepare_sm90_humming if humming else fm.prepare_sm90
-        weights = prep(w31, s31, w2, s2)
-        del w31, s31, w2, s2
-        beta, linear_beta = fm.situ_params(EXPERTS, device="cuda")
+        weights, beta, linear_beta = _layer(tp, humming, g)
         t0 = time.time()
         before = len(records)
         with autotune(True, tuning_buckets=tuple(buckets)):
             for m in buckets:
-                x = torch.randn(m, K, generator=g, device="cuda").to(torch.bfloat16)
-                ids = torch.stack(
-                    [torch.randperm(EXPERTS, generator=g, device="cuda")[:TOP_K] for _ in range(m)]
-                ).to(torch.int32)
-                topw = torch.full((m, TOP_K), 1 / TOP_K, device="cuda", dtype=torch.float32)
+                x, ids, topw = _tokens(m, g)
                 fm.run_situ_moe(
                     x, ids, topw, weights, beta, linear_beta, tune_max_num_tokens=args.max_tokens
                 )
@@ -265,11 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for m in buckets:
             if (tp, m, 1) not in times or (tp, m, 2) not in times:
                 continue
-            x = torch.randn(m, K, generator=g, device="cuda").to(torch.bfloat16)
-            ids = torch.stack(
-                [torch.randperm(EXPERTS, generator=g, device="cuda")[:TOP_K] for _ in range(m)]
-            ).to(torch.int32)
-            topw = torch.full((m, TOP_K), 1 / TOP_K, device="cuda", dtype=torch.float32)
+            x, ids, topw = _tokens(m, g)
             out = torch.empty(m, K, device="cuda", dtype=torch.bfloat16)
             kw = fm.build_moe_kwargs(
                 x, ids, topw, weights, ActivationType.Situ, situ_beta=beta,
@@ -399,24 +412,10 @@ def run_forward(args: argparse.Namespace) -> dict[str, Any]:
     checks_in: list[tuple[int, int, dict[str, Any]]] = []
     for tp in args.tp:
         t0 = time.time()
-        n = N // tp
-
-        def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
-            return torch.randint(lo, hi, shape, generator=g, device="cuda", dtype=torch.uint8)
-
-        w31, s31 = u8(EXPERTS, 2 * n, K // 2), u8(EXPERTS, 2 * n, K // 32, lo=118, hi=124)
-        w2, s2 = u8(EXPERTS, K, n // 2), u8(EXPERTS, K, n // 32, lo=118, hi=124)
-        prep = fm.prepare_sm90_humming if humming else fm.prepare_sm90
-        weights = prep(w31, s31, w2, s2)
-        del w31, s31, w2, s2
-        beta, linear_beta = fm.situ_params(EXPERTS, device="cuda")
+        weights, beta, linear_beta = _layer(tp, humming, g)
         valid: tuple[list[int], list[int]] | None = None
         for m in buckets:
-            x = torch.randn(m, K, generator=g, device="cuda").to(torch.bfloat16)
-            ids = torch.stack(
-                [torch.randperm(EXPERTS, generator=g, device="cuda")[:TOP_K] for _ in range(m)]
-            ).to(torch.int32)
-            topw = torch.full((m, TOP_K), 1 / TOP_K, device="cuda", dtype=torch.float32)
+            x, ids, topw = _tokens(m, g)
             out = torch.empty(m, K, device="cuda", dtype=torch.bfloat16)
             kw = fm.build_moe_kwargs(
                 x, ids, topw, weights, ActivationType.Situ, situ_beta=beta,
