@@ -47,7 +47,7 @@ def final_files(
             rel,
             (source.root / rel).stat().st_size,
             sha256_file(source.root / rel),
-            copy_from=source.root / rel,
+            source.root / rel,
         )
         for rel in source.extra_files
     ]
@@ -60,4 +60,4 @@ def final_files(
 
 def _json_file(name: str, doc: str) -> FinalFile:
     data = (doc + "\n").encode()
-    return FinalFile(name, len(data), sha256_bytes(data), data=data)
+    return FinalFile(name, len(data), sha256_bytes(data), data)

@@ -459,13 +459,12 @@ class OutputDir:
         tmp = self.tmp / (path.name + ".partial")
         try:
             with os.fdopen(fsio.create_fresh(tmp), "wb") as out:
-                if f.data is not None:
-                    out.write(f.data)
+                if isinstance(f.content, bytes):
+                    out.write(f.content)
                 else:
-                    assert f.copy_from is not None
                     digest = hashlib.sha256()
                     # streamed (bounded memory), and only from a regular file
-                    with os.fdopen(fsio.open_regular(f.copy_from), "rb") as src:
+                    with os.fdopen(fsio.open_regular(f.content), "rb") as src:
                         while chunk := src.read(CHUNK_SIZE):
                             digest.update(chunk)
                             out.write(chunk)
@@ -473,7 +472,7 @@ class OutputDir:
                         raise fatal(
                             Code.SOURCE_CHANGED,
                             rule="copy",
-                            file=f.copy_from,
+                            file=f.content,
                             hint=self.resume_hint("make sure nothing writes to the source"),
                         )
                 out.flush()

@@ -144,8 +144,7 @@ class FinalFile:
     name: str
     size: int
     sha256: str
-    data: bytes | None = None
-    copy_from: Path | None = None
+    content: bytes | Path  # the bytes, or the source file whose bytes are copied
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class Session:
         Returns how many were (re)written."""
         records = [self.ledger.done[name] for name in self.shards]
         data = checksums_document(self.ledger.fingerprint, records, list(files), self.source)
-        checksums = FinalFile(CHECKSUMS_NAME, len(data), sha256_bytes(data), data=data)
+        checksums = FinalFile(CHECKSUMS_NAME, len(data), sha256_bytes(data), data)
         rewritten = self.output.finalize(files.with_checksums(checksums))
         self.finished = True
         return rewritten
