@@ -78,7 +78,8 @@ def write_converted_replica(source_root: Path, out: Path, manifest: str = "kimi-
     for shard in plan.shards:
         _write_sparse(out / shard.name, shard.header, shard.file_size)
     for f in final_files(source, plan, m):
-        (out / f.name).write_bytes(f.data if f.data is not None else f.copy_from.read_bytes())
+        data = f.content if isinstance(f.content, bytes) else f.content.read_bytes()
+        (out / f.name).write_bytes(data)
     return {"tensors": plan.tensors, "shards": len(plan.shards)}
 
 
