@@ -25,6 +25,7 @@ import click
 from ...converter import contract
 from ...converter.console import human, parse_size, progress_option
 from ...converter.errors import Code
+from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
 
 SGLANG_PIN = "0.5.23"
@@ -685,7 +686,7 @@ def run_prebuild(
 @click.option(
     "--precision",
     "precision",
-    type=click.Choice(["w4a16", "w4a16-all", "w4a8", "sm120"]),
+    type=click.Choice(list(VARIANTS)),
     multiple=True,
     help="Which serving path's module (repeatable) [default: w4a16 on sm90, sm120 on sm120]; "
     "w4a8 is SM90 --flashinfer-mxfp4-moe-precision fp8; w4a16-all is W4A16 with every "
