@@ -471,18 +471,35 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
 )
 @click.option(
     "--shards",
-    default=3,
-    show_default=True,
+    default=None,
     type=click.IntRange(1),
     metavar="N",
-    help="Source shards to spread the tensors over.",
+    help="Pack the tensors by size into N shards, one expert's w1 and w3 split across two "
+    "[default: one shard per layer plus three, as published; 3 with --coverage].",
+)
+@click.option(
+    "--coverage",
+    is_flag=True,
+    help="The coverage layout instead of the published one: `mlp.` for every layer, a "
+    "top-level quantization_config whose ignore list names every unquantized linear kind, "
+    "shards packed by size.",
+)
+@click.option(
+    "--peak",
+    default=0.0,
+    type=click.FloatRange(0),
+    metavar="S",
+    help="Peaked logits: every RMSNorm weight 1 and lm_head drawn with std S/sqrt(hidden), so "
+    "a logit has std ~S and greedy tokens follow the input (8 gives a top-1 probability "
+    "typically above one half); 0 keeps every weight N(0, 0.02^2) [default: 0].",
 )
 @click.option(
     "--real-dims",
     is_flag=True,
-    help="The official model's shapes: experts K 3584 x N 3072, hidden 7168, 96 KDA heads, "
-    "two shared experts; MLA and dense-MLP widths assumed (docs/inventory.md); the "
-    "vocabulary and the vision tower's depth stay small.",
+    help="The published model's shapes: experts K 3584 x N 3072, hidden 7168, 96 KDA and "
+    "96 MLA heads, dense MLP 33,792, two shared experts, a 27-block vision tower; the "
+    "vocabulary stays small. Assumed where no public source states it: the processor "
+    "files' names, config key order (docs/inventory.md, section 6).",
 )
 @click.option(
     "--k",
@@ -509,14 +526,29 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     help="Seed of the random weights: the same seed writes the same bytes.",
 )
 def synth(
-    output, layers, dense_layers, moe_every, experts, top_k, shards, real_dims, k, n, seed
+    output,
+    layers,
+    dense_layers,
+    moe_every,
+    experts,
+    top_k,
+    shards,
+    coverage,
+    peak,
+    real_dims,
+    k,
+    n,
+    seed,
 ) -> None:
     """Write a synthetic Kimi-K3-format source checkpoint to OUT_DIR (which must be empty
     or absent), random weights: every tensor SGLang's Kimi-K3 model class loads (KDA and
     MLA attention, dense MLPs, router, shared experts, latent projections, routed experts,
     norms, embeddings, lm_head, vision tower), under the names it loads them by, with only
-    the routed experts quantized (MXFP4), as docs/inventory.md lists. The default dims suit
-    the SM90/SM120 MXFP4 MoE kernels on one GPU (K a multiple of 256, N of 128).
+    the routed experts quantized (MXFP4), as docs/inventory.md lists. The layout, dtypes,
+    config and other files are the published checkpoint's (MoE layers `block_sparse_moe.`,
+    quantization_config inside text_config, one shard per layer); --coverage writes the
+    coverage layout. The default dims suit the SM90/SM120 MXFP4 MoE kernels on one GPU (K a
+    multiple of 256, N of 128) and SGLang's Triton MLA decode (kv_lora_rank 256 + rope 32).
 
     Its dimensions are not the official model's, so convert it with
     --manifest kimi-k3-any (the default manifest pins the real dims).
@@ -543,6 +575,8 @@ def synth(
             k=k,
             n=n,
             seed=seed,
+            published=not coverage,
+            peak=peak,
         )
         kk, nn = spec.k, spec.n
         if kk % GROUP_SIZE or nn % GROUP_SIZE:
