@@ -575,7 +575,7 @@ def synth(
             k=k,
             n=n,
             seed=seed,
-            published=not coverage,
+            coverage=coverage,
             peak=peak,
         )
         kk, nn = spec.k, spec.n

@@ -150,9 +150,8 @@ def cli_spec(
     k: int | None,
     n: int | None,
     seed: int,
-    published: bool = True,
+    coverage: bool = False,
     peak: float = 0.0,
-    routed_scaling_factor: float = 1.0,
 ) -> SynthSpec:
     """The spec `kimi-convert synth` writes for its options (None: the option's default).
 
@@ -168,12 +167,11 @@ def cli_spec(
         k=kk,
         n=nn,
         top_k=min(top_k, experts),
-        shards=shards if shards is not None or published else 3,
+        shards=shards if shards is not None or not coverage else 3,
         seed=seed,
         hidden=REAL_HIDDEN if real_dims else 2 * kk,
-        published=published,
+        published=not coverage,
         peak=peak,
-        routed_scaling_factor=routed_scaling_factor,
         **({"attn": REAL_ATTN, "vision": REAL_VISION} if real_dims else {}),
     )
 

@@ -13,7 +13,7 @@ from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 @pytest.fixture(scope="session")
 def small_source(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("src") / "ckpt"
-    synth_checkpoint(root, SynthSpec(layers=3, experts=8, shards=3))
+    synth_checkpoint(root, SynthSpec(layers=3, experts=8))
     return root
 
 

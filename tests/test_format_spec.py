@@ -355,7 +355,8 @@ def test_example_is_described_as_written(run):
     )
     assert run["spec"].moe_layers() == [1, 2] and run["spec"].experts == 8
     assert (run["spec"].k, run["spec"].n) == (128, 64)
-    assert len(EXTRA_FILES) == 6 and "the six other files of `src/`" in MD
+    copied = [name for name in EXTRA_FILES if not name.startswith(".")]
+    assert len(copied) == 15 and "the 15 other files of `src/`" in MD
 
 
 # -- section 6: config.json -----------------------------------------------------------------------
@@ -451,15 +452,18 @@ def test_config_has_exactly_two_changes(run):
 def test_output_files(run):
     src, out = run["src"], run["out"]
     shards = sorted(set(run["index"]["weight_map"].values()))
-    extra = sorted(
-        p.name
-        for p in src.iterdir()
+    written = sorted(
+        str(p.relative_to(src))
+        for p in src.rglob("*")
         if p.is_file()
         and not p.name.endswith(".safetensors")
         and p.name not in (contract.INDEX_NAME, contract.CONFIG_NAME)
     )
-    assert sorted(extra) == sorted(EXTRA_FILES)
-    want = {*shards, contract.INDEX_NAME, contract.CONFIG_NAME, contract.CHECKSUMS_NAME, *extra}
+    assert written == sorted(EXTRA_FILES)
+    extra = [name for name in written if not name.startswith(".")]  # hidden paths: 5.5
+    folders = {str(Path(name).parent) for name in extra if "/" in name}
+    want = {*shards, contract.INDEX_NAME, contract.CONFIG_NAME, contract.CHECKSUMS_NAME}
+    want |= {*extra, *folders}
     assert {str(p.relative_to(out)) for p in out.rglob("*")} == want, "and no .kimi_w31/"
     for name in extra:
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
