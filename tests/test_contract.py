@@ -192,7 +192,10 @@ def _codes(spec: SynthSpec, edit) -> set[Code]:
 
 
 def _experts_of(layer: int):
-    return lambda n: f".layers.{layer}.mlp.experts." in n
+    """The routed experts of one layer, in either spelling (published: `block_sparse_moe`)."""
+    return lambda n: any(
+        f".layers.{layer}.{ffn}.experts." in n for ffn in ("mlp", "block_sparse_moe")
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -245,17 +248,27 @@ def test_a_source_with_zero_routed_experts_is_refused():
 # -- the config block and the wrapper -------------------------------------------------------
 
 
-def _converted() -> dict:
-    config = make_config(SynthSpec())
+def _converted(published: bool = True) -> dict:
+    config = make_config(SynthSpec(published=published))
     return contract.converted_config(config, contract.make_block(4.0, 25.0, converter="x"))
 
 
-def test_block_and_wrapper_round_trip():
-    config = make_config(SynthSpec())
-    converted = _converted()
+def _holder(config: dict) -> dict:
+    """Where the one quantization_config sits: inside text_config only, as published, or at
+    the top level only (the coverage layout)."""
+    return config["text_config"] if "quantization_config" in config["text_config"] else config
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_block_and_wrapper_round_trip(published):
+    config = make_config(SynthSpec(published=published))
+    assert ("quantization_config" in config) != published
+    converted = _converted(published)
     assert contract.check_block(converted) == [] and contract.check_wrapped(converted) == []
     assert contract.unwrap_config(converted) == config
-    assert converted["quantization_config"]["base"] == config["quantization_config"]
+    assert (
+        _holder(converted)["quantization_config"]["base"] == _holder(config)["quantization_config"]
+    )
     assert contract.marks(config) == [] and contract.marks(converted)
 
 
@@ -281,16 +294,17 @@ def test_check_block_one_code_per_reason(edit, code):
     ("edit", "code"),
     [
         (
-            lambda c: c.update(quantization_config=c["quantization_config"]["base"]),
+            lambda h: h.update(quantization_config=h["quantization_config"]["base"]),
             Code.NOT_WRAPPED,
         ),
-        (lambda c: c["quantization_config"].update(base=None), Code.NOT_WRAPPED),
-        (lambda c: c.pop("quantization_config"), Code.NO_QUANTIZATION_CONFIG),
+        (lambda h: h["quantization_config"].update(base=None), Code.NOT_WRAPPED),
+        (lambda h: h.pop("quantization_config"), Code.NO_QUANTIZATION_CONFIG),
     ],
 )
-def test_check_wrapped_one_code_per_reason(edit, code):
-    config = _converted()
-    edit(config)
+@pytest.mark.parametrize("published", [True, False])
+def test_check_wrapped_one_code_per_reason(edit, code, published):
+    config = _converted(published)
+    edit(_holder(config))
     assert [p.code for p in contract.check_wrapped(config)] == [code]
 
 

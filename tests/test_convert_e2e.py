@@ -105,15 +105,20 @@ def test_config_changed_exactly_as_the_contract_says(small_source, converted):
         "group_size": 32,
     }.items():
         assert block[key] == want, key
-    assert out["quantization_config"] == {
+    # Published: the one quantization_config is inside text_config, and only there.
+    assert "quantization_config" not in src and "quantization_config" not in out
+    assert out["text_config"]["quantization_config"] == {
         "quant_method": "kimi_w31",
-        "base": src["quantization_config"],
+        "base": src["text_config"]["quantization_config"],
     }
     assert unwrap_config(out) == src  # nothing else changed
 
 
 def test_extra_files_copied_unchanged(small_source, converted):
-    for name in EXTRA_FILES:
+    for name in EXTRA_FILES:  # a file in a subfolder too (assets/kimi-logo.png)
+        if name.startswith("."):  # a hidden path is not part of a checkpoint
+            assert not (converted / name).exists()
+            continue
         assert (converted / name).read_bytes() == (small_source / name).read_bytes()
     assert not (converted / STATE_DIR).exists()  # no state left after a complete run
 
@@ -136,7 +141,8 @@ def test_single_file_source(tmp_path, small_source):
     src = tmp_path / "single"
     synth_checkpoint(src, SynthSpec(layers=2, experts=4, shards=1))
     # turn it into a plain model.safetensors repo (no index)
-    (src / "model-00001-of-00001.safetensors").rename(src / "model.safetensors")
+    (only,) = src.glob("*.safetensors")
+    only.rename(src / "model.safetensors")
     (src / "model.safetensors.index.json").unlink()
     proc = run_cli([src, tmp_path / "out", "--manifest", "kimi-k3-any", "--json"])
     assert proc.returncode == 0, proc.stderr
@@ -161,10 +167,12 @@ def test_repo_id_from_local_hf_cache(small_source, tmp_path, monkeypatch):
     blobs = cache / "models--org--tiny-k3" / "blobs"
     blobs.mkdir(parents=True)
     snap.mkdir(parents=True)
-    for f in small_source.iterdir():
-        blob = blobs / f.name
+    for f in (f for f in small_source.rglob("*") if f.is_file()):
+        rel = f.relative_to(small_source)
+        blob = blobs / str(rel).replace("/", "--")
         blob.write_bytes(f.read_bytes())
-        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+        (snap / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, (snap / rel).parent), snap / rel)
     (cache / "models--org--tiny-k3" / "refs").mkdir()
     (cache / "models--org--tiny-k3" / "refs" / "main").write_text("a" * 40)
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
