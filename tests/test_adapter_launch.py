@@ -19,7 +19,7 @@ from kimi_w31.converter.errors import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 SOURCE = make_config(SynthSpec(k=3584, n=3072))
-QC = SOURCE["quantization_config"]
+QC = SOURCE["text_config"]["quantization_config"]  # published: inside text_config only
 
 
 def ckpt(tmp_path: Path, *, converted: bool = True, **text) -> Path:
@@ -113,7 +113,7 @@ def test_wrapper_without_a_block_is_refused(tmp_path):
 def test_block_without_wrapped_quantization_is_refused(tmp_path):
     root = ckpt(tmp_path)
     cfg = json.loads((root / "config.json").read_text())
-    cfg["quantization_config"] = QC
+    cfg["text_config"]["quantization_config"] = QC
     (root / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ServeError, match=Code.NOT_WRAPPED.value):
         plan_serve(root)

@@ -23,6 +23,7 @@ from kimi_w31.converter.errors import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 SOURCE = make_config(SynthSpec())
+QC = SOURCE["text_config"]["quantization_config"]  # published: inside text_config only
 BLOCK = contract.make_block(4.0, 25.0, converter="kimi-w31 test")  # extra fields are allowed
 
 
@@ -90,15 +91,15 @@ def test_block_found_on_object_configs_top_level_and_text_config():
 
 def test_unwrap_restores_the_original_everywhere_and_is_idempotent():
     cfg = converted_cfg()
-    cfg["text_config"]["quantization_config"] = copy.deepcopy(cfg["quantization_config"])
+    cfg["quantization_config"] = copy.deepcopy(cfg["text_config"]["quantization_config"])
     assert unwrap_quantization_config(cfg) == 2
-    assert cfg["quantization_config"] == SOURCE["quantization_config"]
-    assert cfg["text_config"]["quantization_config"] == SOURCE["quantization_config"]
+    assert cfg["quantization_config"] == QC
+    assert cfg["text_config"]["quantization_config"] == QC
     assert unwrap_quantization_config(cfg) == 0
 
 
 def test_unwrap_on_transformers_like_objects():
-    base = SOURCE["quantization_config"]
+    base = QC
     obj = types.SimpleNamespace(quantization_config={"quant_method": "kimi_w31", "base": base})
     assert unwrap_quantization_config(obj) == 1
     assert obj.quantization_config == base
@@ -153,6 +154,5 @@ def test_the_plugin_refuses_a_wrapper_without_a_block():
         hooks.after_get_config(config)
     assert err.value.codes == (Code.BLOCK_MISSING.value,)
     assert (
-        hooks.after_get_config(converted_cfg())["quantization_config"]
-        == SOURCE["quantization_config"]
+        hooks.after_get_config(converted_cfg())["text_config"]["quantization_config"] == QC
     )  # a whole conversion is unwrapped for SGLang

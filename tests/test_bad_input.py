@@ -18,7 +18,7 @@ from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.pipeline import ConvertOptions
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
-EXPERT = "language_model.model.layers.1.mlp.experts.3"
+EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.3"
 
 
 def _rewrite_header(path, mutate) -> None:
@@ -151,7 +151,7 @@ def test_situ_parameters_must_match_manifest(tmp_path):
 
 def test_source_without_quantization_config_is_refused(source_copy, tmp_path):
     cfg = json.loads((source_copy / "config.json").read_text())
-    del cfg["quantization_config"]
+    del cfg["text_config"]["quantization_config"]  # published: its only place
     (source_copy / "config.json").write_text(json.dumps(cfg))
     code, found = _convert(source_copy, tmp_path)
     assert code == 1 and Code.NO_QUANTIZATION_CONFIG in found
@@ -163,9 +163,9 @@ def test_source_already_carrying_our_markers_is_refused(source_copy, tmp_path, m
     if mark == "block":
         cfg["text_config"]["kimi_w31"] = {"format_version": 1}
     else:
-        cfg["quantization_config"] = {
+        cfg["text_config"]["quantization_config"] = {
             "quant_method": "kimi_w31",
-            "base": cfg["quantization_config"],
+            "base": cfg["text_config"]["quantization_config"],
         }
     (source_copy / "config.json").write_text(json.dumps(cfg))
     code, found = _convert(source_copy, tmp_path)

@@ -24,8 +24,14 @@ from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.outdir import STATE_DIR, OutputDir
 from verify_mutations import CONFIG, INDEX, Model, edit_json, read_shard, rerecord
 
-L1 = "language_model.model.layers.1.mlp."
-L2 = "language_model.model.layers.2.mlp."
+
+def _qc(config: dict) -> dict:
+    """The one quantization_config of a published-layout config: inside text_config."""
+    return config["text_config"]["quantization_config"]
+
+
+L1 = "language_model.model.layers.1.block_sparse_moe."
+L2 = "language_model.model.layers.2.block_sparse_moe."
 EXPERT = L1 + "experts.3."
 
 
@@ -169,16 +175,19 @@ ROWS: dict[str, Row] = {
         {Code.EXPERT_PARTNER_MISSING},
     ),
     "experts under a layer beyond num_hidden_layers": Row(
-        model_edit(copy_layer(L1, "language_model.model.layers.7.mlp.")), {Code.LAYER_UNEXPECTED}
+        model_edit(copy_layer(L1, "language_model.model.layers.7.block_sparse_moe.")),
+        {Code.LAYER_UNEXPECTED},
     ),
     "experts in the dense layer 0": Row(
-        model_edit(copy_layer(L1, "language_model.model.layers.0.mlp.")), {Code.LAYER_UNEXPECTED}
+        model_edit(copy_layer(L1, "language_model.model.layers.0.block_sparse_moe.")),
+        {Code.LAYER_UNEXPECTED},
     ),
     "one layer's experts under two prefixes": Row(
         model_edit(copy_layer(L1, "language_model.model.layers.1.moe.")), {Code.LAYER_DUPLICATED}
     ),
     "experts outside any layers.<i>.": Row(
-        model_edit(copy_layer(L1, "language_model.model.mtp.mlp.")), {Code.EXPERT_OUTSIDE_LAYER}
+        model_edit(copy_layer(L1, "language_model.model.mtp.block_sparse_moe.")),
+        {Code.EXPERT_OUTSIDE_LAYER},
     ),
     "experts of one layer named gate_proj/down_proj": Row(
         model_edit(rename_experts(L1)), {Code.EXPERT_NAME, Code.LAYER_MISSING}
@@ -259,11 +268,12 @@ ROWS: dict[str, Row] = {
     "block format_version unknown": Row(deep_block_edit("format_version", 2), {Code.BLOCK_FIELD}),
     "block situ_beta edited": Row(deep_block_edit("situ_beta", 5.0), {Code.BLOCK_MISMATCH}),
     "quantization_config unwrapped": Row(
-        config_edit(lambda c: c.update(quantization_config=c["quantization_config"]["base"])),
+        config_edit(lambda c: c["text_config"].update(quantization_config=_qc(c)["base"])),
         {Code.NOT_WRAPPED},
     ),
     "quantization_config removed": Row(
-        config_edit(lambda c: c.pop("quantization_config")), {Code.NO_QUANTIZATION_CONFIG}
+        config_edit(lambda c: c["text_config"].pop("quantization_config")),
+        {Code.NO_QUANTIZATION_CONFIG},
     ),
     "SiTU betas other than the manifest's": Row(
         config_edit(
@@ -374,7 +384,7 @@ ROWS: dict[str, Row] = {
     "a stray file": Row(write("notes.txt"), {Code.FILE_UNRECORDED}),
     "a stray file in a subfolder": Row(write("extra/notes.txt"), {Code.FILE_UNRECORDED}),
     "a recorded file deleted": Row(
-        lambda out: (out / "tokenizer.json").unlink(), {Code.FILE_MISSING}
+        lambda out: (out / "tokenizer_config.json").unlink(), {Code.FILE_MISSING}
     ),
     "a symlink in the output": Row(
         lambda out: (out / "link.txt").symlink_to("/etc/hostname"), {Code.NOT_A_REGULAR_FILE}

@@ -134,7 +134,7 @@ def test_rerun_repairs_a_complete_output_missing_a_shard(
 def test_rerun_repairs_a_complete_output_missing_other_files(
     small_source, converted, output_copy, force
 ):
-    (output_copy / "tokenizer.json").unlink()
+    (output_copy / "tokenizer_config.json").unlink()
     (output_copy / "config.json").write_text("{}")
     summary = _rerun(small_source, output_copy, *force)
     assert summary["already_complete"] is False and summary["files_rewritten"] >= 2

@@ -250,12 +250,12 @@ def _plan(spec: SynthSpec, max_shard_size: int = 1 << 40, **placement):
 
 def test_plan_fuses_up_then_gate_as_byte_ranges():
     spec = SynthSpec(layers=2, dense_layers=0, experts=4)
-    up_name = "language_model.model.layers.0.mlp.experts.1.w3.weight_packed"
+    up_name = "language_model.model.layers.0.block_sparse_moe.experts.1.w3.weight_packed"
     src, plan = _plan(spec, **{up_name: 1})  # the up half in the other file
     tensors = {t.name: t for s in plan.shards for t in s.tensors}
-    w31 = tensors["language_model.model.layers.0.mlp.experts.1.w31.weight_packed"]
+    w31 = tensors["language_model.model.layers.0.block_sparse_moe.experts.1.w31.weight_packed"]
     up = src.headers["s1.safetensors"].tensors[up_name]
-    gate_name = "language_model.model.layers.0.mlp.experts.1.w1.weight_packed"
+    gate_name = "language_model.model.layers.0.block_sparse_moe.experts.1.w1.weight_packed"
     gate_file = next(f for f, h in src.headers.items() if gate_name in h.tensors)
     gate = src.headers[gate_file].tensors[gate_name]
     pieces = [(p.file, p.offset, p.length) for p in w31.pieces]
@@ -280,7 +280,7 @@ def test_plan_never_splits_a_tensor_and_names_shards_like_hf():
 def test_validation_reports_every_problem_at_once():
     spec = SynthSpec(layers=2, experts=4)
     source, tensors = synth_source(spec)
-    p = "language_model.model.layers.1.mlp.experts."
+    p = "language_model.model.layers.1.block_sparse_moe.experts."
     edited = [
         (n, "I8" if n == p + "2.w2.weight_scale" else d, s)
         for n, d, s in tensors

@@ -32,7 +32,7 @@ from verify_mutations import (
     rerecord,
 )
 
-P = "language_model.model.layers.1.mlp.experts.2."
+P = "language_model.model.layers.1.block_sparse_moe.experts.2."
 W31 = P + "w31.weight_packed"
 ALL_LEVELS = {"checksums": True, "numerics": True, "sample": None}
 
@@ -100,7 +100,7 @@ def test_flipped_byte_fails_checksums_not_structure(output_copy):
 
 
 def test_changed_extra_file_fails_checksums(output_copy):
-    (output_copy / "tokenizer.json").write_text("{}")
+    (output_copy / "tokenizer_config.json").write_text("{}")
     assert failed(verify(output_copy, checksums=True)) == {"checksums": {Code.FILE_SIZE_MISMATCH}}
     text = (output_copy / "README.md").read_text()
     (output_copy / "README.md").write_text(text.upper())
@@ -145,7 +145,7 @@ def test_unusable_checksums_file(output_copy, damage):
             elif damage == "unsafe name":
                 doc["files"]["../outside.txt"] = {"size": 1, "sha256": "0" * 64}
             else:
-                doc["files"]["tokenizer.json"] = {"size": "big"}
+                doc["files"]["tokenizer_config.json"] = {"size": "big"}
 
         edit_json(path, edit)
     report = verify(output_copy, checksums=True)
@@ -198,7 +198,7 @@ def test_source_finds_a_stray_file_without_the_checksums_file(output_copy, small
 def test_changed_non_expert_tensor_and_extra_file_fail_source(output_copy, small_source):
     name = "language_model.model.norm.weight"
     patch(output_copy, name, lambda b: bytes(len(b)))
-    (output_copy / "chat_template.jinja").write_text("{{ tampered }}\n" + "x" * 52)
+    (output_copy / "encoding_k3.py").write_text("{{ tampered }}\n" + "x" * 52)
     rerecord(output_copy)
     report = verify(output_copy, checksums=True, source=str(small_source))
     assert failed(report) == {

@@ -182,7 +182,7 @@ def special_file_cases(template: Path, work: Path) -> list[Case]:
         "config.json": "config.json",
         "the index": INDEX,
         "a shard": "model-00002-of-00004.safetensors",
-        "an extra file": "tokenizer.json",
+        "an extra file": "tokenizer_config.json",
     }
     for n, (kind, make) in enumerate(SPECIALS.items()):
         for what, name in victims.items():
@@ -261,7 +261,7 @@ def _shard_folder_on_other_disk(src: Path, work: Path) -> None:
 
 
 def _inside_link(src: Path, work: Path) -> None:
-    (src / "tokenizer.model.json").symlink_to("tokenizer.json")
+    (src / "tokenizer.model.json").symlink_to("tokenizer_config.json")
 
 
 LINK_REFUSED = {

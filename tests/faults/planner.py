@@ -81,13 +81,17 @@ def _chain(*fns: Callable[[Path], None]) -> Callable[[Path], None]:
 
 def _drop_partner(src: Path) -> None:
     """Rename one w3 to a non-expert name: its w1 then has no partner."""
-    _rename_index(".mlp.experts.1.w3.weight_packed", ".mlp.experts.1.w9.weight_packed")(src)
+    _rename_index(
+        ".block_sparse_moe.experts.1.w3.weight_packed",
+        ".block_sparse_moe.experts.1.w9.weight_packed",
+    )(src)
 
 
 def _wrap_quantization(config: dict) -> None:
-    config["quantization_config"] = {
+    text = config["text_config"]  # published: the one quantization_config is in text_config
+    text["quantization_config"] = {
         "quant_method": "kimi_w31",
-        "base": config["quantization_config"],
+        "base": text["quantization_config"],
     }
 
 
@@ -100,11 +104,13 @@ PLAN_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
         C.EXPERT_ID_RANGE,
     ),
     "a layer misses an expert": (
-        _rename_index("layers.1.mlp.experts.5.", "layers.1.mlp.xperts.5."),
+        _rename_index(
+            "layers.1.block_sparse_moe.experts.5.", "layers.1.block_sparse_moe.xperts.5."
+        ),
         C.LAYER_INCOMPLETE,
     ),
     "no quantization_config": (
-        _config_edit(lambda c: c.pop("quantization_config")),
+        _config_edit(lambda c: c["text_config"].pop("quantization_config")),
         C.NO_QUANTIZATION_CONFIG,
     ),
     "hidden_act is not situ": (
@@ -117,11 +123,11 @@ PLAN_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
     ),
     # -- missing structure: the MoE-layer rule over num_hidden_layers
     "a whole MoE layer without experts (index and headers agree)": (
-        _rename_index("layers.2.mlp.experts.", "layers.2.mlp.xperts."),
+        _rename_index("layers.2.block_sparse_moe.experts.", "layers.2.block_sparse_moe.xperts."),
         C.LAYER_MISSING,
     ),
     "experts under a layer beyond num_hidden_layers": (
-        _rename_index("layers.2.mlp.experts.", "layers.7.mlp.experts."),
+        _rename_index("layers.2.block_sparse_moe.experts.", "layers.7.block_sparse_moe.experts."),
         C.LAYER_UNEXPECTED,
     ),
     "experts in a dense layer (first_k_dense_replace)": (
@@ -143,7 +149,8 @@ PLAN_CASES: dict[str, tuple[Callable[[Path], None], Code]] = {
     # -- names the grammar must refuse as a whole
     "expert name with a trailing newline": (
         _rename_index(
-            "layers.1.mlp.experts.4.w1.weight_packed", "layers.1.mlp.experts.4.w1.weight_packed\n"
+            "layers.1.block_sparse_moe.experts.4.w1.weight_packed",
+            "layers.1.block_sparse_moe.experts.4.w1.weight_packed\n",
         ),
         C.EXPERT_NAME,
     ),

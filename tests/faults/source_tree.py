@@ -59,8 +59,8 @@ def _symlink_shard_outside(src: Path) -> None:
 def _symlink_extra_outside(src: Path) -> None:
     secret = src.parent / "secret.txt"
     secret.write_text("private key material\n")
-    (src / "tokenizer.json").unlink()
-    (src / "tokenizer.json").symlink_to(secret)
+    (src / "tokenizer_config.json").unlink()
+    (src / "tokenizer_config.json").symlink_to(secret)
 
 
 def _shard_is_dir(src: Path) -> None:
