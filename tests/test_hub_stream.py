@@ -40,7 +40,7 @@ from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 REPO = "org/kimi-synth"
 SHARD_SIZE = "600000"
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", SHARD_SIZE]
-SHARDS = [f"model-0000{i}-of-00006.safetensors" for i in range(1, 7)]
+SHARDS = [f"model-0000{i}-of-000006.safetensors" for i in range(1, 7)]
 STATE = STATE_DIR
 # The convert command as `kimi-convert SRC OUT ...` runs it (prelude ""); SMALL_CHUNKS also
 # scales the client's read chunk down to these shards' size (see the module docstring).
@@ -50,7 +50,7 @@ SMALL_CHUNKS = "import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 6
 @pytest.fixture(scope="module")
 def hub_source(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hubsrc") / "repo"
-    synth_checkpoint(root, SynthSpec(layers=4, experts=8, shards=6))
+    synth_checkpoint(root, SynthSpec(layers=4, experts=8, shards=6))  # even shards: windows
     assert sorted(p.name for p in root.glob("*.safetensors")) == SHARDS
     return root
 
