@@ -49,7 +49,7 @@ def test_sigterm_is_an_interruption_with_a_message_and_resumes(small_source, con
 
 def _with_big_extra(source_copy, size: int):
     big = source_copy / "assets" / "big.bin"
-    big.parent.mkdir()
+    big.parent.mkdir(exist_ok=True)  # the published layout has assets/ already
     with open(big, "wb") as fh:  # sparse: instant to make, read back as zeros
         fh.truncate(size)
     return big

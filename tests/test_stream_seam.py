@@ -164,9 +164,11 @@ class FolderOrigin:
     def resolve(self, spec: str, revision: str | None) -> Resolved:
         remote = Path(spec)
         self.storage.mkdir(parents=True, exist_ok=True)
-        for p in remote.iterdir():  # the small files first, as the Hub origin does
-            if not p.name.endswith(".safetensors"):
-                shutil.copyfile(p, self.storage / p.name)
+        for p in remote.rglob("*"):  # the small files first, as the Hub origin does
+            if p.is_file() and not p.name.endswith(".safetensors"):
+                dst = self.storage / p.relative_to(remote)  # assets/ included
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(p, dst)
         return Resolved(self.storage, FolderSnapshot(remote, self.storage))
 
 
