@@ -29,7 +29,7 @@ from safetensors.torch import save_file  # noqa: E402
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0
 EXPERT_PREFIX = "language_model.model.layers.{L}.mlp.experts.{E}."
 
-# What compressed-tensors writes for Kimi-K3's experts (the converter's synth uses the same);
+# What compressed-tensors writes for Kimi-K3's experts (the published form synth writes);
 # only the ignore list is narrowed to the layers these small test modules have.
 COMPRESSED_TENSORS_MXFP4 = {**quantization_config(), "ignore": ["language_model.lm_head"]}
 
@@ -56,7 +56,8 @@ def kimi_convert(*args: str) -> None:
 def source_config(
     *, experts: int, hidden: int, inter: int, layers: int, top_k: int = 2, rsf: float = 2.5
 ) -> dict:
-    """A Kimi-K3-format config.json that SGLang's real KimiK3Config/ModelConfig accept."""
+    """A Kimi-K3-format config.json that SGLang's real KimiK3Config/ModelConfig accept, with
+    the quantization_config where the published one is: inside text_config only."""
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
@@ -84,8 +85,8 @@ def source_config(
                 "kda_layers": [],
                 "full_attn_layers": list(range(1, layers + 1)),
             },
+            "quantization_config": json.loads(json.dumps(COMPRESSED_TENSORS_MXFP4)),
         },
-        "quantization_config": json.loads(json.dumps(COMPRESSED_TENSORS_MXFP4)),
     }
 
 

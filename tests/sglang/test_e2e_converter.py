@@ -49,16 +49,21 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     return src, out
 
 
+EXPERTS = ".block_sparse_moe.experts."  # the published spelling synth writes
+
+
 def _experts(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(path.glob("*.safetensors")):
-        tensors.update({k: v for k, v in load_file(str(shard)).items() if ".mlp.experts." in k})
+        tensors.update({k: v for k, v in load_file(str(shard)).items() if EXPERTS in k})
     return tensors
 
 
 def test_converter_wraps_the_config_for_fail_closed(pair):
     cfg = json.loads((pair[1] / "config.json").read_text())
-    assert cfg["quantization_config"]["quant_method"] == "kimi_w31"  # fail-closed wrapper
+    # As published, the one quantization_config is inside text_config: that is what is wrapped.
+    assert "quantization_config" not in cfg
+    assert cfg["text_config"]["quantization_config"]["quant_method"] == "kimi_w31"
     assert cfg["kimi_w31"]["fc1_order"] == ["up", "gate"]
 
 
@@ -105,8 +110,7 @@ def test_converted_checkpoint_serves_the_sources_moe(plugins, pair, monkeypatch,
             ).hidden_states
             experts = {}
             for e in range(E):
-                p = f"model.layers.{layer}.mlp.experts.{e}."
-                p = "language_model." + p
+                p = f"language_model.model.layers.{layer}{EXPERTS}{e}."
                 experts[e] = dequant_expert(
                     *[
                         (

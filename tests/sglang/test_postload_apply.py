@@ -69,10 +69,10 @@ def cpu_kernel(cpu_flashinfer, monkeypatch):
     return cpu_flashinfer
 
 
-def _loaded(path, tensors, *, arch, inter=N, experts=E, setup=None, process=True):
+def _loaded(path, tensors, *, arch, inter=N, experts=E, setup=None, process=True, rsf=RSF):
     with sglang_process(path, arch=arch):
         moes = [
-            build_moe(experts=experts, hidden=K, inter=inter, layer_id=i, rsf=RSF)
+            build_moe(experts=experts, hidden=K, inter=inter, layer_id=i, rsf=rsf)
             for i in range(LAYERS)
         ]
         for m in moes:
@@ -141,7 +141,7 @@ def test_sm120_postload_swizzles_only_the_scales(
         assert moe.w13_weight_bias is None
 
 
-def _topk(moe, hidden, logits, *, fuse_rsf: bool):
+def _topk(moe, hidden, logits, *, fuse_rsf: bool, rsf: float = RSF):
     """TopK exactly as KimiK3MoE builds it (kimi_k3.py:520-551)."""
     from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
 
@@ -154,7 +154,7 @@ def _topk(moe, hidden, logits, *, fuse_rsf: bool):
         topk_group=1,
         scoring_func="sigmoid",
         correction_bias=torch.zeros(logits.shape[1]),
-        routed_scaling_factor=RSF,
+        routed_scaling_factor=rsf,
         apply_routed_scaling_factor_on_output=fuse_rsf,
         output_format=TopKOutputFormat.STANDARD,
     )
@@ -190,26 +190,28 @@ def _close(actual, expected):
     assert m["cosine"] > 0.9999 and m["nrmse"] < 1e-2, m
 
 
+@pytest.mark.parametrize("rsf", [1.0, RSF])  # 1.0 as published; 2.5 shows it applied once
 @pytest.mark.parametrize("arch", ["sm90", "sm120"])
 def test_apply_matches_the_reference_from_the_source_and_scales_once(
-    plugins, cpu_kernel, converted_dir, converted_tensors, source_tensors, arch
+    plugins, cpu_kernel, converted_dir, converted_tensors, source_tensors, arch, rsf
 ):
     from flashinfer.fused_moe import ActivationType
     from sglang.srt.layers.moe.topk import TopK  # noqa: F401  (real routing below)
 
-    moes = _loaded(converted_dir, converted_tensors, arch=arch)
+    moes = _loaded(converted_dir, converted_tensors, arch=arch, rsf=rsf)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(9, K, generator=gen).to(torch.bfloat16)
     logits = torch.randn(9, E, generator=gen)
     with sglang_process(converted_dir, arch=arch):
         for layer, moe in enumerate(moes):
             assert moe.should_fuse_routed_scaling_factor_in_topk
-            routed = _topk(moe, x, logits, fuse_rsf=moe.should_fuse_routed_scaling_factor_in_topk)
-            plain = _topk(moe, x, logits, fuse_rsf=False)
+            fuse = moe.should_fuse_routed_scaling_factor_in_topk
+            routed = _topk(moe, x, logits, fuse_rsf=fuse, rsf=rsf)
+            plain = _topk(moe, x, logits, fuse_rsf=False, rsf=rsf)
             assert torch.equal(routed.topk_ids, plain.topk_ids)
             out = moe(x, routed)  # FusedMoE.forward: dispatcher -> apply -> combine
             expected = (
-                _reference(source_tensors, layer, x, plain.topk_ids, plain.topk_weights) * RSF
+                _reference(source_tensors, layer, x, plain.topk_ids, plain.topk_weights) * rsf
             )
             _close(out, expected)
 

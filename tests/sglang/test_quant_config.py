@@ -47,8 +47,10 @@ def test_wrapped_config_builds_the_base_method(plugins, source_dir, converted_di
     from kimi_w31.adapter.sglang.quant_config import KimiW31Config
     from sglang.srt.layers.quantization import get_quantization_config
 
-    wrapper = json.loads((converted_dir / "config.json").read_text())["quantization_config"]
-    base = json.loads((source_dir / "config.json").read_text())["quantization_config"]
+    wrapper = json.loads((converted_dir / "config.json").read_text())["text_config"]
+    wrapper = wrapper["quantization_config"]  # as published: inside text_config
+    base = json.loads((source_dir / "config.json").read_text())["text_config"]
+    base = base["quantization_config"]
     assert wrapper["quant_method"] == "kimi_w31"
     cls = get_quantization_config("kimi_w31")
     assert cls is KimiW31Config

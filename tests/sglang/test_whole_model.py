@@ -160,9 +160,35 @@ def test_converted_ep2_each_expert_on_its_rank_everything_else_everywhere(
         _assert_every_parameter_loaded(report)
 
 
-def test_unconverted_source_loads_whole_through_stock_sglang(pair, tmp_path):
+@pytest.fixture(scope="module")
+def stock_source(pair, tmp_path_factory) -> dict:
+    return _probe(pair[0], tmp_path_factory.mktemp("stock"), 1, ["sm90:1:1"], stock=True)[0]
+
+
+def test_the_published_ignore_list_quantizes_no_non_expert_module(
+    pair, stock_source, converted_tp1
+):
+    """The published ignore list does not name the router, the latent or the residual
+    projections: SGLang still builds every non-expert module unquantized (it builds those
+    without a quant config), for the source as shipped and for the converted checkpoint."""
+    from kimi_w31.converter.synth import PUBLISHED_IGNORE
+
+    config = json.loads((pair[0] / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["text_config"]["quantization_config"]["ignore"] == PUBLISHED_IGNORE
+    unquantized = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
+    for report in (stock_source["configs"]["sm90:1:1"], converted_tp1["configs"]["sm90:1:1"]):
+        methods = report["module_methods"]
+        assert {n: m for n, m in methods.items() if m not in unquantized} == {}
+        # the linear kinds the list does not name are among the modules held to it (the
+        # router, MoEGate, is a plain parameter with no quant method at all)
+        for kind in ("routed_expert_down_proj", "routed_expert_up_proj", "_res_proj"):
+            assert any(name.endswith(kind) for name in methods), kind
+
+
+def test_unconverted_source_loads_whole_through_stock_sglang(pair, stock_source):
     """No plugin: synth's source is a checkpoint SGLang's Kimi-K3 model loads as it ships."""
-    report_all = _probe(pair[0], tmp_path, 1, ["sm90:1:1"], stock=True)[0]
+    report_all = stock_source
     assert report_all["plugin"] is False
     report = report_all["configs"]["sm90:1:1"]
     assert report["moe_methods"] == ["Mxfp4MoEMethod"]  # SGLang's own
@@ -172,7 +198,7 @@ def test_unconverted_source_loads_whole_through_stock_sglang(pair, tmp_path):
     _assert_every_parameter_loaded(report)
     # the source's w1 and w3 both land in the fused w13 parameters, as the w31 does
     for name, ps in reached.items():
-        if ".mlp.experts." in name and (".w1." in name or ".w3." in name):
+        if ".block_sparse_moe.experts." in name and (".w1." in name or ".w3." in name):
             want = "w13_weight_scale" if name.endswith("weight_scale") else "w13_weight"
             assert [p.rsplit(".", 1)[1] for p in ps] == [want], name
 
@@ -272,7 +298,7 @@ def test_the_manifests_spellings_are_the_ones_sglang_maps_alike():
 
     mapper = KimiK3ForConditionalGeneration.hf_to_sglang_mapper
     aliases = load_manifest("kimi-k3").inventory.aliases  # (other spelling, canonical)
-    names = [name for name, _, _ in tensor_specs(SynthSpec(layers=5))]
+    names = [name for name, _, _ in tensor_specs(SynthSpec(layers=5, published=False))]
     others = []
     for name in names:
         for spelled, canonical in aliases:

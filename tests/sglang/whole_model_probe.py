@@ -113,6 +113,11 @@ def probe(model_dir: str, arch: str, tp: int, ep: int, rank: int) -> dict:
         report["reached"] = reached
         moe = [m for m in model.modules() if type(m).__name__ in ("FusedMoE", "EPMoE")]
         report["moe_methods"] = sorted({type(m.quant_method).__name__ for m in moe})
+        report["module_methods"] = {  # every other module with a quant method, by name
+            name: type(m.quant_method).__name__
+            for name, m in model.named_modules()
+            if m not in moe and getattr(m, "quant_method", None) is not None
+        }
         report["other_methods"] = sorted(
             {
                 type(m.quant_method).__name__
