@@ -485,13 +485,23 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     "shards packed by size.",
 )
 @click.option(
+    "--routed-scaling-factor",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="X",
+    help="routed_scaling_factor (the published value is 1.0; another value shows the "
+    "scaling applied exactly once).",
+)
+@click.option(
     "--peak",
     default=0.0,
     type=click.FloatRange(0),
     metavar="S",
     help="Peaked logits: every RMSNorm weight 1 and lm_head drawn with std S/sqrt(hidden), so "
-    "a logit has std ~S and greedy tokens follow the input (8 gives a top-1 probability "
-    "typically above one half); 0 keeps every weight N(0, 0.02^2) [default: 0].",
+    "a logit has std ~S and greedy tokens follow the input (at 8 and the default 512-token "
+    "vocabulary, such logits give a mean top-1 probability of about 0.73); 0 keeps every "
+    "weight N(0, 0.02^2) [default: 0].",
 )
 @click.option(
     "--real-dims",
@@ -534,6 +544,7 @@ def synth(
     top_k,
     shards,
     coverage,
+    routed_scaling_factor,
     peak,
     real_dims,
     k,
@@ -577,6 +588,7 @@ def synth(
             seed=seed,
             coverage=coverage,
             peak=peak,
+            routed_scaling_factor=routed_scaling_factor,
         )
         kk, nn = spec.k, spec.n
         if kk % GROUP_SIZE or nn % GROUP_SIZE:

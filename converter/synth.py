@@ -117,9 +117,10 @@ class SynthSpec:
     published: bool = True  # False: the coverage layout (module docstring)
     # Peaked logits: > 0 sets every RMSNorm weight to 1 (a freshly initialized model's
     # norms, so activations keep unit scale through the depth) and draws lm_head with std
-    # peak / sqrt(hidden), so a logit has std ~ `peak` and the top token stands out (at 8,
-    # the top-1 probability is typically above one half): greedy tokens are a function of
-    # the input, not of rounding. 0: every weight N(0, 0.02^2).
+    # peak / sqrt(hidden), so a logit has std ~ `peak` and the top token stands out (at 8
+    # and 512 tokens, iid N(0, 64) logits have a mean top-1 probability of about 0.73):
+    # greedy tokens are a function of the input, not of rounding. 0: every weight
+    # N(0, 0.02^2).
     peak: float = 0.0
 
     def moe_layers(self) -> list[int]:
@@ -152,6 +153,7 @@ def cli_spec(
     seed: int,
     coverage: bool = False,
     peak: float = 0.0,
+    routed_scaling_factor: float = 1.0,
 ) -> SynthSpec:
     """The spec `kimi-convert synth` writes for its options (None: the option's default).
 
@@ -172,6 +174,7 @@ def cli_spec(
         hidden=REAL_HIDDEN if real_dims else 2 * kk,
         published=not coverage,
         peak=peak,
+        routed_scaling_factor=routed_scaling_factor,
         **({"attn": REAL_ATTN, "vision": REAL_VISION} if real_dims else {}),
     )
 

@@ -7,7 +7,8 @@ scheduler does, the `FusedMoE` and Kimi-K3's `TopK` are built with the arguments
 `KimiK3MoE` passes (read from the checkpoint's config as SGLang parsed it), the weights
 go through `KimiK3LinearForCausalLM.load_weights` (hooked by the plugin) and
 `process_weights_after_loading` on CUDA (FlashInfer's real SM90 interleaves), then
-`TopK` (sigmoid, correction bias, `routed_scaling_factor` 2.5) and `FusedMoE.forward`.
+`TopK` (sigmoid, correction bias, the checkpoint's `routed_scaling_factor`: synth's
+published 1.0 unless `--routed-scaling-factor`) and `FusedMoE.forward`.
 The router logits are given (Kimi-K3's gate is a plain fp32 linear in front of this).
 
 The reference is `converter/reference.py` on the SOURCE checkpoint's w1/w3/w2 with an
@@ -27,6 +28,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -307,10 +309,9 @@ def read_layer_tensors(repo: Path, layer_idx: int) -> dict[str, Any]:
     from safetensors import safe_open
 
     weight_map = json.loads((repo / "model.safetensors.index.json").read_text())["weight_map"]
-    tag = f"layers.{layer_idx}.mlp.experts."
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
-        if tag in name:
+        if _moe_layer_of(name) == layer_idx:
             by_file.setdefault(fname, []).append(name)
     out: dict[str, Any] = {}
     for fname, names in by_file.items():
@@ -322,11 +323,19 @@ def read_layer_tensors(repo: Path, layer_idx: int) -> dict[str, Any]:
     return out
 
 
+# A routed expert's layer, in either spelling: the published checkpoint's MoE blocks are
+# `block_sparse_moe.` (SGLang maps them to `mlp.`), synth's coverage layout writes `mlp.`.
+_EXPERT_LAYER = re.compile(r"\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.")
+
+
+def _moe_layer_of(name: str) -> int | None:
+    m = _EXPERT_LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
 def first_moe_layer(repo: Path) -> int:
     weight_map = json.loads((repo / "model.safetensors.index.json").read_text())["weight_map"]
-    idx = sorted(
-        {int(n.split("layers.")[1].split(".")[0]) for n in weight_map if ".mlp.experts." in n}
-    )
+    idx = sorted({i for i in map(_moe_layer_of, weight_map) if i is not None})
     if not idx:
         raise SystemExit(f"{repo}: no MoE layer")
     return idx[0]

@@ -35,6 +35,8 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
         "256",
         "--n",
         "1024",
+        "--routed-scaling-factor",
+        "2.5",  # not the published 1.0: a scaling applied twice or never would show
     )
     kimi_convert(str(src), str(out), "--manifest", "kimi-k3-any", "-q")
     return src, out
