@@ -181,7 +181,7 @@ def special_file_cases(template: Path, work: Path) -> list[Case]:
     victims = {
         "config.json": "config.json",
         "the index": INDEX,
-        "a shard": "model-00002-of-00004.safetensors",
+        "a shard": "model-00002-of-000006.safetensors",
         "an extra file": "tokenizer_config.json",
     }
     for n, (kind, make) in enumerate(SPECIALS.items()):
@@ -320,7 +320,7 @@ def link_cases(template: Path, work: Path) -> list[Case]:
     # A linked shard whose target is a FIFO: refused once for the file, saying "symlink".
     case = work / "fifo-shard"
     src = copy_source(template, case / "src")
-    _fifo_link(src / "model-00003-of-00004.safetensors")
+    _fifo_link(src / "model-00003-of-000006.safetensors")
     proc = run(convert_args(src, case / "out", "--json"))
     problems = json_problems(proc.stdout)
     outcome, detail = judge_refusal(proc, {Code.NOT_A_REGULAR_FILE}, {}, {})

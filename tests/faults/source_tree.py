@@ -74,7 +74,7 @@ def _shard_is_fifo(src: Path) -> None:
 
 
 def _move_tensor(index: dict) -> None:
-    index["weight_map"][_first_tensor(index)] = "model-00001-of-00004.safetensors"
+    index["weight_map"][_first_tensor(index)] = "model-00001-of-000006.safetensors"
 
 
 def _drop_tensor(index: dict) -> None:
