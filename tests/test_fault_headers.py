@@ -242,7 +242,7 @@ def test_read_header_length_field(
 
 
 def test_every_hostile_header_is_a_clean_cli_error(tmp_path: Path) -> None:
-    template = fl.make_source(tmp_path / "template", layers=2, experts=4)
+    template = fl.make_source(tmp_path / "template", experts=4)  # 6 shards: VICTIM
     rows = fl.header_cases(template, tmp_path / "work")
     assert len(rows) == len(fl.HEADER_CASES) >= 25
     assert not fl.bad_rows(rows, {fl.CLEAN}), fl.bad_rows(rows, {fl.CLEAN})
@@ -253,7 +253,7 @@ def test_headers_the_library_refuses_are_clean_errors_in_convert_and_verify(tmp_
     shard, and verify reports it planted in an output whose checksums were re-forged."""
     from faults import library as flib
 
-    template = fl.make_source(tmp_path / "template", layers=2, experts=4)
+    template = fl.make_source(tmp_path / "template", experts=4)  # 6 shards: VICTIM
     rows = flib.source_header_cases(template, tmp_path / "src")
     rows += flib.output_header_cases(template, tmp_path / "out")
     assert len(rows) == 2 * len(flib.LIBRARY_HEADER_CASES)

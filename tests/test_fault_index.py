@@ -25,10 +25,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
     base = tmp_path_factory.mktemp("index")
     src = fl.make_source(base / "src", layers=2, experts=2, shards=2)
     (base / "outside.safetensors").write_bytes(
-        (src / "model-00001-of-00002.safetensors").read_bytes()
+        (src / "model-00001-of-000002.safetensors").read_bytes()
     )
     os.symlink(base / "outside.safetensors", src / "escape.safetensors")
-    os.symlink("model-00001-of-00002.safetensors", src / "alias.safetensors")
+    os.symlink("model-00001-of-000002.safetensors", src / "alias.safetensors")
     (src / "sub").mkdir()
     weight_map = json.loads((src / INDEX_NAME).read_text())["weight_map"]
     return src, weight_map
@@ -48,12 +48,12 @@ hostile_names = st.one_of(
             "sub",
             "sub/",
             "missing.safetensors",
-            "model-00001-of-00002.safetensors",
-            "model-00002-of-00002.safetensors",
+            "model-00001-of-000002.safetensors",
+            "model-00002-of-000002.safetensors",
             "",
             "\\\\server\\share.safetensors",
-            "./model-00001-of-00002.safetensors",
-            "model-00001-of-00002.safetensors\x00.txt",
+            "./model-00001-of-000002.safetensors",
+            "model-00001-of-000002.safetensors\x00.txt",
             "a\x00.safetensors",
         ]
     ),
@@ -102,7 +102,7 @@ def test_index_reader_never_crashes(tiny, data) -> None:
 
 
 def test_every_hostile_index_is_a_clean_cli_error(tmp_path: Path) -> None:
-    template = fl.make_source(tmp_path / "template", layers=2, experts=4)
+    template = fl.make_source(tmp_path / "template", experts=4)  # 6 shards: VICTIM
     rows = fl.index_cases(template, tmp_path / "work")
     assert len(rows) == len(fl.INDEX_CASES) >= 15
     assert not fl.bad_rows(rows, {fl.CLEAN}), fl.bad_rows(rows, {fl.CLEAN})

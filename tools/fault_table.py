@@ -203,7 +203,7 @@ Generated {dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")} by
 `{command}` (also `make faults`) in {seconds:.0f} s, kimi-w31 on Python
 {sys.version.split()[0]}. Every case runs the real `kimi-convert` on a small synthetic
 Kimi-K3-format checkpoint in the published layout (3 layers: one dense, two MoE, x 8 experts,
-6 source shards: one per layer plus three; `--max-shard-size 600KB` so the output has 16
+6 source shards: one per layer plus three; `--max-shard-size 300KB` so the output has 14
 shards); the same scenarios are the
 `tests/test_fault_*.py` suites in `make test` (with fewer kill points and examples).
 

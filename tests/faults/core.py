@@ -42,7 +42,7 @@ WRONG = "silently wrong"
 OUTCOMES = [CLEAN, RESUMED, CORRECT, CRASH, WRONG]  # the table's columns, in order
 
 MANIFEST = ["--manifest", "kimi-k3-any"]
-SHARD_SIZE = ["--max-shard-size", "600KB"]  # 16 output shards from the small synth source
+SHARD_SIZE = ["--max-shard-size", "300KB"]  # ~13 output shards from the small synth source
 INDEX = "model.safetensors.index.json"
 STATE = STATE_DIR
 VICTIM = "model-00002-of-000006.safetensors"  # layer 1 (MoE): the data faults hit it
@@ -217,7 +217,7 @@ def hostile_cases(
 
 
 def reference_output(src: Path, out: Path, workers: int = 1, *extra: str) -> dict[str, str]:
-    """An uninterrupted conversion (default: 600KB shards): the tree every fault must match."""
+    """An uninterrupted conversion (default: 300KB shards): the tree every fault must match."""
     proc = run_cli(convert_args(src, out, "--workers", str(workers), *extra))
     assert proc.returncode == 0, proc.stderr
     return tree(out)

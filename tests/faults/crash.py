@@ -32,7 +32,7 @@ def label_totals(src: Path) -> dict[str, int]:
     """How often each fault point is reached in one uninterrupted run."""
     source, _, plan = prepare(
         ConvertOptions(
-            source=str(src), out=src.parent / "x", manifest="kimi-k3-any", max_shard_size=600_000
+            source=str(src), out=src.parent / "x", manifest="kimi-k3-any", max_shard_size=300_000
         )
     )
     shards = len(plan.shards)

@@ -90,7 +90,7 @@ def free_space_cases(template: Path, work: Path) -> list[Case]:
 
     src = copy_source(template, work / "src")
     out = work / "new" / "out"
-    opts = ConvertOptions(source=str(src), out=out, manifest="kimi-k3-any", max_shard_size=600_000)
+    opts = ConvertOptions(source=str(src), out=out, manifest="kimi-k3-any", max_shard_size=300_000)
     _, _, plan = prepare(opts)
     fake = shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)  # type: ignore[attr-defined]
     try:

@@ -62,7 +62,10 @@ def _metadata_value(token: str) -> Callable[[dict, str], str]:
 
 
 def _metadata_twice(header: dict, text: str) -> str:
-    return text[:-1] + ', "__metadata__": {"format": "pt"}}'
+    # Twice whether or not the shard had one (published shards have no __metadata__).
+    header.pop("__metadata__", None)
+    twice = '"__metadata__": {"format": "pt"}, "__metadata__": {"format": "pt"}'
+    return json.dumps(header)[:-1] + ", " + twice + "}"
 
 
 def _new_tensor(dtype: str, shape: str, nbytes: int) -> Callable[[Path, str], None]:

@@ -88,7 +88,7 @@ def _force_case(template: Path, work: Path) -> Case:
     one the tool recorded writing; refuses, deleting nothing, when anything else is there."""
     src = copy_source(template, work / "src")
     out = work / "out"
-    reference_output(src, out)  # 600KB shards
+    reference_output(src, out)  # 300KB shards
     args = [src, out, *MANIFEST, "--max-shard-size", "500KB", "-q", "--workers", "1", "--json"]
     refused = run_cli(args)  # another plan: refused without --force
     replaced = run_cli([*args, "--force"])
@@ -115,7 +115,7 @@ def _force_case(template: Path, work: Path) -> Case:
     sums["files"][str(outside)] = {"size": 10}
     (out / "kimi_w31.checksums.json").write_text(json.dumps(sums))
     before = tree(out)
-    forced = run_cli([*args[:4], "--max-shard-size", "600KB", "-q", "--json", "--force"])
+    forced = run_cli([*args[:4], "--max-shard-size", "300KB", "-q", "--json", "--force"])
     ok_refuse = (
         forced.returncode == 1
         and codes(forced.stdout) == {Code.FOREIGN_OUTPUT.value}
