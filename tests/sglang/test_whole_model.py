@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from safetensors import safe_open
 pytestmark = pytest.mark.sglang
 
 PROBE = Path(__file__).with_name("whole_model_probe.py")
+ROUTED = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")  # a routed expert
 # Two layers cover every layer kind: layer 0 KDA attention + dense MLP, layer 1 MLA
 # attention + MoE. N 256 keeps N/2 a multiple of 128 (the MXFP4 CUTLASS tile) at TP2.
 EXPERTS, N = 4, 256
@@ -152,8 +154,9 @@ def test_converted_ep2_each_expert_on_its_rank_everything_else_everywhere(
         reached = _reached(report)
         assert set(reached) == tensors
         for name, ps in reached.items():
-            if ".mlp.experts." in name:
-                expert = int(name.split(".mlp.experts.")[1].split(".")[0])
+            routed = ROUTED.search(name)  # the published spelling: block_sparse_moe
+            if routed:
+                expert = int(routed.group(1))
                 assert bool(ps) == (expert // local == rank), (rank, name, ps)
             else:
                 assert ps, (rank, name)
