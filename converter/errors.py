@@ -486,8 +486,8 @@ inventory-dtype: {place} tensor is not stored unquantized: the model loads it wi
     method
   expected: {dtypes}
   found: {dtype}
-inventory-shape: {place} tensor's shape is not the one the config gives it: SGLang would load it
-    into part of its parameter (or refuse it)
+inventory-shape: {place} tensor has another shape than the config gives it: SGLang would copy
+    it into part of its parameter, or refuse it
   expected: {want}
   found: {shape}
 
