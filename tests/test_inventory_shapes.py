@@ -218,3 +218,31 @@ def test_a_missing_tensor_is_named_in_the_sources_spelling(spec, data):
     assert [(p.code, p.tensor) for p in problems] == [
         (Code.INVENTORY_MISSING, "language_model.model.layers.{L}.block_sparse_moe.gate.weight")
     ]
+
+
+def test_the_published_dims_give_the_published_shapes():
+    """The published checkpoint's MLA (96 heads), dense layer and A_log shapes (issue
+    evidence: sgl-project/sglang-jax PR #1559, the published config) follow from its config."""
+    spec = SynthSpec(layers=4, hidden=7168, k=3584, n=3072, experts=2)
+    config = make_config(spec)
+    config["text_config"].update(
+        num_attention_heads=96,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=33792,
+    )
+    config["text_config"]["linear_attn_config"].update(num_heads=96, head_dim=128)
+    rule = expect(ANY, config, None)[0].shapes
+    mla, kda = spec.mla_layers()[0], 0
+    p = f"language_model.model.layers.{mla}.self_attn."
+    assert rule.judge(p + "q_b_proj.weight")[1] == [(18432, 1536)]
+    assert rule.judge(p + "kv_b_proj.weight")[1] == [(24576, 512)]
+    assert rule.judge(p + "g_proj.weight")[1] == [(12288, 7168)]
+    assert rule.judge(p + "o_proj.weight")[1] == [(7168, 12288)]
+    a_log = f"language_model.layers.{kda}.self_attn.A_log"
+    assert (128,) in rule.judge(a_log)[1]
+    dense = "language_model.model.layers.0.mlp.gate_proj.weight"
+    assert rule.judge(dense)[1] == [(33792, 7168)]
