@@ -96,6 +96,20 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "activation_situ_beta": None,
     "activation_situ_linear_beta": None,
     "num_nextn_predict_layers": 0,
+    # the fields the non-expert shapes read (`shapes.py`)
+    "vocab_size": 163840,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "q_lora_rank": None,
+    "kv_lora_rank": None,
+    "qk_nope_head_dim": None,
+    "qk_rope_head_dim": None,
+    "v_head_dim": None,
+    "num_shared_experts": 0,
+    "latent_moe_use_norm": False,
+    "mla_use_output_gate": False,
+    "attn_res_block_size": None,
+    "linear_attn_config": None,
 }
 # A second key for the same value; the two must agree (`config_problems`). PretrainedConfig
 # applies extra keyword arguments after the class's own: `num_experts_per_tok`, the

@@ -99,6 +99,7 @@ class Code(str, Enum):
     NO_EXPERTS = "no-experts"
     INVENTORY_MISSING = "inventory-missing"
     INVENTORY_DTYPE = "inventory-dtype"
+    INVENTORY_SHAPE = "inventory-shape"
     # -- the output directory and the run
     OUTPUT_NOT_DIRECTORY = "output-not-directory"
     OUTPUT_NOT_EMPTY = "output-not-empty"
@@ -485,6 +486,10 @@ inventory-dtype: {place} tensor is not stored unquantized: the model loads it wi
     method
   expected: {dtypes}
   found: {dtype}
+inventory-shape: {place} tensor has another shape than the config gives it: SGLang would copy
+    it into part of its parameter, or refuse it
+  expected: {want}
+  found: {shape}
 
 # -- the output directory and the run
 output-not-directory/exists: output path exists and is not a directory
@@ -952,6 +957,7 @@ EXIT_CODES: dict[Code, int] = {
     Code.NUMERICS_SELF_TEST: EXIT_PROBLEMS,
     Code.INVENTORY_MISSING: EXIT_PROBLEMS,
     Code.INVENTORY_DTYPE: EXIT_PROBLEMS,
+    Code.INVENTORY_SHAPE: EXIT_PROBLEMS,
     Code.STATE_FOLDER_INVALID: EXIT_PROBLEMS,
     Code.PERMISSION_DENIED: EXIT_PROBLEMS,
     Code.OUTPUT_OF_ANOTHER_SOURCE: EXIT_PROBLEMS,

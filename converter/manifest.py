@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from . import contract
 from .errors import Code, Problem, fatal, problem
+from .shapes import ShapeRule, shape_rule
 
 DEFAULT_MANIFEST = "kimi-k3"
 # Symbols every manifest must map to config fields: K (expert input width), N (expert
@@ -470,6 +471,8 @@ class Expectation:
     bounded: bool = True
     inventory: Inventory | None = None
     required: dict[str, str] = field(default_factory=dict)  # non-expert name -> its place
+    # every non-expert tensor's shape from the config (under every manifest)
+    shapes: ShapeRule | None = None
 
 
 def expect(
@@ -491,5 +494,8 @@ def expect(
     required = _required(inventory, fields, rule.moe) if inventory and bounded else {}
     rules = manifest.rules(converted)
     tensors = {key: ExpertSpec(r.dtype, dims.shape(r.shape)) for key, r in rules.items()}
-    expectation = Expectation(manifest.name, dims, tensors, rule, bounded, inventory, required)
+    shapes = shape_rule(config, None if rule_problems else rule.moe)
+    expectation = Expectation(
+        manifest.name, dims, tensors, rule, bounded, inventory, required, shapes
+    )
     return expectation, problems + rule_problems

@@ -11,6 +11,7 @@ expected one needs no per-expert bookkeeping.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -18,8 +19,9 @@ from typing import NamedTuple
 from . import contract
 from .console import id_ranges
 from .errors import Code, Problem, problem
-from .manifest import Dims, Expectation, ExpertSpec, Inventory, Manifest, expect
+from .manifest import Dims, Expectation, ExpertSpec, Manifest, expect
 from .safetensors_format import TensorInfo
+from .shapes import LAYER_PREFIX, PREFIX_ALIAS, SUBSTRING_ALIAS, shape_problems
 from .source import Source
 
 
@@ -82,7 +84,15 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
         return ExpertTable(expected.dims), problems
     table, tensor_problems = check_expert_tensors(expected, source_tensors(source))
     tensor_problems += check_inventory(expected, source_tensors(source))
+    tensor_problems += check_shapes(expected, source_tensors(source))
     return table, problems + tensor_problems
+
+
+def check_shapes(expected: Expectation, tensors: Iterable[tuple[str, TensorInfo]]) -> list[Problem]:
+    """Every non-expert tensor's shape against the one the config gives it (`shapes.py`)."""
+    if expected.shapes is None:
+        return []
+    return shape_problems(expected.shapes, ((f, i.name, i.shape) for f, i in tensors))
 
 
 class _Verdict(NamedTuple):
@@ -271,14 +281,16 @@ def check_inventory(
 ) -> list[Problem]:
     """The non-expert tensors the expectation requires: each present (under any spelling the
     model's loader maps alike) and stored unquantized. Missing names are reported once per
-    name pattern, with the layers that lack it."""
+    name pattern, with the layers that lack it, spelled as the source spells that layer."""
     inventory = expected.inventory
     if inventory is None:
         return []
     required = expected.required
     found: dict[str, tuple[str, TensorInfo]] = {}
+    spelling = _Spelling()
     for file, info in tensors:
         name = info.name
+        spelling.see(name)
         if ".experts." in name:  # routed experts are the contract's, checked elsewhere
             continue
         for spelled, canonical in inventory.aliases:
@@ -290,7 +302,7 @@ def check_inventory(
     for name, place in required.items():
         hit = found.get(name)
         if hit is None:
-            pattern, index = _pattern(name, inventory)
+            pattern, index = _pattern(spelling.respell(name))
             missing.setdefault(pattern, []).append(index)
         elif hit[1].dtype not in inventory.dtypes:
             problems.append(
@@ -312,15 +324,44 @@ def check_inventory(
     return problems
 
 
-def _pattern(name: str, inventory: Inventory) -> tuple[str, int]:
+class _Spelling:
+    """How the source spells each layer's names (SGLang maps `language_model.layers.` and
+    `block_sparse_moe` alike), so a problem about a missing tensor names it as the file
+    would: real checkpoints spell their MoE layers `block_sparse_moe`."""
+
+    _MOE = f".{SUBSTRING_ALIAS[0]}."
+
+    def __init__(self) -> None:
+        self.short: dict[str, bool] = {}  # layer index -> spelled `language_model.layers.`
+        self.moe: dict[str, bool] = {}  # layer index -> its FFN spelled `block_sparse_moe`
+
+    def see(self, name: str) -> None:
+        short = name.startswith(PREFIX_ALIAS[0])
+        head = PREFIX_ALIAS[0] if short else LAYER_PREFIX
+        if not name.startswith(head):
+            return
+        layer, _, rest = name[len(head) :].partition(".")
+        self.short.setdefault(layer, short)
+        if rest.startswith(("mlp.", self._MOE[1:])):
+            self.moe.setdefault(layer, rest.startswith(self._MOE[1:]))
+
+    def respell(self, canonical: str) -> str:
+        if not canonical.startswith(LAYER_PREFIX):
+            return canonical
+        layer, _, rest = canonical[len(LAYER_PREFIX) :].partition(".")
+        if rest.startswith("mlp.") and self.moe.get(layer):
+            rest = self._MOE[1:] + rest[4:]
+        head = PREFIX_ALIAS[0] if self.short.get(layer) else LAYER_PREFIX
+        return f"{head}{layer}.{rest}"
+
+
+_INDEX = re.compile(r"(?:^|\.)(layers|blocks)\.(0|[1-9][0-9]*)\.", re.ASCII)
+
+
+def _pattern(name: str) -> tuple[str, int]:
     """(name with its layer or block index as a placeholder, the index; -1 if none)."""
-    for template, mark in (
-        (inventory.layer_prefix, "{L}"),
-        (inventory.vision_block_prefix, "{B}"),
-    ):
-        head, _, tail = template.partition(mark)
-        if name.startswith(head):
-            index, dot, rest = name[len(head) :].partition(".")
-            if dot and index.isdigit() and tail == ".":
-                return f"{head}{mark}.{rest}", int(index)
-    return name, -1
+    m = _INDEX.search(name)
+    if m is None:
+        return name, -1
+    mark = "{L}" if m[1] == "layers" else "{B}"
+    return f"{name[: m.start(2)]}{mark}{name[m.end(2) :]}", int(m[2])

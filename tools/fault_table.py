@@ -58,6 +58,7 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("change", fl.source_change_cases),
         ("paths", fl.path_cases),
         ("nan", fl.data_fault_cases),
+        ("shapes", fl.shape_cases),
         ("verify", fl.verify_hostile_cases),
         ("verifyfifo", fl.verify_fifo_case),
         ("headerbound", fl.header_bound_cases),

@@ -25,6 +25,7 @@ from ..errors import Code, Fatal, Problem, problem
 from ..manifest import Dims, Manifest, load_manifest, resolve_dims
 from ..outdir import STATE_DIR
 from ..safetensors_format import ShardHeader
+from ..shapes import shape_problems, shape_rule
 from ..source import (
     check_index_against_headers,
     check_shard_name,
@@ -94,6 +95,7 @@ def check_structure(root: Path, manifest: Manifest | None, report: VerifyReport)
         _check_index(out, report)
         _check_config(out, manifest, report)
         _check_experts(out, report)
+        _check_shapes(out, report)
         _check_files(out, file_problems, report)
     finally:
         if gc_was_enabled:
@@ -271,6 +273,26 @@ def _check_experts(out: Output, report: VerifyReport) -> None:
         problems,
         f"{layers} MoE layers x {experts} experts, {out.layout.found} expert tensors",
     )
+
+
+def _check_shapes(out: Output, report: VerifyReport) -> None:
+    """Every non-expert tensor's shape against the one the config gives it (`shapes.py`):
+    the converter copies these tensors, so a wrong one is the source's or a later edit's."""
+    title = "non-expert tensor shapes (derived from the config)"
+    if out.config is None:
+        report.skip("shapes", LEVEL, title, "skipped: no readable config")
+        return
+    # Bounded by the output's tensor count, as the experts check (its problems are that check's).
+    bound = sum(len(h.tensors) for h in out.headers.values())
+    rule, rule_problems = contract.layer_rule(out.config, bound)
+    shapes = shape_rule(out.config, None if rule_problems else rule.moe)
+    tensors = (
+        (file, info.name, info.shape)
+        for file, header in out.headers.items()
+        for info in header.tensors.values()
+    )
+    problems = shape_problems(shapes, tensors)
+    report.add("shapes", LEVEL, title, problems, "every judged tensor has its shape")
 
 
 def _check_files(out: Output, problems: list[Problem], report: VerifyReport) -> None:

@@ -49,6 +49,7 @@ from .headers import HEADER_CASES, header_bound_cases, header_cases
 from .library import library_cases
 from .paths import path_cases
 from .planner import PLAN_CASES, plan_cases
+from .shapes import shape_cases
 from .source_change import header_swap_case, source_change_cases
 from .source_tree import INDEX_CASES, index_cases
 from .verify import verify_fifo_case, verify_hostile_cases
@@ -103,6 +104,7 @@ __all__ = [
     "reference_output",
     "run_cli",
     "shard_bytes",
+    "shape_cases",
     "sigint_cases",
     "source_change_cases",
     "tensor_names",
