@@ -82,7 +82,15 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
         return ExpertTable(expected.dims), problems
     table, tensor_problems = check_expert_tensors(expected, source_tensors(source))
     tensor_problems += check_inventory(expected, source_tensors(source))
+    tensor_problems += check_name_collisions(source_tensors(source))
     return table, problems + tensor_problems
+
+
+def check_name_collisions(tensors: Iterable[tuple[str, TensorInfo]]) -> list[Problem]:
+    """No two names that SGLang's name mapping folds into one model parameter: the one it
+    loads last would win, and re-sharding changes which one that is."""
+    files = {info.name: file for file, info in tensors}
+    return contract.collision_problems(files, files.get)
 
 
 class _Verdict(NamedTuple):
