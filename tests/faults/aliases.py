@@ -28,7 +28,6 @@ from .core import (
     read_shard,
     reference_output,
     shard_bytes,
-    tensor_names,
 )
 
 # fold -> (which tensor to double, its second spelling)
