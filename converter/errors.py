@@ -700,7 +700,7 @@ not-verified/not-local: model path is not a local directory: a converted checkpo
   found: {root}
   hint: download it, run `kimi-convert verify DIR --checksums` and serve DIR, or set {env}=1
 verified-files-changed/changed: file changed since the last passing `verify --checksums` (size,
-    mtime, inode or device)
+    mtime, ctime, inode or device)
   expected: {want}
   found: {identity}
   hint: run `kimi-convert verify {root} --checksums` again (a copy needs its own verify), or set

@@ -78,12 +78,13 @@ class ShardRecord:
 
 
 class FileIdentity(NamedTuple):
-    """Which file stands at a path, from one `stat` (no byte read): the same path with the
-    same identity is the same bytes unless written in place without touching its mtime.
-    The device and inode make a copy (another node, another disk) a different file."""
+    """Which file stands at a path, from one `stat` (no byte read). A write changes the
+    mtime and the ctime (which no user can set back); the device and inode make a copy
+    (another node, another disk) a different file."""
 
     size: int
     mtime_ns: int
+    ctime_ns: int
     inode: int
     device: int
 
@@ -96,7 +97,7 @@ def file_identity(path: str | os.PathLike[str]) -> FileIdentity | None:
         st = os.stat(path)
     except OSError:
         return None
-    return FileIdentity(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    return FileIdentity(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
 class Mode(Enum):

@@ -2,7 +2,7 @@
 
 A passing `verify --checksums` read every byte of the checkpoint; it records, in the output's
 state folder, the levels it ran and the identity (`records.file_identity`: size, mtime,
-inode, device) of every file of the checkpoint, taken before it read them and found the
+ctime, inode, device) of every file of the checkpoint, taken before it read them and found the
 same after. A failing verify removes the record. A server loading the checkpoint stats the
 same files (no byte read: seconds for hundreds of shards) and refuses any difference: a file
 changed, added or removed since, or a copy (another inode or device) that was never
@@ -69,7 +69,9 @@ class Proof:
         out: dict[str, FileIdentity] = {}
         for name, ident in files.items():
             if not (
-                isinstance(ident, list) and len(ident) == 4 and all(type(v) is int for v in ident)
+                isinstance(ident, list)
+                and len(ident) == len(FileIdentity._fields)
+                and all(type(v) is int for v in ident)
             ):
                 return None
             out[name] = FileIdentity(*ident)
@@ -153,9 +155,7 @@ def forget(root: Path) -> bool:
 def _shown(ident: FileIdentity | None) -> str:
     if ident is None:
         return "nothing readable"
-    return (
-        f"size {ident.size}, mtime_ns {ident.mtime_ns}, inode {ident.inode}, device {ident.device}"
-    )
+    return ", ".join(f"{k} {v}" for k, v in ident._asdict().items())
 
 
 def _differences(proof: Proof, now: Mapping[str, FileIdentity | None], facts: dict) -> list:
