@@ -544,10 +544,19 @@ def served_keys(name: str) -> tuple[str, ...]:
     # The rename commutes with the split, which reads either spelling (adapter/split.py).
     key = key.replace("language_model.", "").replace("weight_packed", "weight")
     split = split_expert_name(key) if f".{FUSED}." in key else None
-    tail = split and parse_expert_tail(split[1], _SERVED_SUFFIXES)
-    if split and tail and tail.proj == FUSED:
-        return tuple(expert_name(split[0], tail.expert, p, tail.suffix) for p in (UP, GATE))
-    return (key,)
+    if split is None:
+        return (key,)
+    return tuple(split[0] + "experts." + tail for tail in _served_tails(split[1]))
+
+
+@functools.lru_cache(maxsize=65536)
+def _served_tails(tail: str) -> tuple[str, ...]:
+    """A routed-expert tail as the loader receives it: a w31's two halves, up first. Cached:
+    the real model's ~500k names share a few thousand tails."""
+    parsed = parse_expert_tail(tail, _SERVED_SUFFIXES)
+    if parsed is None or parsed.proj != FUSED:
+        return (tail,)
+    return tuple(f"{parsed.expert}.{p}.{parsed.suffix}" for p in (UP, GATE))
 
 
 def name_collisions(names: Iterable[str]) -> list[tuple[str, str, str]]:

@@ -132,20 +132,22 @@ def _check_before_first_load(model: Any, converted: bool) -> None:
     root = _model_root()
     if root is None or getattr(model, _LOAD_CHECKED, False):
         return
-    if converted and verified.skipped():
+    checked = converted and not verified.skipped()
+    if converted and not checked:
         logger.warning(
             "kimi_w31: %s=1: serving %s WITHOUT checking it against its last passing "
             "`kimi-convert verify --checksums`; damaged or edited files would be served",
             verified.SKIP_ENV,
             root,
         )
-    refusals = [structure_refusal(root, converted)]
-    if converted:
-        refusals.insert(0, verified_refusal(root))
-    found = [r for r in refusals if r is not None]
-    if found:
-        refusal = Refusal([p for r in found for p in r.problems], found[0].hint)
-        raise W31LoadError(refusal.render(root), refusal.codes)
+    # A matching proof covers the structure rules too (verify's structure level has them):
+    # the headers are read only without one, or to name what is wrong once it is refused.
+    unproven = verified_refusal(root) if checked else None
+    if not checked or unproven is not None:
+        found = [r for r in (unproven, structure_refusal(root, converted)) if r is not None]
+        if found:
+            refusal = Refusal([p for r in found for p in r.problems], found[0].hint)
+            raise W31LoadError(refusal.render(root), refusal.codes)
     setattr(model, _LOAD_CHECKED, True)
 
 

@@ -246,6 +246,14 @@ def test_structure_damage_is_refused_with_its_own_code(plugins, copy, damage):
     assert not codes & {Code.NOT_VERIFIED.value, Code.VERIFIED_FILES_CHANGED.value}
 
 
+@pytest.mark.parametrize("damage", sorted(STRUCTURE_DAMAGE))
+def test_structure_damage_after_verify_names_both_reasons(plugins, checked, copy, damage):
+    _verify(copy)
+    plant, code = STRUCTURE_DAMAGE[damage]
+    plant(copy)
+    assert {code.value, Code.VERIFIED_FILES_CHANGED.value} <= _refused(copy)
+
+
 def test_the_opt_out_loads_an_unverified_checkpoint_and_says_so(plugins, copy, caplog):
     with caplog.at_level(logging.WARNING, logger="kimi_w31.adapter"):
         _load_from_disk(copy)
