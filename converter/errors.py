@@ -1060,8 +1060,10 @@ CONSEQUENCES: dict[Code, frozenset[Code]] = {
     # Experts that exist but sit where no MoE layer loads them are not "no experts".
     Code.LAYER_UNEXPECTED: frozenset({Code.NO_EXPERTS}),
     Code.EXPERT_OUTSIDE_LAYER: frozenset({Code.NO_EXPERTS}),
-    Code.LAYER_DUPLICATED: frozenset({Code.NO_EXPERTS}),
-    Code.EXPERT_TENSOR_UNEXPECTED: frozenset({Code.NO_EXPERTS}),
+    # A layer's experts under two spellings, or a w1/w3 left beside its w31: the names
+    # that reach one parameter follow from it.
+    Code.LAYER_DUPLICATED: frozenset({Code.NO_EXPERTS, Code.NAME_COLLISION}),
+    Code.EXPERT_TENSOR_UNEXPECTED: frozenset({Code.NO_EXPERTS, Code.NAME_COLLISION}),
 }
 
 

@@ -158,17 +158,22 @@ def _shown(ident: FileIdentity | None) -> str:
     return ", ".join(f"{k} {v}" for k, v in ident._asdict().items())
 
 
-def _differences(proof: Proof, now: Mapping[str, FileIdentity | None], facts: dict) -> list:
+def _differences(proof: Proof, now: Mapping[str, FileIdentity | None], root: str) -> list:
     problems: list[Problem] = []
     for name in sorted(set(proof.files) | set(now)):
         want, found = proof.files.get(name), now.get(name)
         if want == found:
             continue
         if want is None:
-            problems.append(problem(Code.VERIFIED_FILES_CHANGED, rule="added", file=name, **facts))
+            added = problem(
+                Code.VERIFIED_FILES_CHANGED, rule="added", file=name, root=root, env=SKIP_ENV
+            )
+            problems.append(added)
         elif found is None:
             problems.append(
-                problem(Code.VERIFIED_FILES_CHANGED, rule="removed", file=name, **facts)
+                problem(
+                    Code.VERIFIED_FILES_CHANGED, rule="removed", file=name, root=root, env=SKIP_ENV
+                )
             )
         else:
             problems.append(
@@ -178,7 +183,8 @@ def _differences(proof: Proof, now: Mapping[str, FileIdentity | None], facts: di
                     file=name,
                     want=_shown(want),
                     identity=_shown(found),
-                    **facts,
+                    root=root,
+                    env=SKIP_ENV,
                 )
             )
     return problems
@@ -189,22 +195,29 @@ def served_refusal(root: Path) -> Fatal | None:
     where it stands, or a file of it changed since (None: it was, and nothing changed).
     Stat calls and one small read: seconds at full scale."""
     root = Path(root)
-    facts = {"root": str(root), "env": SKIP_ENV}
+    where = str(root)
     if not os.path.isdir(root):
-        return fatal(Code.NOT_VERIFIED, rule="not-local", **facts)
+        return fatal(Code.NOT_VERIFIED, rule="not-local", root=where, env=SKIP_ENV)
     device = _root_device(root)
     proofs = [p for p in read_proofs(root) if p.device == device]
     if not proofs:
-        return fatal(Code.NOT_VERIFIED, rule="never", file=root, **facts)
+        return fatal(Code.NOT_VERIFIED, rule="never", file=root, root=where, env=SKIP_ENV)
     proof = proofs[-1]
     if REQUIRED_LEVEL not in proof.levels:
         levels = ", ".join(proof.levels)
-        return fatal(Code.NOT_VERIFIED, rule="no-checksums", file=root, levels=levels, **facts)
-    problems = _differences(proof, identities(root), facts)
+        return fatal(
+            Code.NOT_VERIFIED,
+            rule="no-checksums",
+            file=root,
+            levels=levels,
+            root=where,
+            env=SKIP_ENV,
+        )
+    problems = _differences(proof, identities(root), where)
     if not problems:
         return None
     hint = message(Code.VERIFIED_FILES_CHANGED, "changed").hint or ""
-    return Fatal(problems[:MAX_LISTED], hint=hint.format(**facts))
+    return Fatal(problems[:MAX_LISTED], hint=hint.format(root=where, env=SKIP_ENV))
 
 
 def skipped(env: Mapping[str, str] | None = None) -> bool:

@@ -78,11 +78,15 @@ def plant_alias(root: Path, pick: Callable[[str], bool], spell: Callable[[str], 
 
 
 def _judge(proc, alias: str, must_not_exist: Path | None) -> tuple[str, str]:
+    """Refused with `name-collision` naming the alias, or with a cause it follows from
+    (`errors.CONSEQUENCES`: a layer's experts under two spellings) that is listed while the
+    collision is counted."""
+    listed = json_problems(proc.stdout)
     hits = [
-        p
-        for p in json_problems(proc.stdout)
-        if p.get("code") == Code.NAME_COLLISION.value and alias in json.dumps(p)
+        p for p in listed if p.get("code") == Code.NAME_COLLISION.value and alias in json.dumps(p)
     ]
+    if not hits and f'"{Code.NAME_COLLISION.value}"' in proc.stdout:  # counted, not listed
+        hits = [p for p in listed if p.get("code") == Code.LAYER_DUPLICATED.value]
     good = proc.returncode == 1 and hits and (must_not_exist is None or not must_not_exist.exists())
     if looks_like_crash(proc.stderr):
         return CRASH, proc.stderr[-200:]
