@@ -206,3 +206,15 @@ def test_a_converter_rerun_leaves_no_record(verified_output, small_source):
     convert(opts)
     assert not (verified_output / STATE_DIR).exists()
     assert _codes(verified.served_refusal(verified_output)) == {Code.NOT_VERIFIED}
+
+
+def test_a_model_path_that_is_no_local_folder_is_not_verified(tmp_path):
+    refusal = verified.served_refusal(tmp_path / "org" / "repo")
+    assert _codes(refusal) == {Code.NOT_VERIFIED}
+    assert verified.SKIP_ENV in (refusal.hint or "")
+
+
+def test_the_opt_out_is_exactly_one():
+    assert verified.skipped({verified.SKIP_ENV: "1"})
+    assert not any(verified.skipped({verified.SKIP_ENV: v}) for v in ("", "0", "true", "yes"))
+    assert not verified.skipped({})
