@@ -163,6 +163,14 @@ def _duplicate_in_second_shard(path: Path) -> None:
     _rewrite(_other_shard(path, name), lambda t: t.__setitem__(name, (data ^ 0x11).clone()))
 
 
+def _duplicate_without_index(path: Path) -> None:
+    name = _w31(1, 3)
+    other = _other_shard(path, name)
+    data = load_file(str(_shard_of(path, name)))[name]
+    (path / INDEX).unlink()  # SGLang then loads every top-level shard
+    _rewrite(other, lambda t: t.__setitem__(name, (data ^ 0x33).clone()))
+
+
 def _moved_to_unassigned_shard(path: Path) -> None:
     name = _w31(1, 1)
     home, other = _shard_of(path, name), _other_shard(path, name)
@@ -193,6 +201,7 @@ CONTENT_DAMAGE = {
 STRUCTURE_DAMAGE = {
     "w31 two rows short": (_two_rows_short, Code.EXPERT_SHAPE),
     "tensor duplicated in a second shard": (_duplicate_in_second_shard, Code.INDEX_WRONG_SHARD),
+    "tensor in two shards, no index": (_duplicate_without_index, Code.TENSOR_IN_TWO_SHARDS),
     "tensor in a shard the index does not give it": (
         _moved_to_unassigned_shard,
         Code.INDEX_WRONG_SHARD,
