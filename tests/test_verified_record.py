@@ -218,3 +218,16 @@ def test_the_opt_out_is_exactly_one():
     assert verified.skipped({verified.SKIP_ENV: "1"})
     assert not any(verified.skipped({verified.SKIP_ENV: v}) for v in ("", "0", "true", "yes"))
     assert not verified.skipped({})
+
+
+def test_one_function_reads_identities_for_verify_and_the_server():
+    """`records.file_identity` is the only reader: verify's record and the load-time check
+    cannot disagree on what an identity is."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sides = [root / "converter" / "verified.py", *(root / "converter" / "audit").glob("*.py")]
+    sides += list((root / "adapter").rglob("*.py"))
+    readers = [p.name for p in sides if any(f in p.read_text() for f in ("st_ino", "st_dev"))]
+    assert readers == []
+    assert "file_identity" in (root / "converter" / "verified.py").read_text()
