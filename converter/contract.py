@@ -18,7 +18,7 @@ import copy
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .errors import Code, Problem, problem
@@ -525,6 +525,75 @@ def source_halves(name: str) -> tuple[str, str] | None:
     if parsed is None or parsed.proj != FUSED:
         return None
     return parsed.with_proj(UP), parsed.with_proj(GATE)
+
+
+# -- SGLang's name mapping: which model parameter a checkpoint name loads into ----------------
+
+# SGLang 0.5.23 folds names before it looks a parameter up (models/kimi_k3.py): the VL
+# wrapper's `hf_to_sglang_mapper` replaces the first "block_sparse_moe" with "mlp", then a
+# leading "language_model.layers." with "language_model.model.layers."; a name holding
+# "vision_tower" or "mm_projector" then loads by that name; any other has every
+# "language_model." removed and reaches the text model, where (after the adapter splits a
+# w31 into its w3 and w1 halves) every "weight_packed" becomes "weight". Two names with one
+# key reach one parameter: the one loaded last wins, so which one is served depends on the
+# shard order. Held to SGLang's own loader by tests/sglang/test_name_mapping_differential.py.
+_SERVED_SUBSTR = ("block_sparse_moe", "mlp")
+_SERVED_PREFIX = ("language_model.layers.", "language_model.model.layers.")
+_SERVED_VISION = ("vision_tower", "mm_projector")
+_SERVED_SUFFIXES = ("weight", "weight_scale")
+
+
+def served_keys(name: str) -> tuple[str, ...]:
+    """The model parameter(s) a checkpoint tensor name loads into under SGLang's mapping
+    (a converted w31: its up and gate halves)."""
+    key = name
+    old, new = _SERVED_SUBSTR
+    if old in key:
+        key = key.replace(old, new, 1)
+    old, new = _SERVED_PREFIX
+    if key.startswith(old):
+        key = new + key[len(old) :]
+    if any(v in key for v in _SERVED_VISION):
+        return (key,)
+    # The rename commutes with the split, which reads either spelling (adapter/split.py).
+    key = key.replace("language_model.", "").replace("weight_packed", "weight")
+    split = split_expert_name(key) if f".{FUSED}." in key else None
+    if split is None:
+        return (key,)
+    return tuple(split[0] + "experts." + tail for tail in _served_tails(split[1]))
+
+
+@functools.lru_cache(maxsize=65536)
+def _served_tails(tail: str) -> tuple[str, ...]:
+    """A routed-expert tail as the loader receives it: a w31's two halves, up first. Cached:
+    the real model's ~500k names share a few thousand tails."""
+    parsed = parse_expert_tail(tail, _SERVED_SUFFIXES)
+    if parsed is None or parsed.proj != FUSED:
+        return (tail,)
+    return tuple(f"{parsed.expert}.{p}.{parsed.suffix}" for p in (UP, GATE))
+
+
+def name_collisions(names: Iterable[str]) -> list[tuple[str, str, str]]:
+    """(first name, second name, parameter) for every name that reaches a parameter an
+    earlier name (in sorted order) already reaches: each pair once."""
+    owner: dict[str, str] = {}
+    found: list[tuple[str, str, str]] = []
+    for name in sorted(names):
+        for key in served_keys(name):
+            first = owner.setdefault(key, name)
+            if first != name:
+                found.append((first, name, key))
+                break
+    return found
+
+
+def collision_problems(names: Iterable[str], file_of: Callable[[str], str | None]) -> list:
+    """A `name-collision` problem per name that reaches an earlier name's parameter."""
+    return [
+        problem(Code.NAME_COLLISION, file=file_of(second), tensor=second, first=first,
+                second=second, key=key)
+        for first, second, key in name_collisions(names)
+    ]  # fmt: skip
 
 
 # -- which layers are MoE layers ------------------------------------------------------------

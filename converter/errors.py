@@ -139,6 +139,10 @@ class Code(str, Enum):
     TENSOR_DTYPE_DIFFERS = "tensor-dtype-differs"
     TENSOR_SHAPE_DIFFERS = "tensor-shape-differs"
     FILE_NOT_FROM_SOURCE = "file-not-from-source"
+    # -- what is served is what was verified (the adapter, at load)
+    NOT_VERIFIED = "not-verified"
+    VERIFIED_FILES_CHANGED = "verified-files-changed"
+    NAME_COLLISION = "name-collision"  # two checkpoint names reach one model parameter
     # -- a prebuilt kernel bundle (adapter: kimi-convert prebuild --out, KIMI_W31_KERNELS)
     KERNEL_BUNDLE_INVALID = "kernel-bundle-invalid"
     KERNEL_BUNDLE_ARCH = "kernel-bundle-arch"
@@ -689,6 +693,32 @@ tensor-shape-differs/shape: shape differs from the source
   found: {shape}
 file-not-from-source: file in the output that the conversion of this source would not write
 
+# -- what is served is what was verified (the adapter, at load)
+not-verified/never: checkpoint was never verified with --checksums on this filesystem
+  hint: run `kimi-convert verify {root} --checksums` on this node (or once on a shared
+    filesystem), or set {env}=1 to serve it unverified
+not-verified/no-checksums: checkpoint was verified, but not with --checksums
+  found: levels {levels}
+  hint: run `kimi-convert verify {root} --checksums`, or set {env}=1 to serve it unverified
+not-verified/not-local: model path is not a local directory: a converted checkpoint is served from
+    a verified local copy
+  found: {root}
+  hint: download it, run `kimi-convert verify DIR --checksums` and serve DIR, or set {env}=1
+verified-files-changed/changed: file changed since the last passing `verify --checksums` (size,
+    mtime, ctime, inode or device)
+  expected: {want}
+  found: {identity}
+  hint: run `kimi-convert verify {root} --checksums` again (a copy needs its own verify), or set
+    {env}=1 to serve it unverified
+verified-files-changed/added: file added since the last passing `verify --checksums`
+  hint: run `kimi-convert verify {root} --checksums` again, or set {env}=1 to serve it unverified
+verified-files-changed/removed: file removed since the last passing `verify --checksums`
+  hint: run `kimi-convert verify {root} --checksums` again, or set {env}=1 to serve it unverified
+name-collision: two tensor names reach the same model parameter under SGLang's name mapping (the
+    one loaded last would win)
+  expected: one of {first!r} and {second!r}
+  found: both, as {key!r}
+
 # -- a prebuilt kernel bundle (adapter: kimi-convert prebuild --out, KIMI_W31_KERNELS)
 kernel-bundle-invalid/unreadable: no readable manifest ({error})
 kernel-bundle-invalid/not-manifest: not a kernel bundle manifest ({error})
@@ -969,6 +999,9 @@ EXIT_CODES: dict[Code, int] = {
     Code.TENSOR_DTYPE_DIFFERS: EXIT_PROBLEMS,
     Code.TENSOR_SHAPE_DIFFERS: EXIT_PROBLEMS,
     Code.FILE_NOT_FROM_SOURCE: EXIT_PROBLEMS,
+    Code.NOT_VERIFIED: EXIT_PROBLEMS,
+    Code.VERIFIED_FILES_CHANGED: EXIT_PROBLEMS,
+    Code.NAME_COLLISION: EXIT_PROBLEMS,
     # a kernel bundle that does not match the serving stack: the data is wrong for here
     **dict.fromkeys(
         (
@@ -1033,8 +1066,10 @@ CONSEQUENCES: dict[Code, frozenset[Code]] = {
     # Experts that exist but sit where no MoE layer loads them are not "no experts".
     Code.LAYER_UNEXPECTED: frozenset({Code.NO_EXPERTS}),
     Code.EXPERT_OUTSIDE_LAYER: frozenset({Code.NO_EXPERTS}),
-    Code.LAYER_DUPLICATED: frozenset({Code.NO_EXPERTS}),
-    Code.EXPERT_TENSOR_UNEXPECTED: frozenset({Code.NO_EXPERTS}),
+    # A layer's experts under two spellings, or a w1/w3 left beside its w31: the names
+    # that reach one parameter follow from it.
+    Code.LAYER_DUPLICATED: frozenset({Code.NO_EXPERTS, Code.NAME_COLLISION}),
+    Code.EXPERT_TENSOR_UNEXPECTED: frozenset({Code.NO_EXPERTS, Code.NAME_COLLISION}),
 }
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
+from typing import NamedTuple
 
 from . import faults, fsio
 from .errors import Code, Fatal, fatal
@@ -73,6 +75,29 @@ class ShardRecord:
             and isinstance(record.sources, dict)
         )
         return record if ok else None
+
+
+class FileIdentity(NamedTuple):
+    """Which file stands at a path, from one `stat` (no byte read). A write changes the
+    mtime and the ctime (which no user can set back); the device and inode make a copy
+    (another node, another disk) a different file."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+
+
+def file_identity(path: str | os.PathLike[str]) -> FileIdentity | None:
+    """The identity of the file a reader of `path` opens (links followed, as a loader
+    follows them); None when nothing readable stands there. The one reader of identities:
+    `verify` records them, the serving adapter compares them."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return FileIdentity(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
 class Mode(Enum):

@@ -85,6 +85,7 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
     table, tensor_problems = check_expert_tensors(expected, source_tensors(source))
     tensor_problems += check_inventory(expected, source_tensors(source))
     tensor_problems += check_shapes(expected, source_tensors(source))
+    tensor_problems += check_name_collisions(source_tensors(source))
     return table, problems + tensor_problems
 
 
@@ -93,6 +94,13 @@ def check_shapes(expected: Expectation, tensors: Iterable[tuple[str, TensorInfo]
     if expected.shapes is None:
         return []
     return shape_problems(expected.shapes, ((f, i.name, i.shape) for f, i in tensors))
+
+
+def check_name_collisions(tensors: Iterable[tuple[str, TensorInfo]]) -> list[Problem]:
+    """No two names that SGLang's name mapping folds into one model parameter: the one it
+    loads last would win, and re-sharding changes which one that is."""
+    files = {info.name: file for file, info in tensors}
+    return contract.collision_problems(files, files.get)
 
 
 class _Verdict(NamedTuple):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
+from kimi_w31.converter import verified
 from kimi_w31.converter.audit import verify
 from kimi_w31.converter.audit.command import verify as command
 from kimi_w31.converter.errors import Code, Fatal
@@ -202,7 +203,8 @@ ROWS: dict[str, Row] = {
     ),
     "a w1 left beside the w31": Row(
         model_edit(add_copy(EXPERT + "w1.weight_packed", EXPERT + "w2.weight_packed")),
-        {Code.EXPERT_TENSOR_UNEXPECTED},
+        # the w1 and the w31's gate half reach one parameter: counted as a consequence
+        {Code.EXPERT_TENSOR_UNEXPECTED, Code.NAME_COLLISION},
     ),
     "a w31 split back into w1 and w3": Row(
         model_edit(
@@ -416,7 +418,9 @@ def test_structure_fault_has_its_code(output_copy, case):
     row.mutate(output_copy)
     before = _tree(output_copy.parent)
     report = verify(output_copy, manifest=row.manifest)
-    assert _tree(output_copy.parent) == before  # verify never writes
+    # verify writes nothing; failing, it removes the record of an earlier passing one
+    record = str(verified.record_path(output_copy).relative_to(output_copy.parent))
+    assert _tree(output_copy.parent) == {k: v for k, v in before.items() if k != record}
     assert not report.ok
     assert {c.level for c in report.checks if c.ok is False} == {"structure"}
     if row.exact:
@@ -545,7 +549,8 @@ def test_hostile_outputs_never_crash_the_command(output_copy, tmp_path):
         assert result.returncode == 1, (case, result.output)
         assert "Traceback" not in result.output and "KIMI_W31_DEBUG" not in result.output
         doc = result.json
-        assert row.codes <= set(doc["codes"]), (case, doc["codes"])
+        found = set(doc["codes"]) | set(doc["suppressed_codes"])  # listed, or counted
+        assert row.codes <= found, (case, doc["codes"])
         if out.is_dir():
             shutil.rmtree(out)
         else:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+from ...converter import verified
 from ...converter.errors import Code
 from .. import flashinfer_moe as fm
 from ..completeness import PROJECTIONS, ExpertLedger, incomplete_report, kind_of, missing_parts
@@ -23,6 +25,7 @@ from ..layout import (
     text_config,
     unwrap_quantization_config,
 )
+from ..served import Refusal, structure_refusal, verified_refusal
 from ..split import SplitStats, split_w31_items
 from .engage import Decision, MoeFacts, decide, unconverted_warning
 
@@ -88,9 +91,12 @@ def after_get_config(result: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def around_load_weights(original: Any, self: Any, weights: Iterable, *args: Any, **kw: Any):
-    """KimiK3LinearForCausalLM.load_weights: feed SGLang `w3`/`w1` views of each `w31`, and
-    refuse a first load that left any local expert of a MoE layer without one of its parts."""
+    """KimiK3LinearForCausalLM.load_weights: before the first load, refuse a checkpoint that
+    is not what was verified or whose shards disagree (`served.py`); feed SGLang `w3`/`w1`
+    views of each `w31`, and refuse a first load that left any local expert of a MoE layer
+    without one of its parts."""
     layout = find_block(self.config, _process_hf_config())
+    _check_before_first_load(self, converted=layout is not None)
     stats = SplitStats()
     watched = _watch_expert_loads(self)
     try:
@@ -104,6 +110,45 @@ def around_load_weights(original: Any, self: Any, weights: Iterable, *args: Any,
         _check_converted_load(stats)
     _check_expert_ledgers([ledger for ledger, _ in watched], converted=layout is not None)
     return result
+
+
+# --- before the first load: what was verified, and shards that agree ---------------------
+
+_LOAD_CHECKED = "_kimi_w31_load_checked"
+
+
+def _model_root() -> Path | None:
+    from sglang.srt.runtime_context import process_model_config
+
+    try:
+        return Path(process_model_config().model_path)
+    except Exception:  # not published (a model built outside a server): nothing to check
+        return None
+
+
+def _check_before_first_load(model: Any, converted: bool) -> None:
+    """Once per model, before any weight is read: stat calls and shard headers only. A
+    later in-place load into the same model (a weight update) is not checked again."""
+    root = _model_root()
+    if root is None or getattr(model, _LOAD_CHECKED, False):
+        return
+    checked = converted and not verified.skipped()
+    if converted and not checked:
+        logger.warning(
+            "kimi_w31: %s=1: serving %s WITHOUT checking it against its last passing "
+            "`kimi-convert verify --checksums`; damaged or edited files would be served",
+            verified.SKIP_ENV,
+            root,
+        )
+    # A matching proof covers the structure rules too (verify's structure level has them):
+    # the headers are read only without one, or to name what is wrong once it is refused.
+    unproven = verified_refusal(root) if checked else None
+    if not checked or unproven is not None:
+        found = [r for r in (unproven, structure_refusal(root, converted)) if r is not None]
+        if found:
+            refusal = Refusal([p for r in found for p in r.problems], found[0].hint)
+            raise W31LoadError(refusal.render(root), refusal.codes)
+    setattr(model, _LOAD_CHECKED, True)
 
 
 # --- every part of every local expert ------------------------------------------------------

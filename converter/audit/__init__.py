@@ -10,6 +10,11 @@ has a checksums file, `--numerics` needs `--source`:
   source     (--source)     every tensor and file against the source, byte for byte
   numerics   (--numerics)   sampled experts computed with source and converted semantics
 
+A verify that reads every byte (`--checksums`, `--source`) and passes records its levels and
+the identity of every file of the checkpoint in the output's state folder; a failing one
+removes that record (`verified.settle`): a server refuses a checkpoint that was not verified
+where it stands, or that changed since (`verified.served_refusal`).
+
 Verification stands apart from the converter: it imports the contract, the safetensors and
 source readers, the manifest, hashing and the numpy reference, never the planner, the
 validation table, the pipeline or the executors, so it cannot share their mistakes.
@@ -19,8 +24,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import verified
 from ..errors import Code, fatal
-from ..manifest import load_manifest
+from ..manifest import Manifest, load_manifest
 from .against_source import check_against_source
 from .checksums import check_checksums
 from .report import Check, VerifyReport
@@ -54,9 +60,37 @@ def verify(
     explicit = load_manifest(manifest) if manifest else None
     root = Path(root).expanduser().absolute()
     report = VerifyReport(str(root), levels=_levels(checksums, source, numerics))
+    before = _identities(root) if verified.REQUIRED_LEVEL in report.levels else None
+    _run_levels(
+        root, explicit, report, checksums, source, numerics, sample, seed, workers, progress_mode
+    )
+    report.record = verified.settle(root, report.levels, report.ok, before)
+    return report
+
+
+def _identities(root: Path) -> verified.Identities | None:
+    """The checkpoint's files as they stand before anything is read (None: not listable)."""
+    try:
+        return verified.identities(root)
+    except OSError:
+        return None
+
+
+def _run_levels(
+    root: Path,
+    explicit: Manifest | None,
+    report: VerifyReport,
+    checksums: bool,
+    source: str | None,
+    numerics: bool,
+    sample: int | None,
+    seed: int,
+    workers: int,
+    progress_mode: str,
+) -> None:
     out = check_structure(root, explicit, report)
     if out is None:
-        return report
+        return
     if checksums or source:
         if checksums or out.files_recorded:
             check_checksums(out, workers, progress_mode, report)
@@ -73,7 +107,6 @@ def verify(
             from .numerics import check_numerics  # numpy and the reference: only here
 
             check_numerics(out, src, sample, seed, progress_mode, report)
-    return report
 
 
 def _levels(checksums: bool, source: str | None, numerics: bool) -> list[str]:

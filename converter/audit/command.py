@@ -117,7 +117,9 @@ def verify(
     config's kimi_w31 block, every routed expert of every MoE layer (derived from the
     config, not from the converter), and every file recorded by the conversion.
     --checksums, --source and --numerics read data (see each option); progress shows the
-    total and an ETA.
+    total and an ETA. A passing verify that read every byte records, in OUT_DIR's state
+    folder, what it proved and the identity of each file; the server refuses a checkpoint
+    without that record where it stands, or changed since.
 
     \b
     Examples:
@@ -129,7 +131,8 @@ def verify(
       nohup kimi-convert verify out/ --source SRC --progress lines > verify.log 2>&1 &
 
     Exit codes: 0 every check passed, 1 a check failed (each problem has a code; see
-    --json), 2 usage error, 130 interrupted, 143 terminated. Verify never writes.
+    --json), 2 usage error, 130 interrupted, 143 terminated. Verify writes nothing but
+    that record (a failing verify removes it).
     """
 
     def body() -> None:
@@ -207,6 +210,8 @@ def _print_report(report: VerifyReport) -> None:
     if report.ok:
         skipped = sum(c.ok is None for c in report.checks)
         out.print("[green]passed[/]" + (f" ({skipped} check(s) skipped)" if skipped else ""))
+    if report.record:
+        out.print(f"verification record for serving: {escape(report.record)}")
 
 
 def _print_problems(report: VerifyReport, where: Console) -> None:

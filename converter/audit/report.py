@@ -64,6 +64,9 @@ class VerifyReport:
     output: str
     levels: list[str] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    # What became of the record a server checks (`verified.settle`): "recorded", "removed",
+    # "not recorded: why", or "" (nothing to do).
+    record: str = ""
 
     @property
     def ok(self) -> bool:
@@ -133,4 +136,5 @@ class VerifyReport:
             "suppressed": self.suppressed,
             "suppressed_codes": sorted(c.value for c in hidden),
             "checks": [c.as_dict(hidden) for c in self.checks],
+            "record": self.record,
         }

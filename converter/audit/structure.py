@@ -142,6 +142,8 @@ def _check_index(out: Output, report: VerifyReport) -> None:
             problems += exc.problems
     problems += check_index_against_headers(weight_map, out.headers, contract.INDEX_NAME)
     problems += _unreferenced(out)
+    # Two names that reach one model parameter: which one is served depends on load order.
+    problems += contract.collision_problems(weight_map, weight_map.get)
     tensors = sum(len(h.tensors) for h in out.headers.values())
     if not problems:
         # The reader proved each shard's tensors tile its data section exactly.

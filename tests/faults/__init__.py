@@ -11,6 +11,7 @@ from __future__ import annotations
 from cli_helpers import json_problems, run_cli
 
 from . import filesystem
+from .aliases import alias_cases
 from .concurrency import concurrency_cases, lock_race_cases
 from .config import bound_cases, config_cases, file_set_cases
 from .core import (
@@ -55,6 +56,7 @@ from .source_tree import INDEX_CASES, index_cases
 from .verify import verify_fifo_case, verify_hostile_cases
 
 __all__ = [
+    "alias_cases",
     "CLEAN",
     "CORRECT",
     "CRASH",

@@ -16,6 +16,7 @@ from .core import (
     CRASH,
     INDEX,
     MANIFEST,
+    STATE,
     WRONG,
     Case,
     _first_problem,
@@ -165,9 +166,16 @@ def _hub_cache_case(template: Path, work: Path) -> Case:
     verify = run_cli(["verify", out, "--checksums", "-q"])
     # config.json and the checksums file record the source label, which differs by design.
     label_free = ("config.json", "kimi_w31.checksums.json")
-    got = {k: v for k, v in tree(out).items() if k not in label_free}
+    got = {k: v for k, v in tree(out).items() if k not in label_free and k.split("/")[0] != STATE}
     want = {k: v for k, v in tree(ref).items() if k not in label_free}
-    ok = proc.returncode == 0 and verify.returncode == 0 and got == want
+    # the passing verify recorded what it proved, and nothing else
+    recorded = sorted(k for k in tree(out) if k.split("/")[0] == STATE)
+    ok = (
+        proc.returncode == 0
+        and verify.returncode == 0
+        and got == want
+        and recorded == [STATE, f"{STATE}/verified.json"]
+    )
     return Case(
         "paths",
         "Hugging Face cache snapshot (symlinks into blobs/) by repo id",

@@ -42,6 +42,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     src, out = root / "src", root / "out"
     kimi_convert("synth", str(src), "--layers", "2", "--experts", str(EXPERTS), "--n", str(N))
     kimi_convert(str(src), str(out), "--manifest", "kimi-k3-any")
+    kimi_convert("verify", str(out), "--checksums")  # as the README says: the plugin checks
     return src, out
 
 
