@@ -142,13 +142,23 @@ def remove(path: str | os.PathLike[str]) -> None:
 
 def remove_all(files: Iterable[Path], folders: Iterable[Path] = ()) -> None:
     """Remove `files` in order (a link as itself; nothing there: nothing to do), then each of
-    `folders` that is still a real directory, with what it holds: never through a link."""
+    `folders` that is a real directory and is empty once they are gone: its empty subfolders
+    first, deepest first, links never followed. Whatever else lies in a folder (a hidden
+    file someone put there, that no record of ours names) keeps it and its parents."""
     for path in files:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     for path in folders:
         if is_real_dir(path):
-            shutil.rmtree(path)
+            prune_empty(path)
+
+
+def prune_empty(folder: Path) -> None:
+    """Remove `folder` and every folder under it that holds nothing, deepest first (a link
+    to a folder is not entered, and keeps its parent); never a file."""
+    for dirpath, _, _ in os.walk(folder, topdown=False):
+        with contextlib.suppress(OSError):  # not empty, or gone: left as it is
+            os.rmdir(dirpath)
 
 
 def empty(folder: Path, keep: Container[str] = ()) -> None:
