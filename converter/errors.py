@@ -530,6 +530,10 @@ source-changed/read: source file {change}
 scale-nan/tensor: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
   expected: no 0xFF scale bytes
   found: {count}
+scale-nan/source: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
+    (byte {at} of the file; it was being copied into {output})
+  expected: no 0xFF scale bytes
+  found: {count}
 scale-nan/numerics: {count} E8M0 scale byte(s) are 0xFF (NaN) in the {side}; first at byte {first}
     of the tensor
 window-too-small: --max-source-window is too small for this checkpoint's layout
