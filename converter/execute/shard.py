@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -43,14 +43,8 @@ class SourceChanged(Exception):
 
 
 def file_identity(path: Path) -> list[int]:
-    """What a source file is, cheaply: size, mtime, ctime and inode (nanoseconds).
-
-    ctime cannot be set back by a user (utime sets only mtime/atime): any write through the
-    filesystem, even one whose author restores the mtime, changes it. The device number is
-    left out on purpose: it differs between the nodes that mount one shared filesystem.
-    """
-    st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    """What a source file is now, links followed (`fsio.identity`)."""
+    return fsio.identity(os.stat(path))
 
 
 class SourceFiles:
@@ -83,17 +77,29 @@ class SourceFiles:
                 self._fds[file] = fd
             return self._fds[file]
 
-    def check_unchanged(self, files: list[str]) -> None:
-        for file in files:
+    def check_unchanged(
+        self, files: list[str], others: Mapping[str, list[int]] | None = None
+    ) -> None:
+        """Each of `files` (source shards) and of `others` (rel name -> identity when read:
+        the config, the index, the files copied) is still the file the run read."""
+        seen = {f: self.identity[f] for f in files} | dict(others or {})
+        for file, then in seen.items():
             try:
                 now = file_identity(self.root / file)
             except OSError:
                 raise SourceChanged(file, "disappeared during the run") from None
-            if now != self.identity[file]:
+            if now != list(then):
                 raise SourceChanged(
                     file,
                     "changed during the run (size, modification or change time, or inode differ)",
                 )
+
+    def prove_unchanged(self, others: Mapping[str, list[int]]) -> None:
+        """Before an output is published: every source file it derives from is still the
+        file read, every shard this run holds an identity of (kept ones too: a proof made
+        against identities taken at the start says nothing of a file replaced since) and
+        `others`. A file an executor let go of (`drop`) is proven by its content instead."""
+        self.check_unchanged(list(self.identity), others)
 
     def fingerprint(self, files: list[str]) -> dict[str, list]:
         """What a record says about the source files a shard was copied from."""

@@ -49,6 +49,7 @@ from .headers import HEADER_CASES, header_bound_cases, header_cases
 from .library import library_cases
 from .paths import path_cases
 from .planner import PLAN_CASES, plan_cases
+from .publish import publish_proof_cases
 from .source_change import header_swap_case, source_change_cases
 from .source_tree import INDEX_CASES, index_cases
 from .verify import verify_fifo_case, verify_hostile_cases
@@ -99,6 +100,7 @@ __all__ = [
     "make_source",
     "path_cases",
     "plan_cases",
+    "publish_proof_cases",
     "read_shard",
     "reference_output",
     "run_cli",
