@@ -23,6 +23,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
+from .arguments import resolve_params
 from .errors import (
     EXIT_BUG,
     EXIT_CODES,
@@ -169,6 +170,8 @@ def run_guarded(
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        # Every path argument looked up first: one the OS refuses is the argument's problem.
+        resolve_params(click.get_current_context(silent=True))
         fn()
     except Fatal as exc:
         render_error(exc, as_json)

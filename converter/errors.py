@@ -115,6 +115,7 @@ class Code(str, Enum):
     PERMISSION_DENIED = "permission-denied"
     OUTPUT_OF_ANOTHER_SOURCE = "output-of-another-source"
     FILE_NAME_INVALID = "file-name-invalid"
+    PATH_UNUSABLE = "path-unusable"  # a path argument the OS refuses to look up
     # -- a converted checkpoint (verify, serve)
     INCOMPLETE_OUTPUT = "incomplete-output"
     BLOCK_MISSING = "block-missing"
@@ -299,6 +300,17 @@ hub-revision: revision not found in the repository
   expected: a branch, tag or commit
   found: {revision}
   hint: check --revision (without it: the default branch, main)
+
+path-unusable/loop: {argument}: the path cannot be looked up: a link on the way leads back to
+    itself
+  found: {error}
+  hint: fix or remove the link named in the path (ls -l each folder on the way)
+path-unusable/too-long: {argument}: the path is too long to look up on this system
+  expected: names of at most {name_max} bytes, a path of at most {path_max}
+  found: {error}
+  hint: use a shorter path (a symlink with a short name to a folder on the way works)
+path-unusable/os: {argument}: the path cannot be looked up
+  found: {error}
 
 # -- the index
 index-invalid/no-weight-map: index has no weight_map object
@@ -960,6 +972,7 @@ EXIT_CODES: dict[Code, int] = {
     Code.PERMISSION_DENIED: EXIT_PROBLEMS,
     Code.OUTPUT_OF_ANOTHER_SOURCE: EXIT_PROBLEMS,
     Code.FILE_NAME_INVALID: EXIT_PROBLEMS,
+    Code.PATH_UNUSABLE: EXIT_USAGE,
     Code.CONFIG_CONFLICT: EXIT_PROBLEMS,
     Code.CONFIG_BOUND: EXIT_PROBLEMS,
     Code.SHARD_NOT_LOADED: EXIT_PROBLEMS,
