@@ -139,3 +139,9 @@ def test_the_resolver_never_raises_and_refuses_exactly_what_the_os_refuses(tmp_p
     else:
         assert found.code is Code.PATH_UNUSABLE and found.file == str(path)
         assert looked_up not in (None,) or too_long
+
+
+def test_the_fault_table_rows_are_clean(tmp_path):
+    rows = fl.argument_cases(fl.make_source(tmp_path / "template"), tmp_path / "work")
+    assert len(rows) >= 4 * 9
+    assert not fl.bad_rows(rows, {fl.CLEAN}), fl.bad_rows(rows, {fl.CLEAN})

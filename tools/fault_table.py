@@ -67,6 +67,7 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("bounds", fl.bound_cases),
         ("library", fl.library_cases),
         ("publish", fl.publish_proof_cases),
+        ("arguments", fl.argument_cases),
     ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from cli_helpers import json_problems, run_cli
 
 from . import filesystem
+from .arguments import argument_cases
 from .concurrency import concurrency_cases, lock_race_cases
 from .config import bound_cases, config_cases, file_set_cases
 from .core import (
@@ -70,6 +71,7 @@ __all__ = [
     "VICTIM",
     "WRONG",
     "Case",
+    "argument_cases",
     "bad_rows",
     "bound_cases",
     "classify_error",
