@@ -288,6 +288,10 @@ link-escapes/publish-outside: file is a symlink outside the source: it would pub
     not published directly
   expected: a regular file, or a link to one of the source's own published files
   found: {kind}
+link-escapes/publish-loop: folder is a symlink to a folder that holds it: every file under it
+    would be published under endless names
+  expected: a folder, or a link to a folder that does not hold the link
+  found: {kind}
 hub-error/request: {action} failed: {error}
   hint: rerun the same command once the cause is fixed: finished output shards and fully downloaded
     source shards are kept
