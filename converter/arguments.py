@@ -8,7 +8,7 @@ it. A path that is not there passes: whether it must be there is the command's t
 but one that could never be made (a name too long for its filesystem) is refused now.
 Commands declare such a parameter with `PathArg`; `resolve_params` judges them all
 (`console.run_guarded` calls it first, so `--json` gets its document; a command
-without it calls `guard`).
+without it calls `console.guard_paths`).
 """
 
 from __future__ import annotations
@@ -114,15 +114,3 @@ def resolve_params(ctx: click.Context | None) -> None:
     if judged:
         hints = dict.fromkeys(message(Code.PATH_UNUSABLE, rule).hint for _, rule in judged)
         raise Fatal([p for p, _ in judged], hint="; ".join(h for h in hints if h) or None)
-
-
-def guard(ctx: click.Context | None = None) -> None:
-    """`resolve_params` for a command that does not run under `console.run_guarded`: a
-    refusal is printed as run_guarded prints one, and the process exits with its code."""
-    from .console import render_error  # the command line's rendering, only when needed
-
-    try:
-        resolve_params(ctx or click.get_current_context(silent=True))
-    except Fatal as exc:
-        render_error(exc, as_json=False)
-        raise SystemExit(exc.exit_code) from None

@@ -23,8 +23,8 @@ from typing import Any
 import click
 
 from ...converter import contract
-from ...converter.arguments import PathArg, guard
-from ...converter.console import human, parse_size, progress_option
+from ...converter.arguments import PathArg
+from ...converter.console import guard_paths, human, parse_size, progress_option
 from ...converter.errors import Code
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
@@ -578,7 +578,7 @@ def serve(
 
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
-    guard()
+    guard_paths()
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
     plan = plan_serve(
         checkpoint,
@@ -738,5 +738,5 @@ def prebuild_command(
 
     Exit codes: 0 built or already built, 1 it cannot be built here, 2 usage error.
     """
-    guard()
+    guard_paths()
     run_prebuild(arch, progress_mode, out=out, precision=precision, jobs=jobs, plan_only=plan_only)
