@@ -1,13 +1,15 @@
 """One output shard: keep it (after proof) or write it. The core every executor shares.
 
 `settle` is the one place that decides. A shard an earlier run recorded is kept only if it
-is proven: the file is there with the recorded size and header bytes, its source files are
-the very files it was copied from, and (with `--rehash`) every tensor still has its recorded
-checksum. Anything else is written: to a temporary name under the state folder, space
-reserved up front, streamed (header, then each tensor's source byte ranges) with a CRC-32 of
-every tensor computed beside the copy, fsynced, checked against the source identities taken
-before the run, and renamed into place. The caller records the outcome in the ledger
-(`commit`): local, Hub and Ray executors only schedule.
+is proven to the standard of this run's options: the file is there with the recorded size
+and header bytes, its source files are the very files it was copied from, (with `--rehash`)
+every tensor still has its recorded checksum and (with `--check-scales`) its scales pass the
+scan a written shard's pass. Anything else is written: to a temporary name under the state
+folder, space reserved up front, streamed (header, then each tensor's source byte ranges)
+with a CRC-32 of every tensor computed beside the copy, fsynced, checked against the source
+identities taken before the run, and renamed into place. A NaN scale is reported against
+the source file and tensor holding it (`scale_nan_problem`). The caller records the outcome
+in the ledger (`commit`): local, Hub and Ray executors only schedule.
 """
 
 from __future__ import annotations
