@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import console
+from .arguments import PathArg
 from .console import err, human, out, parse_size, run_guarded
 from .contract import GROUP_SIZE
 from .errors import EXIT_OK, Code, fatal
@@ -140,7 +141,7 @@ def _hub_and_cluster_options(fn):
         ),
         click.option(
             "--download-dir",
-            type=click.Path(path_type=Path),
+            type=PathArg(path_type=Path),
             default=None,
             metavar="DIR",
             help="With --download: put source files in DIR instead of the HF cache.",
@@ -230,10 +231,11 @@ def _origin_and_executor(
 
 
 @click.command("convert")
-@click.argument("source", metavar="SRC_DIR_OR_REPO_ID")
-@click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
+@click.argument("source", metavar="SRC_DIR_OR_REPO_ID", type=PathArg(path_type=str))
+@click.argument("output", metavar="OUT_DIR", type=PathArg(path_type=Path))
 @click.option(
     "--manifest",
+    type=PathArg(path_type=str),
     default=DEFAULT_MANIFEST,
     show_default=True,
     metavar="NAME_OR_PATH",
@@ -427,7 +429,7 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
 
 
 @click.command()
-@click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
+@click.argument("output", metavar="OUT_DIR", type=PathArg(path_type=Path))
 @click.option(
     "--layers",
     default=3,

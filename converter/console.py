@@ -23,6 +23,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
+from .arguments import resolve_params
 from .errors import (
     EXIT_BUG,
     EXIT_CODES,
@@ -169,6 +170,8 @@ def run_guarded(
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        # Every path argument looked up first: one the OS refuses is the argument's problem.
+        resolve_params(click.get_current_context(silent=True))
         fn()
     except Fatal as exc:
         render_error(exc, as_json)
@@ -189,6 +192,17 @@ def run_guarded(
         err.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}")
         err.print("set KIMI_W31_DEBUG=1 for the full traceback")
         sys.exit(EXIT_BUG)
+
+
+def guard_paths() -> None:
+    """The running command's path arguments judged (`arguments.resolve_params`), for a
+    command that does not run under `run_guarded`: a refusal is printed as run_guarded
+    prints one, and the process exits with its code."""
+    try:
+        resolve_params(click.get_current_context(silent=True))
+    except Fatal as exc:
+        render_error(exc, as_json=False)
+        sys.exit(exc.exit_code)
 
 
 def resolve_mode(mode: str, quiet: bool = False) -> str:

@@ -116,6 +116,7 @@ class Code(str, Enum):
     PERMISSION_DENIED = "permission-denied"
     OUTPUT_OF_ANOTHER_SOURCE = "output-of-another-source"
     FILE_NAME_INVALID = "file-name-invalid"
+    PATH_UNUSABLE = "path-unusable"  # a path argument the OS refuses to look up
     # -- a converted checkpoint (verify, serve)
     INCOMPLETE_OUTPUT = "incomplete-output"
     BLOCK_MISSING = "block-missing"
@@ -292,6 +293,10 @@ link-escapes/publish-outside: file is a symlink outside the source: it would pub
     not published directly
   expected: a regular file, or a link to one of the source's own published files
   found: {kind}
+link-escapes/publish-loop: folder is a symlink to a folder that holds it: every file under it
+    would be published under endless names
+  expected: a folder, or a link to a folder that does not hold the link
+  found: {kind}
 hub-error/request: {action} failed: {error}
   hint: rerun the same command once the cause is fixed: finished output shards and fully downloaded
     source shards are kept
@@ -304,6 +309,17 @@ hub-revision: revision not found in the repository
   expected: a branch, tag or commit
   found: {revision}
   hint: check --revision (without it: the default branch, main)
+
+path-unusable/loop: {argument}: the path cannot be looked up: a link on the way leads back to
+    itself
+  found: {error}
+  hint: fix or remove the link named in the path (ls -l each folder on the way)
+path-unusable/too-long: {argument}: the path is too long to look up on this system
+  expected: names of at most {name_max} bytes, a path of at most {path_max}
+  found: {error}
+  hint: use a shorter path (a symlink with a short name to a folder on the way works)
+path-unusable/os: {argument}: the path cannot be looked up
+  found: {error}
 
 # -- the index
 index-invalid/no-weight-map: index has no weight_map object
@@ -537,6 +553,10 @@ io-error: I/O error: {error}
 source-changed/copy: source file changed while it was being copied
 source-changed/read: source file {change}
 scale-nan/tensor: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
+  expected: no 0xFF scale bytes
+  found: {count}
+scale-nan/source: {count} E8M0 scale byte(s) are 0xFF (NaN); first at byte {first} of the tensor
+    (byte {at} of the file; it was being copied into {output})
   expected: no 0xFF scale bytes
   found: {count}
 scale-nan/numerics: {count} E8M0 scale byte(s) are 0xFF (NaN) in the {side}; first at byte {first}
@@ -992,6 +1012,7 @@ EXIT_CODES: dict[Code, int] = {
     Code.PERMISSION_DENIED: EXIT_PROBLEMS,
     Code.OUTPUT_OF_ANOTHER_SOURCE: EXIT_PROBLEMS,
     Code.FILE_NAME_INVALID: EXIT_PROBLEMS,
+    Code.PATH_UNUSABLE: EXIT_USAGE,
     Code.CONFIG_CONFLICT: EXIT_PROBLEMS,
     Code.CONFIG_BOUND: EXIT_PROBLEMS,
     Code.SHARD_NOT_LOADED: EXIT_PROBLEMS,

@@ -8,7 +8,7 @@ import json
 
 from .. import __version__
 from . import contract
-from .hashing import sha256_bytes, sha256_file
+from .hashing import sha256_bytes, sha256_identified
 from .manifest import Manifest
 from .plan import Plan
 from .records import FinalFile, FinalFiles
@@ -42,19 +42,16 @@ def final_files(
     )
     config = contract.converted_config(source.config, block)
     index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map()}
-    extras = [
-        FinalFile(
-            rel,
-            (source.root / rel).stat().st_size,
-            sha256_file(source.root / rel),
-            source.root / rel,
-        )
-        for rel in source.extra_files
-    ]
+    extras, derived_from = [], dict(source.read_identity)
+    for rel in source.extra_files:
+        sha256, seen = sha256_identified(source.root / rel)
+        extras.append(FinalFile(rel, seen[0], sha256, source.root / rel))
+        derived_from[rel] = seen
     return FinalFiles(
         extras,
         config=_json_file(contract.CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False)),
         index=_json_file(contract.INDEX_NAME, json.dumps(index, indent=2)),
+        derived_from=derived_from,
     )
 
 

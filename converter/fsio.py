@@ -104,6 +104,24 @@ def read_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bytes:
         return fh.read()
 
 
+def identity(st: os.stat_result) -> list[int]:
+    """What a file is, cheaply: size, mtime, ctime and inode (nanoseconds).
+
+    ctime cannot be set back by a user (utime sets only mtime/atime): any write through the
+    filesystem, even one whose author restores the mtime, changes it. The device number is
+    left out on purpose: it differs between the nodes that mount one shared filesystem.
+    """
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def read_identified(path: str | os.PathLike[str]) -> tuple[bytes, list[int]]:
+    """The content of a regular file and its `identity`, taken from the descriptor read
+    (before reading: a write during the read changes what a later look sees)."""
+    with os.fdopen(open_regular(path), "rb") as fh:
+        seen = identity(os.fstat(fh.fileno()))
+        return fh.read(), seen
+
+
 def read_if_regular(path: str | os.PathLike[str]) -> bytes | None:
     """The content of a record file of ours, or None when it is missing, is not a regular
     file, or is a link (never followed): a record that cannot be read is no record."""
@@ -142,13 +160,23 @@ def remove(path: str | os.PathLike[str]) -> None:
 
 def remove_all(files: Iterable[Path], folders: Iterable[Path] = ()) -> None:
     """Remove `files` in order (a link as itself; nothing there: nothing to do), then each of
-    `folders` that is still a real directory, with what it holds: never through a link."""
+    `folders` that is a real directory and is empty once they are gone: its empty subfolders
+    first, deepest first, links never followed. Whatever else lies in a folder (a hidden
+    file someone put there, that no record of ours names) keeps it and its parents."""
     for path in files:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     for path in folders:
         if is_real_dir(path):
-            shutil.rmtree(path)
+            prune_empty(path)
+
+
+def prune_empty(folder: Path) -> None:
+    """Remove `folder` and every folder under it that holds nothing, deepest first (a link
+    to a folder is not entered, and keeps its parent); never a file."""
+    for dirpath, _, _ in os.walk(folder, topdown=False):
+        with contextlib.suppress(OSError):  # not empty, or gone: left as it is
+            os.rmdir(dirpath)
 
 
 def empty(folder: Path, keep: Container[str] = ()) -> None:

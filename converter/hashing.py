@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from .fsio import open_regular
+from .fsio import identity, open_regular
 
 TENSOR_HASH = "crc32"
 CHUNK_SIZE = 8 << 20
@@ -44,11 +44,18 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha256_file(path: Path) -> str:
     """sha256 of a whole file, read in bounded chunks."""
+    return sha256_identified(path)[0]
+
+
+def sha256_identified(path: Path) -> tuple[str, list[int]]:
+    """sha256 of a whole file and its identity (`fsio.identity`) taken from the descriptor
+    hashed, before reading."""
     h = hashlib.sha256()
     with os.fdopen(open_regular(path), "rb") as fh:  # never a FIFO or a device
+        seen = identity(os.fstat(fh.fileno()))
         while chunk := fh.read(CHUNK_SIZE):
             h.update(chunk)
-    return h.hexdigest()
+    return h.hexdigest(), seen
 
 
 # Two header digests, on purpose: a shard's record in the checksums file hashes the first

@@ -97,7 +97,7 @@ def load_manifest(name_or_path: str) -> Manifest:
     """A bundled manifest by name (`kimi-k3`, `kimi-k3-any`) or a JSON file path."""
     bundled = resources.files("kimi_w31.manifests") / f"{name_or_path}.json"
     looks_like_path = name_or_path.endswith(".json") or "/" in name_or_path
-    if not looks_like_path and bundled.is_file():
+    if not looks_like_path and _is_file(bundled):
         data, label = bundled.read_bytes(), name_or_path
     elif looks_like_path:
         path = Path(name_or_path).expanduser()
@@ -112,6 +112,14 @@ def load_manifest(name_or_path: str) -> Manifest:
             known=" or ".join(available_manifests()),
         )
     return parse_manifest(data, label)
+
+
+def _is_file(path) -> bool:
+    """Whether a bundled manifest of that name is there (a name too long to look up: no)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def parse_manifest(data: bytes, label: str) -> Manifest:

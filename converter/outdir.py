@@ -402,9 +402,12 @@ class OutputDir:
                 self._writing = True
 
     # -- finishing -------------------------------------------------------------------------
-    def finalize(self, files: list[FinalFile]) -> int:
-        """Make every final file what it must be, the index last; returns how many were
-        (re)written. Refuses while anything else lies in the directory."""
+    def finalize(
+        self, files: list[FinalFile], before_index: Callable[[], None] | None = None
+    ) -> int:
+        """Make every final file what it must be, then call `before_index` (which raises to
+        stop), the index last; returns how many were (re)written. Refuses while anything
+        else lies in the directory."""
         expected = {f.name for f in files} | set(self.ledger.done if self.ledger else ())
         found = self.survey()  # what stands now, and our records of it
         if found.unlisted is not None:
@@ -435,6 +438,8 @@ class OutputDir:
             fsio.fsync_dir(self.root)
         index = [f for f in files if f.name == INDEX_NAME]
         for group in ([f for f in files if f.name != INDEX_NAME], index):
+            if group is index and before_index is not None:
+                before_index()
             for f in group:
                 path = self.root / f.name
                 if _same_file(path, f):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
+from . import faults
 from .errors import Code, Fatal, Problem, fatal
 from .execute import Executor
 from .execute.local import LocalExecutor
@@ -279,7 +280,22 @@ def _run(
     reporter.start(plan.output_bytes, len(plan.shards))
     started = time.perf_counter()
     try:
-        opts.executor.run(plan.shards, context, run.ledger, on_done)
+        try:
+            opts.executor.run(plan.shards, context, run.ledger, on_done)
+        finally:
+            reporter.stop()
+        if scale_problems:
+            raise Fatal(
+                scale_problems,
+                hint="the source has NaN scales; nothing was finalized (no index written)",
+            )
+        faults.fault_point("shards.settled")
+        # Published only if every source file the output derives from (shards written or
+        # kept, config, index, files copied) is still the file read: a proof made against
+        # what was seen at the start says nothing of a file replaced since.
+        result.files_rewritten = run.finalize(
+            final, lambda: sources.prove_unchanged(final.derived_from)
+        )
     except SourceChanged as exc:  # worded while the state it describes still holds
         raise fatal(
             Code.SOURCE_CHANGED,
@@ -288,12 +304,4 @@ def _run(
             change=exc.detail,
             hint=run.resume_hint("make sure nothing writes to the source"),
         ) from None
-    finally:
-        reporter.stop()
-    if scale_problems:
-        raise Fatal(
-            scale_problems,
-            hint="the source has NaN scales; nothing was finalized (no index written)",
-        )
-    result.files_rewritten = run.finalize(final)
     result.seconds = time.perf_counter() - started

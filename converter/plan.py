@@ -31,9 +31,12 @@ MAX_SHARD_HEADER = 50_000_000
 
 
 class Piece(NamedTuple):
+    """One source tensor's bytes: a problem found in them names that file and tensor."""
+
     file: str  # source shard, relative to the source root
-    offset: int  # absolute offset in that file
+    offset: int  # absolute offset in that file (where the source tensor begins)
     length: int
+    tensor: str = ""  # the source tensor (its name in the source header)
 
 
 class OutputTensor(NamedTuple):
@@ -139,7 +142,7 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
             role = None if parts is None else fusions.get(parts[1])
             if role is None:
                 length = info.end - info.begin
-                piece = new(piece_cls, (file, info.begin, length))
+                piece = new(piece_cls, (file, info.begin, length, info.name))
                 outputs.append(
                     new(tensor_cls, (info.name, info.dtype, info.shape, (piece,), length))
                 )
@@ -157,8 +160,8 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
             )
             up_len, gate_len = up.end - up.begin, gate.end - gate.begin
             pieces = (
-                new(piece_cls, (up_file, up.begin, up_len)),
-                new(piece_cls, (gate_file, gate.begin, gate_len)),
+                new(piece_cls, (up_file, up.begin, up_len, up.name)),
+                new(piece_cls, (gate_file, gate.begin, gate_len, gate.name)),
             )
             shape = (up.shape[0] + gate.shape[0], *up.shape[1:])
             outputs[slot] = new(tensor_cls, (w31, up.dtype, shape, pieces, up_len + gate_len))

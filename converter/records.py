@@ -14,7 +14,7 @@ import json
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
@@ -179,6 +179,9 @@ class FinalFiles:
     extras: list[FinalFile]  # the source's other files, copied unchanged
     config: FinalFile
     index: FinalFile  # written last: a directory with an index is a complete conversion
+    # Every source file besides the shards that these derive from (the config, the index,
+    # each file copied: rel name -> identity when read): all proven unchanged at publish.
+    derived_from: dict[str, list[int]] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[FinalFile]:
         """In the order the checksums file lists them."""

@@ -7,6 +7,7 @@ says what the run has, and leaving it releases the lock on every path.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from .contract import CHECKSUMS_NAME
 from .hashing import TENSOR_HASH, sha256_bytes
@@ -42,14 +43,15 @@ class Session:
         self.resume_hint = out.resume_hint
         self.finished = False
 
-    def finalize(self, files: FinalFiles) -> int:
+    def finalize(self, files: FinalFiles, before_index: Callable[[], None] | None = None) -> int:
         """The checksums file of every shard (all in the ledger by now) and of `files`, then
-        every final file made what it must be, the index last (`OutputDir.finalize`).
-        Returns how many were (re)written."""
+        every final file made what it must be, `before_index` called (it raises to stop
+        the publication), the index last (`OutputDir.finalize`). Returns how many were
+        (re)written."""
         records = [self.ledger.done[name] for name in self.shards]
         data = checksums_document(self.ledger.fingerprint, records, list(files), self.source)
         checksums = FinalFile(CHECKSUMS_NAME, len(data), sha256_bytes(data), data)
-        rewritten = self.output.finalize(files.with_checksums(checksums))
+        rewritten = self.output.finalize(files.with_checksums(checksums), before_index)
         self.finished = True
         return rewritten
 

@@ -32,10 +32,19 @@ def _looks_like_a_command(word: str) -> str | None:
     """The command `word` is a typo of, when it is one: a bare lowercase word close to a
     command name that names no existing path (a source directory may be called anything;
     a Hub repo id has a slash). Else None: the word is convert's SRC."""
-    if not re.fullmatch(r"[a-z][a-z-]*", word) or Path(word).expanduser().exists():
+    if not re.fullmatch(r"[a-z][a-z-]*", word) or _names_a_path(word):
         return None
     close = difflib.get_close_matches(word, COMMANDS, n=1, cutoff=0.75)
     return close[0] if close else None
+
+
+def _names_a_path(word: str) -> bool:
+    """Whether `word` names something there; one the OS refuses to look up (too long) is
+    taken as a path too: convert's SRC, which its path resolver refuses by name."""
+    try:
+        return Path(word).expanduser().exists()
+    except OSError:
+        return True
 
 
 class KimiConvert(DefaultGroup):

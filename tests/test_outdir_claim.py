@@ -309,10 +309,45 @@ def test_clearing_removes_links_as_links_and_keeps_what_it_is_told(tmp_path_fact
         _entry(path, kind, victim)
     files = [p for p, k in zip(paths, kinds, strict=True) if k != "dir"]
     folders = [p for p, k in zip(paths, kinds, strict=True) if k == "dir"]
-    fsio.remove_all(files, folders)
+    # A folder goes once what it holds is gone: its files are named like any other.
+    fsio.remove_all(files + [f / n for f in folders for n in ("inner", "inner-link")], folders)
     assert list(area.iterdir()) == [] and _tree(victim) == before
     for path, kind in zip(paths, kinds, strict=True):
         _entry(path, kind, victim)
     kept = {f"e{i}" for i in keep if i < len(kinds)}
     fsio.empty(area, keep=kept)
     assert {p.name for p in area.iterdir()} == kept and _tree(victim) == before
+
+
+_HIDDEN_SPOTS = ["sub/.keep", "sub/deep/.cache/x", "a/b/c/.note", ".top/f", "sub/.d/y"]
+_OURS = ["sub/f.txt", "sub/deep/g.txt", "a/b/c/h.txt", "a/i.txt", "j.txt"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    ours=st.sets(st.sampled_from(_OURS), min_size=1),
+    hidden=st.sets(st.sampled_from(_HIDDEN_SPOTS)),
+)
+def test_force_deletes_only_recorded_files_and_only_emptied_folders(tmp_path_factory, ours, hidden):
+    """Class: --force replacing an earlier conversion. Only files its records name go; a
+    folder goes only once empty: a hidden file someone put in one (never listed, so never
+    judged foreign) keeps it, with its parents, byte for byte."""
+    root = tmp_path_factory.mktemp("force") / "out"
+    for rel in ours:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"ours")
+    records = "".join(f'{{"file": "{rel}", "size": 4}}\n' for rel in ours)
+    (root / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    (root / STATE_DIR / "journal.jsonl").write_text(records)
+    for rel in hidden:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"someone else's")
+    out = OutputDir(root)
+    out.claim("fp", force=True, source=SourceId("s", "s"))
+    out.release(finished=False)
+    left = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    assert {rel for rel in left if not rel.startswith(STATE_DIR)} == hidden
+    assert all((root / rel).read_bytes() == b"someone else's" for rel in hidden)
+    # Every folder left holds something: an emptied one is gone.
+    for folder in (p for p in root.rglob("*") if p.is_dir()):
+        assert STATE_DIR in folder.parts or any(folder.iterdir()), folder

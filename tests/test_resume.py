@@ -77,7 +77,7 @@ def test_interrupt_midway_then_resume_is_byte_identical(
 
 
 def _interrupted_before_finalize(src, out, monkeypatch):
-    def crash(self, files):
+    def crash(self, files, before_index=None):
         raise KeyboardInterrupt  # as if killed right before the final files
 
     monkeypatch.setattr(OutputDir, "finalize", crash)

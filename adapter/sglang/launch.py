@@ -23,7 +23,8 @@ from typing import Any
 import click
 
 from ...converter import contract
-from ...converter.console import human, parse_size, progress_option
+from ...converter.arguments import PathArg
+from ...converter.console import guard_paths, human, parse_size, progress_option
 from ...converter.errors import Code
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
@@ -479,7 +480,7 @@ def verify_structure(root: Path) -> list[str]:
 @click.argument(
     "checkpoint",
     metavar="CHECKPOINT_DIR",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=PathArg(exists=True, file_okay=False, path_type=Path),
 )
 @click.option(
     "--tp",
@@ -516,7 +517,7 @@ def verify_structure(root: Path) -> list[str]:
 )
 @click.option(
     "--kernels",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=PathArg(exists=True, file_okay=False, path_type=Path),
     default=None,
     metavar="DIR",
     help="Load the plugin's FlashInfer modules from this bundle (`prebuild --out DIR`) in "
@@ -577,6 +578,7 @@ def serve(
 
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
+    guard_paths()
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
     plan = plan_serve(
         checkpoint,
@@ -695,7 +697,7 @@ def run_prebuild(
 )
 @click.option(
     "--out",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=PathArg(file_okay=False, path_type=Path),
     default=None,
     metavar="DIR",
     help="Also write a relocatable bundle there (libraries + manifest) for `serve --kernels "
@@ -736,4 +738,5 @@ def prebuild_command(
 
     Exit codes: 0 built or already built, 1 it cannot be built here, 2 usage error.
     """
+    guard_paths()
     run_prebuild(arch, progress_mode, out=out, precision=precision, jobs=jobs, plan_only=plan_only)

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .. import console
+from ..arguments import PathArg
 from ..console import err, out, run_guarded
 from ..errors import Code, fatal
 from . import verify as run_verify
@@ -29,7 +30,7 @@ DEFAULT_SAMPLE = 8
 
 
 @click.command("verify")
-@click.argument("output", metavar="OUT_DIR", type=click.Path(path_type=Path))
+@click.argument("output", metavar="OUT_DIR", type=PathArg(path_type=Path))
 @click.option(
     "--checksums",
     is_flag=True,
@@ -39,6 +40,7 @@ DEFAULT_SAMPLE = 8
 )
 @click.option(
     "--source",
+    type=PathArg(path_type=str),
     metavar="SRC_DIR_OR_REPO_ID",
     default=None,
     help="Compare the output with its source byte for byte: w31 = w3 bytes then "
@@ -76,6 +78,7 @@ DEFAULT_SAMPLE = 8
 )
 @click.option(
     "--manifest",
+    type=PathArg(path_type=str),
     default=None,
     metavar="NAME_OR_PATH",
     help="Manifest to check against: kimi-k3, kimi-k3-any or a JSON path "

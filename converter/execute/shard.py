@@ -1,20 +1,22 @@
 """One output shard: keep it (after proof) or write it. The core every executor shares.
 
 `settle` is the one place that decides. A shard an earlier run recorded is kept only if it
-is proven: the file is there with the recorded size and header bytes, its source files are
-the very files it was copied from, and (with `--rehash`) every tensor still has its recorded
-checksum. Anything else is written: to a temporary name under the state folder, space
-reserved up front, streamed (header, then each tensor's source byte ranges) with a CRC-32 of
-every tensor computed beside the copy, fsynced, checked against the source identities taken
-before the run, and renamed into place. The caller records the outcome in the ledger
-(`commit`): local, Hub and Ray executors only schedule.
+is proven to the standard of this run's options: the file is there with the recorded size
+and header bytes, its source files are the very files it was copied from, (with `--rehash`)
+every tensor still has its recorded checksum and (with `--check-scales`) its scales pass the
+scan a written shard's pass. Anything else is written: to a temporary name under the state
+folder, space reserved up front, streamed (header, then each tensor's source byte ranges)
+with a CRC-32 of every tensor computed beside the copy, fsynced, checked against the source
+identities taken before the run, and renamed into place. A NaN scale is reported against
+the source file and tensor holding it (`scale_nan_problem`). The caller records the outcome
+in the ledger (`commit`): local, Hub and Ray executors only schedule.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -30,7 +32,7 @@ from ..hashing import (
     source_header_sha256,
 )
 from ..outdir import SPACE_ERRNOS
-from ..plan import OutputShard
+from ..plan import OutputShard, OutputTensor, Piece
 from ..records import Ledger, ShardRecord
 from .streaming import RangeHasher, copy_range, write_all
 
@@ -43,14 +45,8 @@ class SourceChanged(Exception):
 
 
 def file_identity(path: Path) -> list[int]:
-    """What a source file is, cheaply: size, mtime, ctime and inode (nanoseconds).
-
-    ctime cannot be set back by a user (utime sets only mtime/atime): any write through the
-    filesystem, even one whose author restores the mtime, changes it. The device number is
-    left out on purpose: it differs between the nodes that mount one shared filesystem.
-    """
-    st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    """What a source file is now, links followed (`fsio.identity`)."""
+    return fsio.identity(os.stat(path))
 
 
 class SourceFiles:
@@ -83,17 +79,29 @@ class SourceFiles:
                 self._fds[file] = fd
             return self._fds[file]
 
-    def check_unchanged(self, files: list[str]) -> None:
-        for file in files:
+    def check_unchanged(
+        self, files: list[str], others: Mapping[str, list[int]] | None = None
+    ) -> None:
+        """Each of `files` (source shards) and of `others` (rel name -> identity when read:
+        the config, the index, the files copied) is still the file the run read."""
+        seen = {f: self.identity[f] for f in files} | dict(others or {})
+        for file, then in seen.items():
             try:
                 now = file_identity(self.root / file)
             except OSError:
                 raise SourceChanged(file, "disappeared during the run") from None
-            if now != self.identity[file]:
+            if now != list(then):
                 raise SourceChanged(
                     file,
                     "changed during the run (size, modification or change time, or inode differ)",
                 )
+
+    def prove_unchanged(self, others: Mapping[str, list[int]]) -> None:
+        """Before an output is published: every source file it derives from is still the
+        file read, every shard this run holds an identity of (kept ones too: a proof made
+        against identities taken at the start says nothing of a file replaced since) and
+        `others`. A file an executor let go of (`drop`) is proven by its content instead."""
+        self.check_unchanged(list(self.identity), others)
 
     def fingerprint(self, files: list[str]) -> dict[str, list]:
         """What a record says about the source files a shard was copied from."""
@@ -199,17 +207,49 @@ def prove(shard: OutputShard, record: ShardRecord, context: ShardContext) -> str
         return "the file cannot be read"
     if record.header_sha256 != sha256_bytes(shard.header):
         return "its record belongs to another layout"
-    if not context.rehash:
-        return None
-    ranges, offset = [], len(shard.header)
+    return _prove_data(path, shard, record, context)
+
+
+def _prove_data(
+    path: Path, shard: OutputShard, record: ShardRecord, context: ShardContext
+) -> str | None:
+    """A kept shard held to the standard a written one is, under this run's options: every
+    scale this run would scan while writing (`--check-scales`: every U8 `*.weight_scale`)
+    is scanned here too, and with `--rehash` every tensor's checksum is proven. A record
+    proves only the scans every run makes (routed-expert scales: a shard with NaN there is
+    never recorded), so only the others are read without --rehash, with their checksums
+    (what is scanned is what was recorded). A NaN found is a reason to write the shard
+    again: the write reads the source and reports the source tensor that holds it."""
+
+    def scanned(t: OutputTensor) -> bool:
+        return contract.is_e8m0_scale(t.name, t.dtype, context.check_scales)
+
+    def proven_by_record(t: OutputTensor) -> bool:
+        return contract.is_e8m0_scale(t.name, t.dtype, False)
+
+    ranges, wanted, offset = [], set(), len(shard.header)
     for t in shard.tensors:
-        ranges.append((t.name, offset, offset + t.nbytes))
+        if context.rehash or (scanned(t) and not proven_by_record(t)):
+            ranges.append((t.name, offset, offset + t.nbytes))
+            wanted.add(t.name)
         offset += t.nbytes
+    if not ranges:
+        return None
+    by_name = {t.name: t for t in shard.tensors}
     try:
-        hashes, _ = crc32_of_ranges(path, ranges, context.stop, context.events.on_bytes)
+        hashes, scans = crc32_of_ranges(
+            path, ranges, context.stop, context.events.on_bytes, lambda n: scanned(by_name[n])
+        )
     except ShortRead:
         return "the file is truncated"
-    return None if hashes == record.tensors else "its data differ from the recorded checksums"
+    except OSError:
+        return "the file cannot be read"
+    recorded = record.tensors if context.rehash else {n: record.tensors.get(n) for n in wanted}
+    if hashes != recorded:
+        return "its data differ from the recorded checksums"
+    if any(scan.count for scan in scans.values()):
+        return "its scales hold NaN (0xFF)"
+    return None
 
 
 class _Either(threading.Event):
@@ -229,7 +269,7 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
     tmp = context.tmp_dir / f"{shard.name}.partial"
     fd = fsio.create_fresh(tmp)  # never through a link planted in the state folder
     hashes: dict[str, Crc32] = {}
-    scans: dict[str, ScaleScan] = {}
+    scans: list[tuple[Piece, ScaleScan]] = []  # one per source tensor: a NaN is named there
     try:
         os.fchmod(fd, 0o644)
         _reserve(fd, shard.file_size)
@@ -240,12 +280,13 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
         feeds = []
         for tensor in shard.tensors:
             h = hashes[tensor.name] = Crc32()
-            targets: tuple = (h,)
-            if contract.is_e8m0_scale(tensor.name, tensor.dtype, context.check_scales):
-                scans[tensor.name] = ScaleScan()
-                targets = (h, scans[tensor.name])
-            ranges = [(sources.fd(p.file), p.offset, p.length, p.file) for p in tensor.pieces]
-            feeds.append((targets, ranges))
+            scan = contract.is_e8m0_scale(tensor.name, tensor.dtype, context.check_scales)
+            for p in tensor.pieces:  # feeds run in order: the CRC sees the pieces in turn
+                targets: tuple = (h,)
+                if scan:
+                    scans.append((p, ScaleScan()))
+                    targets = (h, scans[-1][1])
+                feeds.append((targets, [(sources.fd(p.file), p.offset, p.length, p.file)]))
         stop_hasher = _Either(context.stop)
         hasher = RangeHasher(feeds, stop_hasher)  # checksums computed beside the copy
         try:
@@ -281,7 +322,7 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
         raise
     finally:
         os.close(fd)
-    nan = [_nan_problem(name, shard.name, scan) for name, scan in scans.items() if scan.count]
+    nan = [scale_nan_problem(piece, scan, shard.name) for piece, scan in scans if scan.count]
     if nan:
         # Not marked done: a rerun must find the NaN scales again.
         tmp.unlink(missing_ok=True)
@@ -307,9 +348,19 @@ def write_shard(shard: OutputShard, context: ShardContext) -> ShardRecord | None
     )
 
 
-def _nan_problem(tensor: str, file: str, scan: ScaleScan) -> Problem:
+def scale_nan_problem(piece: Piece, scan: ScaleScan, output: str) -> Problem:
+    """NaN scale bytes, named where they are: the source file and source tensor that hold
+    them and the byte within that tensor (a piece is one whole source tensor), never the
+    output shard or the fused tensor they were being copied into (named beside, as facts)."""
     return problem(
-        Code.SCALE_NAN, rule="tensor", file=file, tensor=tensor, count=scan.count, first=scan.first
+        Code.SCALE_NAN,
+        rule="source",
+        file=piece.file,
+        tensor=piece.tensor,
+        count=scan.count,
+        first=scan.first,
+        at=piece.offset + (scan.first or 0),
+        output=output,
     )
 
 

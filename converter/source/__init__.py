@@ -67,6 +67,9 @@ class Source:
     headers: dict[str, ShardHeader] = field(default_factory=dict)
     extra_files: list[str] = field(default_factory=list)  # copied unchanged
     index_metadata: dict = field(default_factory=dict)
+    # The files read whole (config, index) -> their identity when read: what the output
+    # derives from them is published only if they are still those files.
+    read_identity: dict[str, list[int]] = field(default_factory=dict)
     reader: SourceReader | None = None  # how it was read (None: made by hand, headers only)
 
     @property
@@ -100,7 +103,8 @@ class HeaderWeightMap(Mapping[str, str]):
 
 def read_source(root: Path, label: str, origin: SourceReader) -> Source:
     """Config, index and every shard header, all cross-checked; every problem before failing."""
-    config = read_json(root / CONFIG_NAME)
+    read_identity: dict[str, list[int]] = {}
+    config = read_json(root / CONFIG_NAME, read_identity)
     if not isinstance(config, dict):
         raise fatal(
             Code.JSON_INVALID,
@@ -109,7 +113,7 @@ def read_source(root: Path, label: str, origin: SourceReader) -> Source:
         )
     index_metadata: dict = {}
     if origin.has_file(root, INDEX_NAME):
-        weight_map, index_metadata = read_index(root / INDEX_NAME)
+        weight_map, index_metadata = read_index(root / INDEX_NAME, read_identity)
         problems = check_weight_map(root, weight_map, INDEX_NAME)
         if problems:
             raise Fatal(problems)
@@ -142,7 +146,17 @@ def read_source(root: Path, label: str, origin: SourceReader) -> Source:
         raise Fatal(problems)
     del weight_map  # the headers say the same from here on (single file: the header is the map)
     extra = origin.extra_files(root, set(shard_files) | {INDEX_NAME, CONFIG_NAME})
-    return Source(root, label, config, shard_files, headers, extra, index_metadata, origin)
+    return Source(
+        root,
+        label,
+        config,
+        shard_files,
+        headers,
+        extra,
+        index_metadata,
+        reader=origin,
+        read_identity=read_identity,
+    )
 
 
 def _read_or_fail(origin: SourceReader, root: Path):
@@ -199,9 +213,9 @@ def check_each_tensor_once(headers: dict[str, ShardHeader]) -> list[Problem]:
     return problems
 
 
-def read_index(path: Path) -> tuple[dict, dict]:
+def read_index(path: Path, seen: dict[str, list[int]] | None = None) -> tuple[dict, dict]:
     """The index's weight_map and metadata (nothing else of it is kept in memory)."""
-    index = read_json(path)
+    index = read_json(path, seen)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise fatal(Code.INDEX_INVALID, rule="no-weight-map", file=path)
@@ -297,11 +311,15 @@ def check_index_against_headers(
     return problems
 
 
-def read_json(path: Path):
+def read_json(path: Path, seen: dict[str, list[int]] | None = None):
     """A JSON file, read only if it is a regular file (a FIFO or a link to a device in its
-    place would hang the read or never end: `fsio`)."""
+    place would hang the read or never end: `fsio`); its identity when read goes in `seen`
+    (by file name)."""
     try:
-        return json.loads(fsio.read_regular(path).decode("utf-8"))
+        data, identity = fsio.read_identified(path)
+        if seen is not None:
+            seen[path.name] = identity
+        return json.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise fatal(Code.FILE_MISSING, rule="file", file=path) from None
     except fsio.NotRegularFile:

@@ -11,7 +11,6 @@ Everything else is refused once per file, with a hint (`publish_problem`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from .. import contract, fsio
@@ -84,13 +83,22 @@ class LocalOrigin:
         `publish_problem` allows: one problem per file refused, all of them at once.
         """
         extra, problems = [], []
-        for path in _files(root):
+        files, loops = _files(root)
+        for path in loops:
+            rel = path.relative_to(root).as_posix()
+            if published_directly(rel):
+                problems.append(
+                    problem(
+                        Code.LINK_ESCAPES, rule="publish-loop", file=rel, kind=fsio.describe(path)
+                    )
+                )
+        for path in files:
             rel = path.relative_to(root).as_posix()
             if rel in weight_files or not published_directly(rel):
                 continue
-            problem = publish_problem(root, rel)
-            if problem is not None:
-                problems.append(problem)
+            refused = publish_problem(root, rel)
+            if refused is not None:
+                problems.append(refused)
             else:
                 extra.append(rel)
         if problems:
@@ -158,18 +166,22 @@ def _through_link(root: Path, rel: str) -> bool:
     return False
 
 
-def _files(root: Path) -> Iterator[Path]:
-    """Every path under `root` that is not a directory, hidden folders not entered. A folder
-    that is a symlink is entered once (by its real path: a link loop ends), so that the rule
-    for links judges its files instead of their being dropped unseen."""
-    seen: set[str] = set()
-    stack = [root]
+def _files(root: Path) -> tuple[list[Path], list[Path]]:
+    """Every path under `root` that is not a directory, hidden folders not entered, and the
+    folder links that lead back to a folder holding them. A linked folder is entered under
+    each of its names, as a loader or a copy would see it (`sub/` and `alias -> sub` publish
+    `sub/x` and `alias/x`), so the rule for links judges every name its files are reached
+    by; a link to a folder on its own path (a loop) would make names without end, and is
+    returned instead of entered."""
+    files: list[Path] = []
+    loops: list[Path] = []
+    stack: list[tuple[Path, tuple[str, ...]]] = [(root, ())]
     while stack:
-        folder = stack.pop()
+        folder, above = stack.pop()
         real = os.path.realpath(folder)
-        if real in seen:
+        if real in above:
+            loops.append(folder)
             continue
-        seen.add(real)
         try:
             entries = list(os.scandir(folder))
         except OSError:
@@ -182,6 +194,7 @@ def _files(root: Path) -> Iterator[Path]:
                 is_dir = False
             if is_dir:
                 if not entry.name.startswith("."):
-                    stack.append(path)
+                    stack.append((path, (*above, real)))
             else:
-                yield path
+                files.append(path)
+    return files, loops

@@ -12,6 +12,7 @@ from cli_helpers import json_problems, run_cli
 
 from . import filesystem
 from .aliases import alias_cases
+from .arguments import argument_cases
 from .concurrency import concurrency_cases, lock_race_cases
 from .config import bound_cases, config_cases, file_set_cases
 from .core import (
@@ -50,6 +51,7 @@ from .headers import HEADER_CASES, header_bound_cases, header_cases
 from .library import library_cases
 from .paths import path_cases
 from .planner import PLAN_CASES, plan_cases
+from .publish import publish_proof_cases
 from .shapes import shape_cases
 from .source_change import header_swap_case, source_change_cases
 from .source_tree import INDEX_CASES, index_cases
@@ -72,6 +74,7 @@ __all__ = [
     "VICTIM",
     "WRONG",
     "Case",
+    "argument_cases",
     "bad_rows",
     "bound_cases",
     "classify_error",
@@ -102,6 +105,7 @@ __all__ = [
     "make_source",
     "path_cases",
     "plan_cases",
+    "publish_proof_cases",
     "read_shard",
     "reference_output",
     "run_cli",

@@ -260,6 +260,19 @@ def _shard_folder_on_other_disk(src: Path, work: Path) -> None:
     (src / "d").symlink_to(disk, target_is_directory=True)
 
 
+def _folder_loop(src: Path, work: Path) -> None:
+    """A folder holding a link to its own parent: its files would have names without end."""
+    (src / "assets").mkdir()
+    (src / "assets" / "notes.txt").write_text("notes\n")
+    (src / "assets" / "up").symlink_to("..", target_is_directory=True)
+
+
+def _folder_and_alias(src: Path, work: Path) -> None:
+    (src / "assets").mkdir()
+    (src / "assets" / "notes.txt").write_text("notes\n")
+    (src / "alias").symlink_to("assets", target_is_directory=True)
+
+
 def _inside_link(src: Path, work: Path) -> None:
     (src / "tokenizer.model.json").symlink_to("tokenizer_config.json")
 
@@ -276,6 +289,7 @@ LINK_REFUSED = {
         Code.NOT_A_REGULAR_FILE,
     ),
     "a folder links outside the source": (_linked_folder, Code.LINK_ESCAPES),
+    "a folder links to its own parent (a loop)": (_folder_loop, Code.LINK_ESCAPES),
     # Loaders open only top-level shards: one under a folder (linked or not) is never served.
     "the shards' folder links to another disk": (
         _shard_folder_on_other_disk,
@@ -317,6 +331,24 @@ def link_cases(template: Path, work: Path) -> list[Case]:
                 "" if ok else (proc.stdout + proc.stderr + checked.stdout)[-300:],
             )
         )
+    # One folder under two names (a folder and a link to it): published under both, and
+    # verify --source agrees (a copy, or a loader, sees both).
+    case = work / "alias"
+    src = copy_source(template, case / "src")
+    _folder_and_alias(src, case)
+    out = case / "out"
+    proc = run(convert_args(src, out, "--json"))
+    checked = run(["verify", out, "--source", src, "--json"])
+    both = all((out / d / "notes.txt").is_file() for d in ("assets", "alias"))
+    ok = proc.returncode == 0 and checked.returncode == 0 and both
+    rows.append(
+        Case(
+            "links",
+            "a folder and a link to it: published under both names, verify --source agrees",
+            CORRECT if ok else CRASH if looks_like_crash(proc.stderr) else WRONG,
+            "" if ok else f"both={both} " + (proc.stdout + proc.stderr + checked.stdout)[-260:],
+        )
+    )
     # A linked shard whose target is a FIFO: refused once for the file, saying "symlink".
     case = work / "fifo-shard"
     src = copy_source(template, case / "src")

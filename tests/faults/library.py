@@ -27,7 +27,7 @@ from verify_mutations import rerecord
 
 from . import core as fl
 from .core import CLEAN, CORRECT, CRASH, WRONG, Case
-from .data import _plant_nan
+from .data import _plant_nan, names_the_source
 from .verify import _output_victim
 
 FAULT_SOURCE = "header the safetensors library refuses (source)"
@@ -176,14 +176,10 @@ def scale_cases(template: Path, work: Path) -> list[Case]:
         for p in sorted(src.glob("*.safetensors"))
         if any(".w1.weight_scale" in t for t in fl.tensor_names(fl.read_shard(p)[0]))
     )
-    w31, _ = _plant_nan(victim)
+    tensor, pos = _plant_nan(victim)
     out = work / "nan-out"
     proc = run_cli([*fl.convert_args(src, out), "--json"])
-    hits = [
-        p
-        for p in json_problems(proc.stdout)
-        if p.get("code") == Code.SCALE_NAN.value and p.get("tensor") == w31
-    ]
+    hits = [p for p in json_problems(proc.stdout) if names_the_source(p, victim.name, tensor, pos)]
     good = proc.returncode == 1 and hits and not (out / fl.INDEX).exists()
     outcome = CRASH if fl.looks_like_crash(proc.stderr) else CLEAN if good else WRONG
     detail = hits[0]["what"][:160] if hits else proc.stdout[-200:]
