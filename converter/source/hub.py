@@ -32,7 +32,7 @@ from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from ..errors import Code, Fatal, fatal
 from ..hashing import Interrupted
 from ..safetensors_format import ShardHeader, check_header_length, parse_header_bytes
-from . import Resolved
+from . import Resolved, hub_cache
 from .hub_net import NetSettings, is_timeout, read_range, with_retries
 
 HEADER_PROBE = 100_000  # one request covers the header of almost every shard
@@ -478,14 +478,47 @@ class HubSnapshot:
         bar = DownloadBar.bound(on_open=on_open, on_bytes=on_bytes, stop=stop)
         self.origin.download(self.repo, file, bar)
 
-    def delete(self, root: Path, file: str) -> None:
-        """Remove a source shard: the file, and in the cache its blob too."""
+    def delete(self, root: Path, file: str) -> int:
+        """Remove a source shard: the file, and in the cache its blob too unless another
+        snapshot entry (any revision of any repo in the cache) still links to it. Returns
+        the bytes freed."""
         download_dir = self.origin.download_dir
         path = root / file
-        target = path.resolve() if path.is_symlink() else None
-        path.unlink(missing_ok=True)
-        if target is not None and download_dir is None:
-            target.unlink(missing_ok=True)  # the blob: the bytes that take the space
-        if download_dir is not None:  # huggingface_hub's per-file download record
+        if download_dir is not None:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return 0
+            path.unlink(missing_ok=True)
+            # huggingface_hub's per-file download record
             meta = download_dir / ".cache" / "huggingface" / "download" / f"{file}.metadata"
             meta.unlink(missing_ok=True)
+            return st.st_size if stat.S_ISREG(st.st_mode) else 0
+        if not path.is_symlink():  # not a cache entry this tool knows how to free
+            path.unlink(missing_ok=True)
+            return 0
+        return self._unlink_entry(path)
+
+    def _unlink_entry(self, path: Path) -> int:
+        """This snapshot's link, then its blob if nothing else in the cache links to it."""
+        from huggingface_hub.utils import WeakFileLock
+
+        storage = Path(os.path.realpath(self.storage))
+        blob = Path(os.path.realpath(path))
+        cache_root = hub_cache.cache_root_of(storage)
+        # huggingface_hub links a new snapshot entry to an existing blob under this lock:
+        # held, no entry is half made while the cache is searched.
+        lock = cache_root / ".locks" / storage.name / f"{blob.name}.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with WeakFileLock(str(lock)):
+            path.unlink(missing_ok=True)
+            if blob.parent != storage / "blobs":  # a link out of the cache: not ours to free
+                return 0
+            if hub_cache.linked_from_any_snapshot(blob, cache_root) is not None:
+                return 0  # another revision (or repo, or file) still holds these bytes
+            try:
+                size = os.stat(blob).st_size
+                blob.unlink()
+            except OSError:  # gone already
+                return 0
+        return size
