@@ -277,3 +277,30 @@ def test_a_range_answered_from_elsewhere_is_refused(hub, net_source, shift):
         assert got == [Code.HUB_ERROR]
     else:
         assert got == read_header(net_source / name, display_name=name)
+
+
+def test_a_download_that_never_answers_stops_with_hub_timeout(hub, net_source, tmp_path):
+    """Where huggingface_hub makes the call (a shard's download), its own wait and bounded
+    retries apply (HF_HUB_DOWNLOAD_TIMEOUT); spent, the run stops with the same code, names
+    the shard, and leaves no index and no partial download."""
+    import threading
+
+    name = sorted(p.name for p in net_source.glob("*.safetensors"))[-1]
+    held = hub.hold[name] = threading.Event()
+    out = tmp_path / "out"
+    try:
+        started = time.monotonic()
+        r = run_cli(
+            [REPO, out, "--download", *ARGS, "--json"],
+            env=_env(hub.endpoint, tmp_path, HF_HUB_DOWNLOAD_TIMEOUT="1"),
+            timeout=120,
+        )
+        took = time.monotonic() - started
+    finally:
+        held.set()
+        del hub.hold[name]
+    assert r.returncode == 1, r.output
+    assert [(p["code"], p["file"]) for p in r.problems] == [(Code.HUB_TIMEOUT.value, name)]
+    assert took < 90
+    assert not (out / "model.safetensors.index.json").exists()
+    assert not list((tmp_path / "hf_cache").rglob("*.incomplete"))
