@@ -19,7 +19,6 @@ import hashlib
 import json
 import re
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -65,6 +64,7 @@ class FakeHub:
     pad_probes: int = 0  # zero bytes sent after a range probe's body (Content-Length says so)
     stall_probes: bool = False  # range probes are read and never answered
     shift_ranges: int = 0  # a range answered from this many bytes later (and says so)
+    drip_probes: float = 0.0  # a range probe's body sent one byte every this many seconds
     log: list[Request] = field(default_factory=list)
     files: dict[str, dict[str, Served]] = field(default_factory=dict)
 
@@ -286,13 +286,17 @@ class FakeHub:
         ends it quietly."""
         rate = self.rate if req.is_download else None  # read once: a test may change it
         step = 16_384 if rate else max(len(body), 1)
+        drip = self.drip_probes if req.range is not None and not req.is_download else 0.0
+        if drip:
+            rate, step = 1 / drip, 1
         try:
             for start in range(0, len(body), step):
                 h.wfile.write(body[start : start + step])
                 req.sent += len(body[start : start + step])
                 if rate:
                     h.wfile.flush()
-                    time.sleep(step / rate)
+                    if self._closing.wait(step / rate):
+                        break
             zeros = bytes(1 << 20)
             while pad > 0:
                 n = min(pad, len(zeros))

@@ -10,7 +10,7 @@ import faults as fl
 
 def test_hub_faults_are_refused_or_handled(tmp_path: Path) -> None:
     rows = fl.hub_cases(fl.make_source(tmp_path / "template"), tmp_path / "work")
-    assert len(rows) == 9
+    assert len(rows) == 10
     assert not fl.bad_rows(rows, {fl.CLEAN, fl.CORRECT}), fl.bad_rows(rows, {fl.CLEAN, fl.CORRECT})
     assert {r.fault: r.outcome for r in rows if r.outcome == fl.CLEAN}.keys() == {
         fl.hub.FAULT_TIME,

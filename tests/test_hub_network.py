@@ -106,6 +106,25 @@ def test_header_probes_that_never_answer_stop_with_hub_timeout(hub, tmp_path):
     assert not out.exists()
 
 
+def test_a_probe_answer_dribbled_a_byte_at_a_time_ends_in_hub_timeout(hub, tmp_path):
+    """Each byte arrives just inside the wait: the read still ends (the wait plus the asked
+    bytes at `MIN_RATE`), with the same code."""
+    hub.drip_probes = 0.05
+    try:
+        started = time.monotonic()
+        r = run_cli(
+            [REPO, tmp_path / "out", "--download", *ARGS, "--dry-run", "--json"],
+            env=_env(hub.endpoint, tmp_path),
+            timeout=60,
+        )
+        took = time.monotonic() - started
+    finally:
+        hub.drip_probes = 0.0
+    assert r.returncode == 1, r.output
+    assert r.problems and {p["code"] for p in r.problems} == {Code.HUB_TIMEOUT.value}
+    assert took < 45
+
+
 @fl.fuzz(40)
 @given(
     failures=st.lists(st.sampled_from(["timeout", "reset", "other"]), max_size=6),

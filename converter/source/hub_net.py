@@ -30,6 +30,9 @@ RETRIES_ENV = "KIMI_W31_HUB_RETRIES"  # retries of a request that timed out
 DEFAULT_TIMEOUT = 10.0  # huggingface_hub's own default for its metadata requests
 DEFAULT_RETRIES = 3
 _BACKOFF = (0.5, 1.0, 2.0, 4.0)  # s before retry n (the last repeats)
+# A ranged read must also end: a server that sends one byte just inside every wait would
+# otherwise hold it for days. It may take `timeout` plus the asked bytes at this rate.
+MIN_RATE = 64 * 1024  # bytes/s
 
 T = TypeVar("T")
 
@@ -119,13 +122,16 @@ def read_range(
 
     Streamed: a 200 (the server ignored the range) is read up to byte `last` and left
     there; a 206 longer than asked is cut at what was asked. Never more than
-    `last + 1` bytes are read, whatever the server sends. A 206 that starts elsewhere
+    `last + 1` bytes are read, whatever the server sends, and never for longer than the
+    wait plus those bytes at `MIN_RATE` (a timeout then). A 206 that starts elsewhere
     than asked is refused (its bytes are not the ones asked for).
     """
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
     want = last - first + 1
     got = bytearray()
+    limit = timeout + (last + 1) / MIN_RATE
+    deadline = time.monotonic() + limit
     with get_session().stream(
         "GET", url, headers={**headers, "range": f"bytes={first}-{last}"}, timeout=timeout
     ) as resp:
@@ -143,4 +149,6 @@ def read_range(
             got += chunk[: want - len(got)]
             if len(got) >= want:
                 break  # leaving the block closes the connection: the rest is never read
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{want} bytes not in after {limit:.1f} s")
         return bytes(got)

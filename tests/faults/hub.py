@@ -1,6 +1,7 @@
 """The Hub, hostile or shared (`--download` against the loopback fake Hub, `hub_server.py`).
 
-- A server that accepts and never answers (the file list, or the header probes): a clean
+- A server that accepts and never answers (the file list, or the header probes), or answers
+  a byte at a time just inside every wait: a clean
   `hub-timeout` within seconds, `--dry-run` included, no output and no partial download (the
   small files huggingface_hub completed before may stay in its cache); a run still going
   after two minutes is a hang (reported as a crash).
@@ -110,6 +111,14 @@ def _time_cases(hub: FakeHub, work: Path) -> list[Case]:
         rows.append(_timed(FAULT_TIME, name, case, Code.HUB_TIMEOUT, args, hub.endpoint))
     finally:
         hub.stall_probes = False
+    case = work / "drip"
+    name = "header probes answered a byte every 50 ms (--dry-run)"
+    hub.drip_probes = 0.05
+    try:
+        args = [REPO, case / "out", "--download", "--dry-run"]
+        rows.append(_timed(FAULT_TIME, name, case, Code.HUB_TIMEOUT, args, hub.endpoint))
+    finally:
+        hub.drip_probes = 0.0
     return rows
 
 
