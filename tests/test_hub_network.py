@@ -49,7 +49,7 @@ def hub(net_source):
         yield server
 
 
-def _env(endpoint: str, tmp: Path, **extra: str) -> dict[str, str | None]:
+def _env(endpoint: str, tmp: Path, **extra: str | None) -> dict[str, str | None]:
     env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("HF_")}
     env.update(
         HF_ENDPOINT=endpoint,
@@ -87,6 +87,19 @@ def test_an_endpoint_that_never_answers_stops_with_hub_timeout(tmp_path, dry_run
     assert (problem["code"], problem["file"]) == (Code.HUB_TIMEOUT.value, REPO)
     assert took < 30  # 2 tries x 0.3 s, a back-off, and the interpreter's start
     assert not out.exists() and _written(tmp_path) == []
+
+
+def test_huggingface_hubs_own_wait_bounds_the_file_list_too(tmp_path):
+    """No setting of ours: HF_HUB_ETAG_TIMEOUT, the user's wait for metadata, applies."""
+    env = _env("", tmp_path, KIMI_W31_HUB_TIMEOUT=None, KIMI_W31_HUB_RETRIES=None)
+    with Silent() as silent:
+        env.update(HF_ENDPOINT=silent.endpoint, HF_HUB_ETAG_TIMEOUT="1")
+        started = time.monotonic()
+        r = run_cli([REPO, tmp_path / "out", "--download", *ARGS, "--dry-run", "--json"], env=env)
+        took = time.monotonic() - started
+    assert r.returncode == 1, r.output
+    assert r.codes == [Code.HUB_TIMEOUT.value]
+    assert took < 30  # 3 tries of 1 s and 1.5 s of back-off, and the interpreter's start
 
 
 def test_header_probes_that_never_answer_stop_with_hub_timeout(hub, tmp_path):
@@ -219,9 +232,14 @@ def test_unusable_network_settings_are_refused(monkeypatch, name, value):
 
 
 def test_network_settings_from_the_environment(monkeypatch):
+    from huggingface_hub import constants
+
     monkeypatch.delenv("KIMI_W31_HUB_TIMEOUT", raising=False)
     monkeypatch.delenv("KIMI_W31_HUB_RETRIES", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 10)
     assert NetSettings.from_env() == NetSettings(hub_net.DEFAULT_TIMEOUT, hub_net.DEFAULT_RETRIES)
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 3)  # huggingface_hub's own setting
+    assert NetSettings.from_env() == NetSettings(3.0, hub_net.DEFAULT_RETRIES)
     monkeypatch.setenv("KIMI_W31_HUB_TIMEOUT", "2.5")
     monkeypatch.setenv("KIMI_W31_HUB_RETRIES", "0")
     assert NetSettings.from_env() == NetSettings(2.5, 0)

@@ -6,7 +6,8 @@ Two rules, one place:
 - No wait is unbounded. Each request waits at most `timeout` seconds for the server (to
   connect, and between any two bytes), and is retried `retries` times on a timeout or a
   dropped connection; then the run stops with `hub-timeout`. Both come from
-  `KIMI_W31_HUB_TIMEOUT` and `KIMI_W31_HUB_RETRIES`. Where `huggingface_hub` makes the call
+  `KIMI_W31_HUB_TIMEOUT` (default: huggingface_hub's `HF_HUB_ETAG_TIMEOUT`, 10 s) and
+  `KIMI_W31_HUB_RETRIES` (default 2). Where `huggingface_hub` makes the call
   (downloads), its own settings apply (`HF_HUB_ETAG_TIMEOUT`, `HF_HUB_DOWNLOAD_TIMEOUT`, and
   its bounded retries); a timeout it raises is reported with the same code (`is_timeout`).
 - No read is larger than what was asked. A byte range is streamed and the stream is left
@@ -28,7 +29,7 @@ from ..errors import Code, Fatal, fatal
 TIMEOUT_ENV = "KIMI_W31_HUB_TIMEOUT"  # seconds a request waits for the server
 RETRIES_ENV = "KIMI_W31_HUB_RETRIES"  # retries of a request that timed out
 DEFAULT_TIMEOUT = 10.0  # huggingface_hub's own default for its metadata requests
-DEFAULT_RETRIES = 3
+DEFAULT_RETRIES = 2
 _BACKOFF = (0.5, 1.0, 2.0, 4.0)  # s before retry n (the last repeats)
 # A ranged read must also end: a server that sends one byte just inside every wait would
 # otherwise hold it for days. It may take `timeout` plus the asked bytes at this rate.
@@ -44,8 +45,12 @@ class NetSettings:
 
     @classmethod
     def from_env(cls) -> NetSettings:
-        """The settings the environment gives; a value that is not a number is refused."""
-        timeout, retries = DEFAULT_TIMEOUT, DEFAULT_RETRIES
+        """The settings the environment gives; a value that is not a number is refused.
+        Unset, the wait is huggingface_hub's for its metadata requests (HF_HUB_ETAG_TIMEOUT),
+        so one setting bounds every request the user knows of."""
+        from huggingface_hub import constants
+
+        timeout, retries = float(constants.HF_HUB_ETAG_TIMEOUT or DEFAULT_TIMEOUT), DEFAULT_RETRIES
         raw = os.environ.get(TIMEOUT_ENV)
         if raw:
             try:
