@@ -408,6 +408,16 @@ class HubPartials:
         return PartialCreated(callback)
 
 
+def _unlink_file(path: Path) -> int:
+    """Remove one name of a file; the bytes freed (none while another name holds them)."""
+    try:
+        st = os.lstat(path)
+        path.unlink()
+    except OSError:  # gone already
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+
+
 @dataclass(frozen=True)
 class HubSnapshot:
     """One pinned commit of a Hub repo: what `read_source` reads (headers over HTTP, the file
@@ -485,18 +495,13 @@ class HubSnapshot:
         download_dir = self.origin.download_dir
         path = root / file
         if download_dir is not None:
-            try:
-                st = os.lstat(path)
-            except OSError:
-                return 0
-            path.unlink(missing_ok=True)
+            freed = _unlink_file(path)
             # huggingface_hub's per-file download record
             meta = download_dir / ".cache" / "huggingface" / "download" / f"{file}.metadata"
             meta.unlink(missing_ok=True)
-            return st.st_size if stat.S_ISREG(st.st_mode) else 0
-        if not path.is_symlink():  # not a cache entry this tool knows how to free
-            path.unlink(missing_ok=True)
-            return 0
+            return freed
+        if not path.is_symlink():  # a copy in the snapshot (no symlinks here): its own bytes
+            return _unlink_file(path)
         return self._unlink_entry(path)
 
     def _unlink_entry(self, path: Path) -> int:
