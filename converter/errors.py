@@ -44,6 +44,7 @@ class Code(str, Enum):
     HUB_GATED = "hub-gated"
     HUB_NOT_FOUND = "hub-not-found"
     HUB_REVISION = "hub-revision"
+    HUB_TIMEOUT = "hub-timeout"
     # -- the index
     INDEX_INVALID = "index-invalid"
     WEIGHT_MAP_ENTRY_UNSAFE = "weight-map-entry-unsafe"
@@ -217,6 +218,10 @@ usage/ray-version: kimi-w31 on this node differs from the driver's
 usage/hub-repo-id: --download needs a Hugging Face repo id (org/name)
 usage/revision-local: --revision {revision!r} applies to a Hugging Face repo id, not to a local
     directory
+usage/hub-timeout: {name} must be a positive number of seconds
+  found: {value}
+usage/hub-retries: {name} must be a whole number of retries (0 or more)
+  found: {value}
 usage/max-shard-size: --max-shard-size must be positive
   found: {size}
 usage/numerics-source: --numerics needs --source SRC: it computes each expert from the source and
@@ -303,8 +308,20 @@ hub-error/request: {action} failed: {error}
 hub-error/no-commit: the Hub did not report a commit for this revision
 hub-error/no-size: the Hub did not report size and content id for a file
 hub-error/short-range: the server returned a short range for the header
+hub-error/bad-range: the server answered a range request with other bytes than asked
+  expected: bytes from {first}
+  found: {said}
 hub-gated: the repository is gated: accept its terms on the Hub and log in (hf auth login)
 hub-not-found: repository not found (or private: log in with hf auth login or set HF_TOKEN)
+hub-timeout/request: {action}: the Hub did not answer within {timeout} s ({tries} tries)
+  hint: check the network and the endpoint (HF_ENDPOINT); KIMI_W31_HUB_TIMEOUT and
+    KIMI_W31_HUB_RETRIES set the wait and the retries; rerun the same command: finished output
+    shards and fully downloaded source shards are kept
+hub-timeout/client: {action}: the Hub did not answer in time (huggingface_hub's own wait and
+    retries were spent)
+  hint: check the network and the endpoint (HF_ENDPOINT); HF_HUB_ETAG_TIMEOUT and
+    HF_HUB_DOWNLOAD_TIMEOUT set huggingface_hub's waits; rerun the same command: finished output
+    shards and fully downloaded source shards are kept
 hub-revision: revision not found in the repository
   expected: a branch, tag or commit
   found: {revision}
@@ -930,6 +947,7 @@ EXIT_CODES: dict[Code, int] = {
     Code.HUB_GATED: EXIT_PROBLEMS,
     Code.HUB_NOT_FOUND: EXIT_PROBLEMS,
     Code.HUB_REVISION: EXIT_PROBLEMS,
+    Code.HUB_TIMEOUT: EXIT_PROBLEMS,
     Code.INDEX_INVALID: EXIT_PROBLEMS,
     Code.WEIGHT_MAP_ENTRY_UNSAFE: EXIT_PROBLEMS,
     Code.SHARD_MISSING: EXIT_PROBLEMS,

@@ -7,7 +7,10 @@ Enough of the Hub for the real `huggingface_hub` client: `GET /api/models/{repo}
 ranges (206 + `Content-Range`). Every request is logged; faults can be switched on per file:
 an HTTP 500 for downloads, a connection dropped part-way (once), or a download held until
 released; and every download can be slowed to a set rate (a slow link, so that a run can be
-interrupted while its downloads are partly on disk). A repo can be gated.
+interrupted while its downloads are partly on disk). A repo can be gated. A hostile or
+broken server: byte ranges ignored (200 with the whole file), a probe's body padded far
+beyond what was asked, or header probes that are accepted and never answered; `Silent` is
+an endpoint that accepts connections and never answers at all.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import hashlib
 import json
 import re
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -58,6 +60,11 @@ class FakeHub:
     hold: dict[str, threading.Event] = field(default_factory=dict)  # download waits on it
     rate: int | None = None  # bytes per second per download body; None: as fast as it goes
     gated: set[str] = field(default_factory=set)  # repos whose terms were not accepted
+    ignore_range: bool = False  # answer a range request with 200 and the whole file
+    pad_probes: int = 0  # zero bytes sent after a range probe's body (Content-Length says so)
+    stall_probes: bool = False  # range probes are read and never answered
+    shift_ranges: int = 0  # a range answered from this many bytes later (and says so)
+    drip_probes: float = 0.0  # a range probe's body sent one byte every this many seconds
     log: list[Request] = field(default_factory=list)
     files: dict[str, dict[str, Served]] = field(default_factory=dict)
 
@@ -75,6 +82,7 @@ class FakeHub:
                     )
                     self.files[repo][str(p.relative_to(root))] = Served(p, len(data), etag, lfs)
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -89,7 +97,11 @@ class FakeHub:
             def do_GET(self) -> None:
                 hub._handle(self, head=False)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address) -> None:
+                pass  # a client hanging up (a probe cut short, a timeout) is no server error
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -102,6 +114,7 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()
         for event in self.hold.values():
             event.set()
         self.server.shutdown()
@@ -228,6 +241,12 @@ class FakeHub:
                 self._record(req)
                 self._send_json(h, 500, {"error": "Internal Error"}, common)
                 return
+        if rng and not req.is_download and self.stall_probes:
+            self._record(req)
+            self._closing.wait()  # until the server is shut down
+            return
+        if self.ignore_range:
+            rng = None
         first, last = 0, f.size - 1
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
@@ -236,7 +255,7 @@ class FakeHub:
                 self._record(req)
                 self._send_json(h, 416, {"error": "Range Not Satisfiable"}, common)
                 return
-            first = int(m[1])
+            first = min(int(m[1]) + self.shift_ranges, f.size - 1)
             last = min(int(m[2]), f.size - 1) if m[2] else f.size - 1
         with open(f.data_path, "rb") as fh:
             fh.seek(first)
@@ -247,7 +266,8 @@ class FakeHub:
             h.send_header(k, v)
         if rng:
             h.send_header("Content-Range", f"bytes {first}-{last}/{f.size}")
-        h.send_header("Content-Length", str(len(body)))
+        pad = self.pad_probes if req.range is not None and not req.is_download else 0
+        h.send_header("Content-Length", str(len(body) + pad))
         h.end_headers()
         cut = self.drop_once.pop(name, None) if req.is_download else None
         if cut is not None:
@@ -257,19 +277,54 @@ class FakeHub:
             self._record(req)
             h.close_connection = True  # the peer sees a body shorter than Content-Length
             return
-        self._send_body(h, body, req)
+        self._send_body(h, body, req, pad)
 
-    def _send_body(self, h: BaseHTTPRequestHandler, body: bytes, req: Request) -> None:
-        """The body, at `rate` for downloads; a client that hangs up ends it quietly."""
+    def _send_body(
+        self, h: BaseHTTPRequestHandler, body: bytes, req: Request, pad: int = 0
+    ) -> None:
+        """The body, at `rate` for downloads, then `pad` zero bytes; a client that hangs up
+        ends it quietly."""
         rate = self.rate if req.is_download else None  # read once: a test may change it
         step = 16_384 if rate else max(len(body), 1)
+        drip = self.drip_probes if req.range is not None and not req.is_download else 0.0
+        if drip:
+            rate, step = 1 / drip, 1
         try:
             for start in range(0, len(body), step):
                 h.wfile.write(body[start : start + step])
                 req.sent += len(body[start : start + step])
                 if rate:
                     h.wfile.flush()
-                    time.sleep(step / rate)
+                    if self._closing.wait(step / rate):
+                        break
+            zeros = bytes(1 << 20)
+            while pad > 0:
+                n = min(pad, len(zeros))
+                h.wfile.write(zeros[:n])
+                req.sent += n
+                pad -= n
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True
         self._record(req)
+
+
+class Silent:
+    """An endpoint that accepts connections and never answers: the kernel completes each
+    handshake (the listen backlog) and nothing ever reads the request."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __enter__(self) -> Silent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()

@@ -153,8 +153,10 @@ class FolderSnapshot:
         shutil.copyfile(self.remote / file, self.storage / file)
         on_bytes(self.size(file))
 
-    def delete(self, root: Path, file: str) -> None:
+    def delete(self, root: Path, file: str) -> int:
+        size = (root / file).stat().st_size if (root / file).exists() else 0
         (root / file).unlink(missing_ok=True)
+        return size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,6 +70,7 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("aliases", fl.alias_cases),
         ("publish", fl.publish_proof_cases),
         ("arguments", fl.argument_cases),
+        ("hub", fl.hub_cases),
     ]
 
 

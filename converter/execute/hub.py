@@ -122,6 +122,7 @@ class HubExecutor(Executor):
                 "downloaded_bytes": t.downloaded_bytes,
                 "deleted_files": len(t.deleted),
                 "deleted_bytes": t.deleted_bytes,
+                "deleted_shared_kept": t.shared_kept,
                 "partial_downloads_removed": t.partials_removed,
                 "partial_bytes_removed": t.partial_bytes_removed,
             }

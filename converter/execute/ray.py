@@ -158,7 +158,7 @@ class RayExecutor(Executor):
         try:
             for shard in sorted(shards, key=lambda s: -s.file_size):  # largest first
                 record = ledger.done.get(shard.name)
-                identity = sources.fingerprint(shard.input_files)
+                identity = {f: list(sources.identity[f]) for f in shard.input_files}
                 headers = {
                     f: sources.header_sha256[f]
                     for f in shard.input_files

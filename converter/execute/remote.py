@@ -79,14 +79,18 @@ class Remote(Protocol):
         `on_bytes` per increment; `stop()` true: end at the next chunk (raise Interrupted)."""
         ...
 
-    def delete(self, root: Path, file: str) -> None: ...
+    def delete(self, root: Path, file: str) -> int:
+        """Remove a source shard (what else still needs its bytes keeps them); the bytes
+        actually freed."""
+        ...
 
 
 class StreamedSources(SourceFiles):
     """Source shards that arrive (and may leave) during the run, from `remote`.
 
     `identity` is recorded when a shard lands, so a file changed under us is still caught;
-    `fingerprint` (what records keep) names content instead.
+    `fingerprint` (what records keep) names content: the Hub's listing, which a cache path
+    read of the same snapshot gives too (`source/hub_cache.py`).
     """
 
     def __init__(
@@ -109,6 +113,3 @@ class StreamedSources(SourceFiles):
             if fd is not None:
                 os.close(fd)
             self.identity.pop(file, None)
-
-    def fingerprint(self, files: list[str]) -> dict[str, list]:
-        return {f: list(self.content[f]) for f in files}

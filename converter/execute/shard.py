@@ -34,6 +34,7 @@ from ..hashing import (
 from ..outdir import SPACE_ERRNOS
 from ..plan import OutputShard, OutputTensor, Piece
 from ..records import Ledger, ShardRecord
+from ..source.hub_cache import content_id
 from .streaming import RangeHasher, copy_range, write_all
 
 
@@ -57,6 +58,9 @@ class SourceFiles:
     ) -> None:
         self.root = root
         self.identity = {f: file_identity(root / f) for f in files}
+        # What records keep: a Hub file's content id wherever it was read from, so the
+        # cache path and --download agree (`hub_cache.content_id`); else the file itself.
+        self.content = {f: content_id(root, f) or self.identity[f] for f in files}
         # The headers the plan was made from: a file rewritten between planning and this
         # snapshot (same size, new layout) would otherwise be copied with stale offsets.
         self.header_sha256 = header_sha256 or {}
@@ -105,7 +109,7 @@ class SourceFiles:
 
     def fingerprint(self, files: list[str]) -> dict[str, list]:
         """What a record says about the source files a shard was copied from."""
-        return {f: list(self.identity[f]) for f in files}
+        return {f: list(self.content[f]) for f in files}
 
     def close(self) -> None:
         for fd in self._fds.values():

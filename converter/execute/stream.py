@@ -229,10 +229,13 @@ class Tally:
     """What the downloads did, for the summary (updated from download threads)."""
 
     peak_disk_measured: int = 0
-    downloaded: list[str] = field(default_factory=list)  # source shards fetched in full
-    deleted: list[str] = field(default_factory=list)
-    downloaded_bytes: int = 0
-    deleted_bytes: int = 0
+    # Only what the origin actually sent: a shard linked from bytes already on disk (another
+    # revision's blob) is no download.
+    downloaded: list[str] = field(default_factory=list)  # source shards the origin sent
+    deleted: list[str] = field(default_factory=list)  # source shards removed from the source
+    downloaded_bytes: int = 0  # bytes the origin sent (net of a retry's rewind)
+    deleted_bytes: int = 0  # bytes freed (what something else still links to is kept)
+    shared_kept: int = 0  # deleted shards whose bytes another snapshot still links to
     partials_removed: int = 0  # partial downloads of this or earlier runs, removed
     partial_bytes_removed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -254,9 +257,12 @@ class Tally:
         journal.forget()
 
     def delete(self, sources: StreamedSources, file: str) -> None:
-        sources.remote.delete(sources.root, file)
-        self.deleted.append(file)
-        self.deleted_bytes += sources.remote.size(file)
+        freed = sources.remote.delete(sources.root, file)
+        with self.lock:
+            self.deleted.append(file)
+            self.deleted_bytes += freed
+            if not freed and sources.remote.size(file):
+                self.shared_kept += 1
 
 
 class Settings(Protocol):
@@ -371,13 +377,12 @@ class Stream:
             reported += n
             progress.download_advance(n)
 
-        present = (self.sources.root / file).exists()
         self.remote.fetch(file, self.watch.scan, on_bytes, stop.is_set)
         size = self.remote.size(file)
         with self.tally.lock:
-            if not present:
+            if reported > 0:  # counted as it arrived: a link to bytes on disk is none
                 self.tally.downloaded.append(file)
-                self.tally.downloaded_bytes += size
+                self.tally.downloaded_bytes += reported
         if file in self.missing:
             progress.download_file_done(file, max(size - reported, 0))
 

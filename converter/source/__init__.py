@@ -27,6 +27,7 @@ from ..contract import CONFIG_NAME, INDEX_NAME
 from ..errors import Code, Fatal, Problem, fatal, problem
 from ..records import SourceId
 from ..safetensors_format import ShardHeader
+from .hub_cache import snapshot_of
 
 
 class SourceReader(Protocol):
@@ -339,8 +340,8 @@ def source_id(source: Source, origin: SourceReader | None) -> SourceId:
     if repo is not None:
         return SourceId(repo.repo_id, f"hub:{repo.repo_id}@{repo.commit}")
     root = source.root.resolve()
-    folder = root.parent.parent.name  # the Hub cache: models--org--name/snapshots/<commit>
-    if root.parent.name == "snapshots" and folder.startswith("models--"):
-        repo_id = folder.removeprefix("models--").replace("--", "/")
-        return SourceId(repo_id, f"hub:{repo_id}@{root.name}")  # as a --download run
+    snapshot = snapshot_of(root)  # the Hub cache: models--org--name/snapshots/<commit>
+    if snapshot is not None:
+        repo_id, commit = snapshot
+        return SourceId(repo_id, f"hub:{repo_id}@{commit}")  # as a --download run
     return SourceId(root.name, str(root))

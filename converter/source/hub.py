@@ -32,7 +32,8 @@ from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from ..errors import Code, Fatal, fatal
 from ..hashing import Interrupted
 from ..safetensors_format import ShardHeader, check_header_length, parse_header_bytes
-from . import Resolved
+from . import Resolved, hub_cache
+from .hub_net import NetSettings, is_timeout, read_range, with_retries
 
 HEADER_PROBE = 100_000  # one request covers the header of almost every shard
 
@@ -68,12 +69,18 @@ def hub_error(
     if isinstance(exc, RevisionNotFoundError):
         # Named as `found`: in the message, and for scripts reading --json.
         return fatal(Code.HUB_REVISION, file=file, revision=revision)
+    if is_timeout(exc):  # huggingface_hub's own waits and retries were spent
+        return fatal(Code.HUB_TIMEOUT, rule="client", file=file, action=what)
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return fatal(Code.HUB_ERROR, rule="request", file=file, action=what, error=detail)
 
 
 def open_repo(
-    repo_id: str, revision: str | None, endpoint: str | None = None, token: str | bool | None = None
+    repo_id: str,
+    revision: str | None,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+    net: NetSettings | None = None,
 ) -> HubRepo:
     """Pin the revision to a commit and list every file with its size and content id.
     Refuses, before anything is asked of the Hub, what cannot be a repo id: a path that
@@ -82,12 +89,22 @@ def open_repo(
         raise fatal(Code.USAGE, rule="hub-repo-id", file=repo_id)
     from huggingface_hub import HfApi
 
+    net = net or NetSettings.from_env()
+    action = "reading the repository's file list"
+    api = HfApi(endpoint=endpoint, token=token)
     try:
-        info = HfApi(endpoint=endpoint, token=token).model_info(
-            repo_id, revision=revision, files_metadata=True
+        info = with_retries(
+            lambda timeout: api.model_info(
+                repo_id, revision=revision, files_metadata=True, timeout=timeout
+            ),
+            net,
+            action,
+            repo_id,
         )
+    except Fatal:
+        raise
     except Exception as exc:  # network, HTTP, auth: all end the run the same way
-        raise hub_error(exc, "reading the repository's file list", repo_id, revision) from None
+        raise hub_error(exc, action, repo_id, revision) from None
     files = {}
     for s in info.siblings or []:
         size = s.lfs.size if s.lfs else s.size
@@ -101,30 +118,36 @@ def open_repo(
 
 
 def read_remote_header(
-    repo: HubRepo, file: str, endpoint: str | None = None, token: str | bool | None = None
+    repo: HubRepo,
+    file: str,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+    net: NetSettings | None = None,
 ) -> ShardHeader:
-    """A shard's header through HTTP range requests; the same checks as `read_header`."""
-    from huggingface_hub import constants, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    """A shard's header through HTTP range requests; the same checks as `read_header`.
+    Every read is bounded (`hub_net.read_range`): a server that ignores the range costs
+    the bytes asked for, never the shard."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
 
     url = hf_hub_url(repo.repo_id, file, revision=repo.commit, endpoint=endpoint)
     headers = {**build_hf_headers(token=token), "Accept-Encoding": "identity"}
     size = repo.files[file].size
+    net = net or NetSettings.from_env()
+    action = "reading the safetensors header"
 
     def get(first: int, last: int) -> bytes:
         try:
-            resp = get_session().get(
-                url,
-                headers={**headers, "range": f"bytes={first}-{last}"},
-                timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+            return with_retries(
+                lambda timeout: read_range(url, headers, first, last, timeout, file),
+                net,
+                action,
+                file,
             )
-            hf_raise_for_status(resp)
+        except Fatal:
+            raise
         except Exception as exc:
-            raise hub_error(exc, "reading the safetensors header", file) from None
-        body = resp.content
-        if resp.status_code == 200:  # the server ignored the range: cut it ourselves
-            body = body[first : last + 1]
-        return body
+            raise hub_error(exc, action, file) from None
 
     head = get(0, min(size, HEADER_PROBE) - 1) if size >= 8 else b""
     length = check_header_length(file, head, size)
@@ -304,10 +327,15 @@ class HubOrigin:
     download_dir: Path | None = None  # None: the Hugging Face cache
     endpoint: str | None = None  # None: HF_ENDPOINT or the public Hub
     token: str | bool | None = None  # None: HF_TOKEN or the stored login
+    # The project's own requests' wait and retries (None: from the environment, `hub_net`).
+    net: NetSettings | None = None
+
+    def settings(self) -> NetSettings:
+        return self.net or NetSettings.from_env()
 
     def resolve(self, spec: str, revision: str | None) -> Resolved:
         """Pin the revision, download the small files; the snapshot read from then on."""
-        repo = open_repo(spec, revision, self.endpoint, self.token)
+        repo = open_repo(spec, revision, self.endpoint, self.token, self.settings())
         files = repo.files
         if CONFIG_NAME not in files:
             raise fatal(Code.FILE_MISSING, rule="hub-config", file=spec)
@@ -380,6 +408,16 @@ class HubPartials:
         return PartialCreated(callback)
 
 
+def _unlink_file(path: Path) -> int:
+    """Remove one name of a file; the bytes freed (none while another name holds them)."""
+    try:
+        st = os.lstat(path)
+        path.unlink()
+    except OSError:  # gone already
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+
+
 @dataclass(frozen=True)
 class HubSnapshot:
     """One pinned commit of a Hub repo: what `read_source` reads (headers over HTTP, the file
@@ -404,7 +442,9 @@ class HubSnapshot:
     def read_header(self, root: Path, file: str) -> ShardHeader:
         if file not in self.repo.files:
             raise fatal(Code.SHARD_MISSING, rule="hub", file=file)
-        return read_remote_header(self.repo, file, self.origin.endpoint, self.origin.token)
+        return read_remote_header(
+            self.repo, file, self.origin.endpoint, self.origin.token, self.origin.settings()
+        )
 
     def extra_files(self, root: Path, weight_files: set[str]) -> list[str]:
         return [f for f in self.small_files if f not in weight_files]
@@ -448,14 +488,42 @@ class HubSnapshot:
         bar = DownloadBar.bound(on_open=on_open, on_bytes=on_bytes, stop=stop)
         self.origin.download(self.repo, file, bar)
 
-    def delete(self, root: Path, file: str) -> None:
-        """Remove a source shard: the file, and in the cache its blob too."""
+    def delete(self, root: Path, file: str) -> int:
+        """Remove a source shard: the file, and in the cache its blob too unless another
+        snapshot entry (any revision of any repo in the cache) still links to it. Returns
+        the bytes freed."""
         download_dir = self.origin.download_dir
         path = root / file
-        target = path.resolve() if path.is_symlink() else None
-        path.unlink(missing_ok=True)
-        if target is not None and download_dir is None:
-            target.unlink(missing_ok=True)  # the blob: the bytes that take the space
-        if download_dir is not None:  # huggingface_hub's per-file download record
+        if download_dir is not None:
+            freed = _unlink_file(path)
+            # huggingface_hub's per-file download record
             meta = download_dir / ".cache" / "huggingface" / "download" / f"{file}.metadata"
             meta.unlink(missing_ok=True)
+            return freed
+        if not path.is_symlink():  # a copy in the snapshot (no symlinks here): its own bytes
+            return _unlink_file(path)
+        return self._unlink_entry(path)
+
+    def _unlink_entry(self, path: Path) -> int:
+        """This snapshot's link, then its blob if nothing else in the cache links to it."""
+        from huggingface_hub.utils import WeakFileLock
+
+        storage = Path(os.path.realpath(self.storage))
+        blob = Path(os.path.realpath(path))
+        cache_root = hub_cache.cache_root_of(storage)
+        # huggingface_hub links a new snapshot entry to an existing blob under this lock:
+        # held, no entry is half made while the cache is searched.
+        lock = cache_root / ".locks" / storage.name / f"{blob.name}.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with WeakFileLock(str(lock)):
+            path.unlink(missing_ok=True)
+            if blob.parent != storage / "blobs":  # a link out of the cache: not ours to free
+                return 0
+            if hub_cache.linked_from_any_snapshot(blob, cache_root) is not None:
+                return 0  # another revision (or repo, or file) still holds these bytes
+            try:
+                size = os.stat(blob).st_size
+                blob.unlink()
+            except OSError:  # gone already
+                return 0
+        return size

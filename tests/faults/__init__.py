@@ -48,6 +48,7 @@ from .crash import crash_cases, kill_points, label_totals, sigint_cases, torn_le
 from .data import data_fault_cases
 from .disk import disk_full_cases, dry_run_space_cases, free_space_cases
 from .headers import HEADER_CASES, header_bound_cases, header_cases
+from .hub import hub_cases
 from .library import library_cases
 from .paths import path_cases
 from .planner import PLAN_CASES, plan_cases
@@ -94,6 +95,7 @@ __all__ = [
     "header_bound_cases",
     "header_cases",
     "header_swap_case",
+    "hub_cases",
     "hostile_cases",
     "index_cases",
     "json_problems",
