@@ -41,7 +41,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -770,22 +770,26 @@ def source_hash(rec: Recipe, spec: Any, roots: Sequence[Path] | None = None) -> 
 
 
 class _Library:
-    """A spec stand-in that loads an already built library instead of running ninja."""
+    """A spec stand-in that loads an already built library instead of running ninja: a
+    bundle's (`bundle.Library`, loaded from the descriptor it was hashed from) or a file."""
 
-    def __init__(self, library: Path) -> None:
+    def __init__(self, library: Path | Any) -> None:
         self.library = library
 
     def build_and_load(self) -> Any:
         import tvm_ffi
 
-        return tvm_ffi.load_module(str(self.library))
+        if isinstance(self.library, Path):
+            return tvm_ffi.load_module(str(self.library))
+        with self.library.loadable() as path:
+            return tvm_ffi.load_module(path)
 
 
 # arch -> (variant key, library or None) installed in this process
-_installed: dict[str, tuple[str, Path | None]] = {}
+_installed: dict[str, tuple[str, Any]] = {}
 
 
-def install(variant: Variant, library: Path | None = None) -> None:
+def install(variant: Variant, library: Path | Any = None) -> None:
     """Route FlashInfer's fused-MoE module for `variant.arch` to the variant's module.
 
     `get_cutlass_fused_moe_module` (which `cutlass_fused_moe` and the weight interleaves
@@ -824,12 +828,97 @@ def ensure(arch: Arch, humming: bool = False) -> Variant:
     return variant
 
 
-def bundle_library(root: Path, variant: Variant) -> Path:
-    """What the plugin loads for `variant` from the bundle at `root`: the running stack and
-    the recipe's source hash computed here, then `bundle.check` (raises BundleError)."""
+# Set to 1: check a bundle's recipe by running FlashInfer's generator and hashing every
+# source at start-up, even when its recorded recipe key matches (see `recipe_key`).
+ENV_FULL_CHECK = "KIMI_W31_KERNELS_FULL_CHECK"
+# The variables FlashInfer's JIT spec reads for a module's compiler flags.
+_FLAG_ENV = ("FLASHINFER_JIT_DEBUG", "FLASHINFER_JIT_VERBOSE", "FLASHINFER_JIT_LINEINFO")
+_ARCH_LIST_ENV = "FLASHINFER_CUDA_ARCH_LIST"
+_DEFAULT_ARCH_LIST = {"sm90": "9.0a", "sm120": "12.0"}  # prebuild's, and what the GPU picks
+
+
+def _flashinfer_files() -> str | None:
+    """FlashInfer's installed files as its distribution records them (path, sha256, size
+    of each: the C++/CUDA sources and the Python generator alike); None when the
+    installation keeps no record (an editable install)."""
+    from importlib import metadata
+
+    try:
+        return metadata.distribution("flashinfer-python").read_text("RECORD")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def recipe_key(variant: Variant, cuda: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """A digest of everything the variant's recipe (`recipe`, `source_hash`) is made from,
+    computed without running FlashInfer's generator: this module's code (the trims, the
+    launcher sets, the split rule), FlashInfer's installed files, the CUDA version and the
+    environment that changes FlashInfer's flags. Equal keys give equal recipes; a key that
+    differs only means the recipe must be regenerated to tell. None: not computable here."""
+    record = _flashinfer_files()
+    if record is None:
+        return None
+    arch_list = environ.get(_ARCH_LIST_ENV, "").strip()
+    if arch_list == _DEFAULT_ARCH_LIST.get(variant.arch):
+        arch_list = ""  # what a GPU of this arch picks by itself: the same flags
+    h = hashlib.sha256()
+    for part in (
+        variant.key,
+        variant.module_name,
+        variant.arch,
+        cuda,
+        arch_list,
+        json.dumps({k: environ.get(k) for k in _FLAG_ENV}, sort_keys=True),
+    ):
+        h.update(part.encode() + b"\0")
+    h.update(hashlib.sha256(Path(__file__).read_bytes()).digest())
+    h.update(hashlib.sha256(record.encode()).digest())
+    return h.hexdigest()
+
+
+def regenerated_source_hash(variant: Variant) -> str:
+    """The full check: FlashInfer's generator run, the recipe derived, every source hashed."""
+    rec = recipe(variant)
+    return source_hash(rec, jit_spec(rec, write=False))
+
+
+def full_check(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(ENV_FULL_CHECK, "").strip() not in ("", "0")
+
+
+def bundle_library(root: Path, variant: Variant) -> Any:
+    """What the plugin loads for `variant` from the bundle at `root` (a `bundle.Library`,
+    held open): the running stack, then `bundle.check` with the recipe key computed here and
+    the full regeneration as the fallback (always, with KIMI_W31_KERNELS_FULL_CHECK=1).
+    Raises BundleError."""
     from . import bundle
 
     running = bundle.current_stack(variant.arch)
-    rec = recipe(variant)
-    digest = source_hash(rec, jit_spec(rec, write=False))
-    return bundle.check(root, variant.key, running, digest)[1]
+    key = None if full_check() else recipe_key(variant, running.cuda)
+    regenerate = lambda: regenerated_source_hash(variant)  # noqa: E731  only on a key miss
+    return bundle.check(root, variant.key, running, regenerate, key)[1]
+
+
+def preflight_bundle(environ: Mapping[str, str] = os.environ) -> None:
+    """The bundle `KIMI_W31_KERNELS` names, checked before any weight loads: there, safe to
+    read and built for this stack (the GPU compared where this process has CUDA up
+    already: the plugin never starts CUDA in a launcher). No variable: nothing to check.
+    Raises BundleError."""
+    where = environ.get(ENV_BUNDLE, "").strip()
+    if not where:
+        return
+    from . import bundle
+
+    bundle.preflight(Path(where), bundle.current_stack(_gpu_arch_if_up()))
+
+
+def _gpu_arch_if_up() -> str:
+    """The GPU's serving arch if CUDA is initialized in this process, else "" (unknown)."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return ""
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) == (9, 0):
+        return "sm90"
+    return "sm120" if major == 12 else f"sm{major}{minor}"
