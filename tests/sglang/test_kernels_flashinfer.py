@@ -200,3 +200,26 @@ def test_prebuild_off_gpu_in_a_fresh_process(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused_moe_90_kimi_w31_w4a16 (sm90 w4a16, " in out.stderr
     assert f"{tmp_path}/.cache/flashinfer/0.7.2.post1/90a/cached_ops/" in out.stderr
+
+
+_LOAD = """
+import os, sys
+from pathlib import Path
+import tvm_ffi
+from kimi_w31.adapter.bundle import Library
+from kimi_w31.adapter.kernels import _Library
+real = Path(tvm_ffi.__file__).parent / "lib" / "libtvm_ffi_testing.so"
+fd = os.open(real, os.O_RDONLY)
+# named like a bundle's library: tvm_ffi picks its loader by the suffix of the path it gets
+module = _Library(Library(Path("/b/fused_moe_90_kimi_w31_w4a16.so"), fd, "")).build_and_load()
+print(type(module).__name__)
+"""
+
+
+def test_tvm_ffi_loads_a_library_through_its_checked_descriptor(tmp_path) -> None:
+    """The loader FlashInfer uses (tvm_ffi.load_module) accepts the descriptor's link
+    (`Library.loadable`). A library tvm_ffi already holds, so the load adds no second copy
+    of its registrations."""
+    out = _run(textwrap.dedent(_LOAD), tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "Module"
