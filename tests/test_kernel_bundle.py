@@ -706,3 +706,12 @@ def test_without_the_hook_point_flashinfer_keeps_its_module(monkeypatch, caplog)
     with caplog.at_level("WARNING", logger="kimi_w31.adapter"):
         fm.use_plugin_kernels("sm90")
     assert K._installed == {} and "whole module" in caplog.text
+
+
+def test_the_fault_table_cases_are_refused_or_load_what_was_checked(tmp_path) -> None:
+    """`make faults`' bundle rows: each hostile bundle refused with its code, quickly."""
+    import faults as fl
+
+    cases = fl.bundle_cases(tmp_path / "unused", tmp_path)
+    bad = [(c.name, c.outcome, c.detail) for c in cases if c.outcome not in (fl.CLEAN, fl.CORRECT)]
+    assert bad == [] and len(cases) >= 17

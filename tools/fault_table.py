@@ -66,6 +66,7 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("fileset", fl.file_set_cases),
         ("bounds", fl.bound_cases),
         ("library", fl.library_cases),
+        ("bundle", fl.bundle_cases),
     ]
 
 

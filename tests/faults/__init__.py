@@ -11,6 +11,7 @@ from __future__ import annotations
 from cli_helpers import json_problems, run_cli
 
 from . import filesystem
+from .bundle import bundle_cases
 from .concurrency import concurrency_cases, lock_race_cases
 from .config import bound_cases, config_cases, file_set_cases
 from .core import (
@@ -93,6 +94,7 @@ __all__ = [
     "json_problems",
     "kill_points",
     "label_totals",
+    "bundle_cases",
     "library_cases",
     "lock_race_cases",
     "looks_like_crash",
