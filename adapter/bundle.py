@@ -6,47 +6,93 @@
 `kimi-convert prebuild --out DIR` writes one (on a build machine; no GPU needed); serving
 nodes name it with `kimi-convert serve --kernels DIR` or `KIMI_W31_KERNELS=DIR`, which the
 plugin reads in every SGLang process. A bundle is loaded only when it matches the running
-stack field by field (architecture, FlashInfer, CUDA, torch, Python), holds the module the
-serving path needs, that module's sources and flags hash to what this FlashInfer and this
-plugin would build, and its library has the recorded sha256; anything else is refused with
-a reason code (`converter.errors.Code.KERNEL_BUNDLE_*`), never loaded.
+stack field by field (GPU architecture, FlashInfer, CUDA, torch, Python, CPU architecture,
+C library, Python ABI), holds the module the serving path needs, that module's recipe is the
+one this FlashInfer and this plugin would build, and its library has the recorded sha256;
+anything else is refused with a reason code (`converter.errors.Code.KERNEL_BUNDLE_*`), never
+loaded.
+
+A bundle is native code every serving process runs, so it is read as hostile input:
+- the directory, the manifest and the libraries must be owned by this user or root and not
+  writable by group or others; no file of it may be a link (a link could lead anywhere, and
+  be re-pointed after the check);
+- each file is opened once without following a link and without blocking (a FIFO or a
+  device never hangs the check), must be a regular file (`fstat` on the descriptor), and is
+  read up to a size limit;
+- the library is hashed from that descriptor and loaded from the same descriptor
+  (`Library.loadable`): a file swapped in at its path after the check is never loaded.
 
 Importing this module needs neither torch nor FlashInfer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import os
 import platform
-from collections.abc import Mapping
+import shutil
+import stat
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..converter.errors import Code, Problem, problem
 
-FORMAT = "kimi-w31-kernels/1"
+FORMAT = "kimi-w31-kernels/2"  # 2: platform tags (CPU, C library, Python ABI), recipe keys
 MANIFEST = "manifest.json"
-STACK_FIELDS = ("arch", "flashinfer", "cuda", "torch", "python")
+STACK_FIELDS = ("arch", "flashinfer", "cuda", "torch", "python", "machine", "libc", "abi")
 _FIELD_CODE = {
     "arch": Code.KERNEL_BUNDLE_ARCH,
     "flashinfer": Code.KERNEL_BUNDLE_FLASHINFER,
     "cuda": Code.KERNEL_BUNDLE_CUDA,
     "torch": Code.KERNEL_BUNDLE_TORCH,
     "python": Code.KERNEL_BUNDLE_PYTHON,
+    "machine": Code.KERNEL_BUNDLE_CPU,
+    "libc": Code.KERNEL_BUNDLE_LIBC,
+    "abi": Code.KERNEL_BUNDLE_PYTHON_ABI,
 }
+# A manifest is a few KiB; the largest module (SM120, FlashInfer's whole set) is well under
+# 2 GiB. Anything bigger is not a bundle's, and is never read to the end.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_LIBRARY_BYTES = 8 << 30
+_LIMITS = {"manifest": MAX_MANIFEST_BYTES, "library": MAX_LIBRARY_BYTES}
+_CHUNK = 1 << 20
+
+_DIR_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_DIRECTORY", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+_FILE_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 @dataclass(frozen=True)
 class Stack:
-    """What a library built here is bound to (compared field by field)."""
+    """What a library built here is bound to (compared field by field; an empty running
+    field is one this process cannot know yet and is not compared)."""
 
     arch: str  # sm90 | sm120
-    flashinfer: str  # flashinfer.__version__
+    flashinfer: str  # FlashInfer's version
     cuda: str  # CUDA major.minor (torch's runtime; nvcc's where torch has none)
     torch: str  # torch's public version (no local "+cu130" tag)
     python: str  # major.minor
+    machine: str  # CPU architecture (platform.machine(): x86_64, aarch64)
+    libc: str  # "glibc 2.35": the C library and the version built against
+    abi: str  # the interpreter's extension ABI tag (SOABI)
 
 
 @dataclass(frozen=True)
@@ -59,6 +105,10 @@ class Module:
     source_hash: str  # kernels.source_hash of the recipe it was built from
     units: int  # translation units compiled
     build_seconds: float | None = None
+    # kernels.recipe_key when it was built: what the recipe was made from (this plugin's
+    # recipe code, FlashInfer's installed files, flags' inputs); equal at start-up, the
+    # recipe is the same without regenerating it (None: always regenerate)
+    recipe_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,23 +181,63 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def current_stack(arch: str) -> Stack:
-    """This process's stack (imports torch and FlashInfer)."""
-    import flashinfer
+def platform_tags() -> dict[str, str]:
+    """This interpreter's platform: CPU architecture, C library, Python ABI."""
+    name, version = platform.libc_ver()
+    abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag or ""
+    return {
+        "machine": platform.machine(),
+        "libc": f"{name} {version}".strip() or "unknown",
+        "abi": str(abi),
+    }
+
+
+def _flashinfer_version() -> str:
+    # The installed distribution's version, without importing FlashInfer (its import fixes
+    # the target architecture and cache directory: too early in a launcher process).
+    from importlib import metadata
+
+    try:
+        return metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        import flashinfer
+
+        return str(flashinfer.__version__)
+
+
+def current_stack(arch: str, *, build: bool = False) -> Stack:
+    """This process's stack (imports torch). `arch` "" where the GPU is not known yet.
+    `build`: a build machine, where a CPU torch takes CUDA from the toolkit FlashInfer
+    compiles with; a serving process without CUDA in torch has CUDA "none"."""
     import torch
 
     cuda = torch.version.cuda
-    if not cuda:  # a CPU torch on a build machine: the toolkit FlashInfer compiles with
+    if not cuda and build:
         from flashinfer.jit.cpp_ext import get_cuda_version
 
         cuda = str(get_cuda_version())
     return Stack(
         arch=arch,
-        flashinfer=str(flashinfer.__version__),
-        cuda=_major_minor(str(cuda)),
+        flashinfer=_flashinfer_version(),
+        cuda=_major_minor(str(cuda)) if cuda else "none",
         torch=_public(str(torch.__version__)),
         python=_major_minor(platform.python_version()),
+        **platform_tags(),
     )
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split(".") if x.isdigit())
+
+
+def _field_matches(name: str, built: str, running: str) -> bool:
+    if not running:  # not known in this process yet (the GPU, before CUDA is up)
+        return True
+    if name == "libc":  # a library built against glibc 2.35 runs on 2.35 and later
+        b_name, _, b_ver = built.partition(" ")
+        r_name, _, r_ver = running.partition(" ")
+        return b_name == r_name and _version_key(b_ver) <= _version_key(r_ver)
+    return built == running
 
 
 def stack_problems(manifest: Manifest, running: Stack, where: str = MANIFEST) -> list[Problem]:
@@ -160,69 +250,307 @@ def stack_problems(manifest: Manifest, running: Stack, where: str = MANIFEST) ->
             built=getattr(manifest.stack, name),
         )
         for name in STACK_FIELDS
-        if getattr(manifest.stack, name) != getattr(running, name)
+        if not _field_matches(name, getattr(manifest.stack, name), getattr(running, name))
     ]
+
+
+# --------------------------------------------------------------------------------------
+# Reading a bundle: every file opened once, never through a link, never blocking
+# --------------------------------------------------------------------------------------
+
+
+def _trust_problems(st: os.stat_result, where: object) -> list[Problem]:
+    """Owner and mode of an opened bundle file or directory (its own fstat)."""
+    found: list[Problem] = []
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        found.append(problem(Code.KERNEL_BUNDLE_OWNER, file=where, uid=st.st_uid, me=me))
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        mode = oct(stat.S_IMODE(st.st_mode))
+        found.append(problem(Code.KERNEL_BUNDLE_WRITABLE, file=where, mode=mode))
+    return found
+
+
+def _kind(mode: int) -> str:
+    from ..converter.fsio import kind
+
+    return kind(mode)
+
+
+def open_root(root: Path) -> int:
+    """The bundle directory's descriptor (the path given may be a link: it names the
+    bundle; nothing inside it may be one). Raises BundleError."""
+    real = Path(os.path.realpath(root))
+    try:
+        fd = os.open(real, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise BundleError(
+            [problem(Code.KERNEL_BUNDLE_MISSING, rule="missing", file=root)]
+        ) from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            try:
+                what = _kind(os.stat(real).st_mode)
+            except OSError:
+                what = "unreadable"
+            raise BundleError(
+                [problem(Code.KERNEL_BUNDLE_MISSING, rule="not-directory", file=root, kind=what)]
+            ) from None
+        raise BundleError(
+            [problem(Code.KERNEL_BUNDLE_INVALID, rule="unreadable", file=root, error=exc.strerror)]
+        ) from None
+    problems = _trust_problems(os.fstat(fd), root)
+    if problems:
+        os.close(fd)
+        raise BundleError(problems)
+    return fd
+
+
+def open_member(folder: int, name: str, where: Path, what: str) -> tuple[int, int]:
+    """(descriptor, size) of bundle file `name` in the directory open on `folder`: a
+    regular file of ours within its size limit (`what`: "manifest" or "library"); raises
+    BundleError, or FileNotFoundError when nothing is there (the caller words it)."""
+    limit = _LIMITS[what]
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=folder)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            try:
+                target = os.readlink(name, dir_fd=folder)
+            except OSError:
+                target = "?"
+            raise BundleError(
+                [problem(Code.KERNEL_BUNDLE_LINK, file=where, target=target)]
+            ) from None
+        if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket
+            raise BundleError(
+                [problem(Code.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind="socket")]
+            ) from None
+        raise BundleError(
+            [problem(Code.KERNEL_BUNDLE_INVALID, rule="unreadable", file=where, error=exc.strerror)]
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BundleError(
+                [problem(Code.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind=_kind(st.st_mode))]
+            )
+        problems = _trust_problems(st, where)
+        if st.st_size > limit:
+            problems.append(
+                problem(
+                    Code.KERNEL_BUNDLE_TOO_LARGE,
+                    file=where,
+                    what=what,
+                    size=st.st_size,
+                    limit=limit,
+                )
+            )
+        if problems:
+            raise BundleError(problems)
+        os.set_blocking(fd, True)  # a regular file: reads must not see EAGAIN
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _read_bounded(fd: int, what: str, where: Path, sink: Callable[[bytes], None]) -> int:
+    """Feed the descriptor's bytes from offset 0 to `sink`; refuses past the size limit of
+    `what` (a file that grows while read)."""
+    limit = _LIMITS[what]
+    done = 0
+    while True:
+        block = os.pread(fd, _CHUNK, done)
+        if not block:
+            return done
+        done += len(block)
+        if done > limit:
+            raise BundleError(
+                [
+                    problem(
+                        Code.KERNEL_BUNDLE_TOO_LARGE, file=where, what=what, size=done, limit=limit
+                    )
+                ]
+            )
+        sink(block)
+
+
+def read_manifest(folder: int, root: Path) -> Manifest:
+    """The manifest of the bundle open on `folder` (read bounded, from one descriptor)."""
+    where = root / MANIFEST
+    try:
+        fd, _ = open_member(folder, MANIFEST, where, "manifest")
+    except FileNotFoundError:
+        raise BundleError(
+            [
+                problem(
+                    Code.KERNEL_BUNDLE_INVALID,
+                    rule="unreadable",
+                    file=where,
+                    error=os.strerror(errno.ENOENT),
+                )
+            ]
+        ) from None
+    try:
+        parts: list[bytes] = []
+        _read_bounded(fd, "manifest", where, parts.append)
+    finally:
+        os.close(fd)
+    try:
+        text = b"".join(parts).decode()
+    except UnicodeDecodeError as exc:
+        raise BundleError(
+            [problem(Code.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc)]
+        ) from None
+    return Manifest.from_json(text, str(where))
+
+
+@dataclass
+class Library:
+    """A bundle library checked and held open: what is loaded is these very bytes."""
+
+    path: Path  # where it lies in the bundle (for messages)
+    fd: int  # open on the bytes that were hashed
+    sha256: str
+
+    @contextlib.contextmanager
+    def loadable(self) -> Iterator[str]:
+        """A path the dynamic loader opens this descriptor's file through: a link named
+        like the library (loaders pick the format by suffix) to `/proc/self/fd/N`, in a
+        folder only this user can enter, removed after the load. Whatever the bundle path
+        names by then, the loader reads the file that was hashed."""
+        private = tempfile.mkdtemp(prefix="kimi-w31-load-")  # 0700
+        link = os.path.join(private, self.path.name)
+        try:
+            os.symlink(f"/proc/self/fd/{self.fd}", link)
+            yield link
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def open_library(folder: int, root: Path, module: Module) -> Library:
+    """The module's library opened once and hashed from that descriptor; refused (with the
+    library's own code) when its digest is not the manifest's."""
+    where = root / module.file
+    try:
+        fd, _ = open_member(folder, module.file, where, "library")
+    except FileNotFoundError:
+        raise BundleError(
+            [
+                problem(
+                    Code.KERNEL_BUNDLE_LIBRARY,
+                    file=where,
+                    want=module.sha256[:16],
+                    digest="missing",
+                )
+            ]
+        ) from None
+    try:
+        h = hashlib.sha256()
+        _read_bounded(fd, "library", where, h.update)
+    except BaseException:
+        os.close(fd)
+        raise
+    digest = h.hexdigest()
+    if digest != module.sha256:
+        os.close(fd)
+        raise BundleError(
+            [
+                problem(
+                    Code.KERNEL_BUNDLE_LIBRARY,
+                    file=where,
+                    want=module.sha256[:16],
+                    digest=digest[:16],
+                )
+            ]
+        )
+    return Library(where, fd, digest)
 
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
+        for block in iter(lambda: fh.read(_CHUNK), b""):
             h.update(block)
     return h.hexdigest()
 
 
-def check(
-    root: Path, variant: str, running: Stack, source_hash: str | None
-) -> tuple[Manifest, Path]:
-    """The library of `variant` in the bundle at `root`, if the bundle may be loaded here;
-    raises BundleError with every reason it may not. `source_hash` None skips that check
-    (it needs FlashInfer's generator; the caller passes it whenever it can)."""
-    where = str(root / MANIFEST)
+SourceHash = str | Callable[[], str] | None
+
+
+def preflight(root: Path, running: Stack) -> Manifest:
+    """What a process can check before any weight loads: the bundle is there, safe to read,
+    and built for this stack (fields of `running` left empty are not compared). Raises
+    BundleError with every reason."""
+    folder = open_root(root)
     try:
-        text = (root / MANIFEST).read_text()
-    except OSError as exc:
-        error = exc.strerror
-        raise BundleError(
-            [problem(Code.KERNEL_BUNDLE_INVALID, rule="unreadable", file=where, error=error)]
-        ) from None
-    manifest = Manifest.from_json(text, where)
-    problems = stack_problems(manifest, running, where)
-    module = manifest.module(variant)
-    if module is None:
-        have = ", ".join(m.variant for m in manifest.modules) or "none"
-        problems.append(
-            problem(Code.KERNEL_BUNDLE_NO_MODULE, file=where, variant=variant, have=have)
-        )
-    if problems or module is None:
-        raise BundleError(problems)
-    if source_hash is not None and module.source_hash != source_hash:
-        problems.append(
-            problem(
-                Code.KERNEL_BUNDLE_SOURCES,
-                file=where,
-                module=module.name,
-                want=source_hash[:16],
-                built=module.source_hash[:16],
-            )
-        )
-    library = root / module.file
-    try:
-        digest = sha256_file(library)
-    except OSError as exc:
-        digest = f"unreadable ({exc.strerror})"
-    if digest != module.sha256:
-        problems.append(
-            problem(
-                Code.KERNEL_BUNDLE_LIBRARY,
-                file=library,
-                want=module.sha256[:16],
-                digest=digest[:16],
-            )
-        )
+        manifest = read_manifest(folder, root)
+    finally:
+        os.close(folder)
+    problems = stack_problems(manifest, running, str(root / MANIFEST))
     if problems:
         raise BundleError(problems)
-    return manifest, library
+    return manifest
+
+
+def check(
+    root: Path,
+    variant: str,
+    running: Stack,
+    source_hash: SourceHash,
+    recipe_key: str | None = None,
+) -> tuple[Manifest, Library]:
+    """The library of `variant` in the bundle at `root`, opened and hashed, if it may be
+    loaded here; raises BundleError with every reason it may not.
+
+    The recipe: when the module's recorded `recipe_key` equals `recipe_key` (what this
+    FlashInfer and this plugin would build from), the recipe is the one built and is not
+    regenerated; otherwise `source_hash` (a digest, or a function computing it: FlashInfer's
+    generator run and every source hashed) must equal the recorded one. `source_hash` None
+    with no key match skips that check (the caller has no FlashInfer generator)."""
+    folder = open_root(root)
+    try:
+        where = str(root / MANIFEST)
+        manifest = read_manifest(folder, root)
+        problems = stack_problems(manifest, running, where)
+        module = manifest.module(variant)
+        if module is None:
+            have = ", ".join(m.variant for m in manifest.modules) or "none"
+            problems.append(
+                problem(Code.KERNEL_BUNDLE_NO_MODULE, file=where, variant=variant, have=have)
+            )
+        if problems or module is None:
+            raise BundleError(problems)
+        same_recipe = recipe_key is not None and module.recipe_key == recipe_key
+        if not same_recipe and source_hash is not None:
+            digest = source_hash() if callable(source_hash) else source_hash
+            if module.source_hash != digest:
+                problems.append(
+                    problem(
+                        Code.KERNEL_BUNDLE_SOURCES,
+                        file=where,
+                        module=module.name,
+                        want=digest[:16],
+                        built=module.source_hash[:16],
+                    )
+                )
+        try:
+            library = open_library(folder, root, module)
+        except BundleError as exc:
+            raise BundleError(problems + exc.problems) from None
+        if problems:
+            library.close()
+            raise BundleError(problems)
+        return manifest, library
+    finally:
+        os.close(folder)
 
 
 def write(root: Path, manifest: Manifest) -> Path:
@@ -230,5 +558,6 @@ def write(root: Path, manifest: Manifest) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{MANIFEST}.tmp"
     tmp.write_text(manifest.to_json())
+    os.chmod(tmp, 0o644)
     tmp.replace(root / MANIFEST)
     return root / MANIFEST

@@ -16,16 +16,16 @@ serving path:
 Each module is built through FlashInfer's own `gen_jit_spec` with the flags FlashInfer
 computes for its stock module: we let FlashInfer's generator run, stop it at
 `gen_jit_spec` (nothing registers or builds), and keep its name suffix, flags, include paths
-and link flags, changing only the source list. Two files are derived from FlashInfer's
-sources because they name every runner type (the explicit-instantiation file and the
-binding's runner constructor); both are written next to FlashInfer's originals so their
-relative includes resolve unchanged.
+and link flags, changing only the source list (plus the stock binding's folder on the
+include path). Two files are derived from FlashInfer's sources because they name every
+runner type (the explicit-instantiation file and the binding's runner constructor).
 
 The generated grouped-GEMM files are split: each holds eight explicit instantiations, and
 one (M256) unit alone took 876 s. `split_generated` cuts a file into parts of bounded
-estimated cost (several instantiations per `.cu`, written in a tree of our own beside
-FlashInfer's generated sources, see `part_path`), and `Recipe.sources` lists
-the costliest units first, because ninja starts edges in manifest order on a cold build.
+estimated cost (several instantiations per `.cu`, see `part_path`), and `Recipe.sources`
+lists the costliest units first, because ninja starts edges in manifest order on a cold
+build. Every derived file is written to the plugin's own cache (`derived_root`), never into
+FlashInfer's package folder (read-only on some installs, shared by every process).
 
 `install(variant, library)` makes `flashinfer.fused_moe` use one of these modules (an
 already built library, or the JIT spec); `ensure(arch, humming)` is what the adapter calls
@@ -41,7 +41,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -499,21 +499,25 @@ def unbuilt_definitions(instances: Sequence[str]) -> str:
     return _UNBUILT_HEAD + "\n".join(bodies) + _UNBUILT_TAIL
 
 
-def part_path(path: Path, index: int, count: int, split_dir: str = SPLIT_DIR) -> Path:
+def part_path(
+    path: Path, index: int, count: int, split_dir: str = SPLIT_DIR, root: Path | None = None
+) -> Path:
     """Where part `index` (1-based) of a generated kernel file goes.
 
     Not beside it: FlashInfer's generator deletes every file of its output directory
     (`cutlass_instantiations/<arch>`) it did not generate itself, each time any process
     builds the spec, which would make ninja recompile our parts in every new process. So a
-    sibling tree of FlashInfer's generated-source directory,
-    `<gen>/kimi_w31_split/<arch>/gemm_grouped/90/<file>.kimi_w31_partIofN.cu` (the parts'
-    only include is include-path relative), under a name FlashInfer's `*.generated.cu` glob
-    never matches.
+    tree of our own, `<root>/kimi_w31_split/<arch>/gemm_grouped/90/<file>.kimi_w31_partIofN.cu`
+    (the parts' only include is include-path relative; the last two folder names are kept:
+    FlashInfer names objects after the source's folder), under a name FlashInfer's
+    `*.generated.cu` glob never matches. `root`: the plugin's cache (`derived_root`);
+    without it, FlashInfer's generated-source directory.
     """
     if len(path.parents) < 5:
         raise ValueError(f"{path}: not a generated kernel file path (<gen>/x/<arch>/a/b/file)")
     stem = path.name.removesuffix(".generated.cu")
-    where = path.parents[4] / split_dir / path.parents[2].name / path.parents[1].name
+    base = root if root is not None else path.parents[4]
+    where = base / split_dir / path.parents[2].name / path.parents[1].name
     return where / path.parent.name / f"{stem}.{SPLIT_TAG}{index}of{count}.cu"
 
 
@@ -621,15 +625,19 @@ def build_units(
     split: bool = True,
     prune: bool = True,
     max_weight: float = DEFAULT_MAX_PART_WEIGHT,
+    derived: Path | None = None,
 ) -> list[Unit]:
     """The trimmed module's units from FlashInfer's stock source list (pure but for `read`):
     with `prune`, only the launchers a tactic can select are compiled (`selectable`), the
-    others defined to refuse in one light unit (`unbuilt_definitions`)."""
+    others defined to refuse in one light unit (`unbuilt_definitions`). Every derived file
+    is placed under `derived` (the plugin's cache, `derived_root`; the binding's folder name
+    kept, FlashInfer names objects after it); without it, beside FlashInfer's files."""
     backend = next((p.parent for p in stock if p.name == BINDING), None)
     if backend is None:
         raise ValueError(f"stock source list changed: no {BINDING}")
-    binding = backend / f"{trim.derived_prefix}{BINDING}"
-    instantiation = backend / f"{trim.derived_prefix}{INSTANTIATION}"
+    beside = derived / backend.name if derived is not None else backend
+    binding = beside / f"{trim.derived_prefix}{BINDING}"
+    instantiation = beside / f"{trim.derived_prefix}{INSTANTIATION}"
     generated = select_generated([p for p in stock if p.name.endswith(".generated.cu")], read, trim)
     if not generated:
         raise ValueError(f"no generated kernel file instantiates <{trim.kernel_marker}>")
@@ -654,13 +662,13 @@ def build_units(
                 units.append(Unit(path, parts[0].weight))
             else:
                 units += [
-                    Unit(part_path(path, i, len(parts), trim.split_dir), p.weight, p.text)
+                    Unit(part_path(path, i, len(parts), trim.split_dir, derived), p.weight, p.text)
                     for i, p in enumerate(parts, 1)
                 ]
         else:
             units.append(Unit(path, fixed_cost(path, trim)))
     if unbuilt:
-        split = part_path(generated[0], 1, 1, trim.split_dir).parent
+        split = part_path(generated[0], 1, 1, trim.split_dir, derived).parent
         where = split / f"{trim.derived_prefix}unbuilt_launchers.cu"
         units.append(Unit(where, UNBUILT_COST, unbuilt_definitions(unbuilt)))
     return units
@@ -704,8 +712,37 @@ def recipe(
     name = variant.module_name + stock_name[len(variant.stock_prefix) :]
     if variant.trim is None:
         return Recipe(variant, name, tuple(Unit(p, 0.0) for p in stock), kwargs)
-    units = build_units(stock, variant.trim, split=split, prune=prune, max_weight=max_weight)
+    units = build_units(
+        stock,
+        variant.trim,
+        split=split,
+        prune=prune,
+        max_weight=max_weight,
+        derived=derived_root(),
+    )
+    # The derived binding and instantiation include their stock siblings by relative path
+    # ("cutlass_fused_moe_kernels.cuh", "../../tvm_ffi_utils.h"): resolved from the stock
+    # folder on the include path, as they were beside it.
+    backend = next(p.parent for p in stock if p.name == BINDING)
+    include = [*(kwargs.get("extra_include_paths") or []), backend]
+    kwargs = {**kwargs, "extra_include_paths": include}
     return Recipe(variant, name, order_units(units), kwargs)
+
+
+ENV_CACHE = "XDG_CACHE_HOME"
+
+
+def derived_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where the plugin writes the sources it derives (trimmed binding and instantiation,
+    split kernel parts): its own cache, `$XDG_CACHE_HOME/kimi-w31/flashinfer/<version>/<arch>`
+    (`~/.cache` without the variable), per FlashInfer version and target as FlashInfer's own
+    generated sources are. Never FlashInfer's package folder: it may be read-only, and is
+    shared by every user and process of that installation."""
+    from flashinfer.jit import env as jit_env
+
+    gen = Path(jit_env.FLASHINFER_GEN_SRC_DIR)  # <workspace>/flashinfer/<version>/<arch>/generated
+    base = Path(environ.get(ENV_CACHE) or Path.home() / ".cache")
+    return base / "kimi-w31" / "flashinfer" / gen.parent.parent.name / gen.parent.name
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -742,12 +779,16 @@ def _relative(path: Path, roots: Sequence[Path]) -> str:
 def source_hash(rec: Recipe, spec: Any, roots: Sequence[Path] | None = None) -> str:
     """sha256 over the module's name, every source's content (derived texts as generated)
     and the compiler and linker flags, machine paths made relative to FlashInfer's source and
-    generated-source directories: equal on every machine with the same FlashInfer, CUDA
-    flags and plugin recipe."""
+    generated-source directories and the plugin's derived-source cache: equal on every
+    machine with the same FlashInfer, CUDA flags and plugin recipe."""
     if roots is None:
         from flashinfer.jit import env as jit_env
 
-        roots = [Path(jit_env.FLASHINFER_CSRC_DIR), Path(jit_env.FLASHINFER_GEN_SRC_DIR)]
+        roots = [
+            Path(jit_env.FLASHINFER_CSRC_DIR),
+            Path(jit_env.FLASHINFER_GEN_SRC_DIR),
+            derived_root(),
+        ]
     h = hashlib.sha256()
     h.update(rec.name.encode() + b"\0")
     for unit in rec.units:
@@ -770,22 +811,26 @@ def source_hash(rec: Recipe, spec: Any, roots: Sequence[Path] | None = None) -> 
 
 
 class _Library:
-    """A spec stand-in that loads an already built library instead of running ninja."""
+    """A spec stand-in that loads an already built library instead of running ninja: a
+    bundle's (`bundle.Library`, loaded from the descriptor it was hashed from) or a file."""
 
-    def __init__(self, library: Path) -> None:
+    def __init__(self, library: Path | Any) -> None:
         self.library = library
 
     def build_and_load(self) -> Any:
         import tvm_ffi
 
-        return tvm_ffi.load_module(str(self.library))
+        if isinstance(self.library, Path):
+            return tvm_ffi.load_module(str(self.library))
+        with self.library.loadable() as path:
+            return tvm_ffi.load_module(path)
 
 
 # arch -> (variant key, library or None) installed in this process
-_installed: dict[str, tuple[str, Path | None]] = {}
+_installed: dict[str, tuple[str, Any]] = {}
 
 
-def install(variant: Variant, library: Path | None = None) -> None:
+def install(variant: Variant, library: Path | Any = None) -> None:
     """Route FlashInfer's fused-MoE module for `variant.arch` to the variant's module.
 
     `get_cutlass_fused_moe_module` (which `cutlass_fused_moe` and the weight interleaves
@@ -824,12 +869,97 @@ def ensure(arch: Arch, humming: bool = False) -> Variant:
     return variant
 
 
-def bundle_library(root: Path, variant: Variant) -> Path:
-    """What the plugin loads for `variant` from the bundle at `root`: the running stack and
-    the recipe's source hash computed here, then `bundle.check` (raises BundleError)."""
+# Set to 1: check a bundle's recipe by running FlashInfer's generator and hashing every
+# source at start-up, even when its recorded recipe key matches (see `recipe_key`).
+ENV_FULL_CHECK = "KIMI_W31_KERNELS_FULL_CHECK"
+# The variables FlashInfer's JIT spec reads for a module's compiler flags.
+_FLAG_ENV = ("FLASHINFER_JIT_DEBUG", "FLASHINFER_JIT_VERBOSE", "FLASHINFER_JIT_LINEINFO")
+_ARCH_LIST_ENV = "FLASHINFER_CUDA_ARCH_LIST"
+_DEFAULT_ARCH_LIST = {"sm90": "9.0a", "sm120": "12.0"}  # prebuild's, and what the GPU picks
+
+
+def _flashinfer_files() -> str | None:
+    """FlashInfer's installed files as its distribution records them (path, sha256, size
+    of each: the C++/CUDA sources and the Python generator alike); None when the
+    installation keeps no record (an editable install)."""
+    from importlib import metadata
+
+    try:
+        return metadata.distribution("flashinfer-python").read_text("RECORD")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def recipe_key(variant: Variant, cuda: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """A digest of everything the variant's recipe (`recipe`, `source_hash`) is made from,
+    computed without running FlashInfer's generator: this module's code (the trims, the
+    launcher sets, the split rule), FlashInfer's installed files, the CUDA version and the
+    environment that changes FlashInfer's flags. Equal keys give equal recipes; a key that
+    differs only means the recipe must be regenerated to tell. None: not computable here."""
+    record = _flashinfer_files()
+    if record is None:
+        return None
+    arch_list = environ.get(_ARCH_LIST_ENV, "").strip()
+    if arch_list == _DEFAULT_ARCH_LIST.get(variant.arch):
+        arch_list = ""  # what a GPU of this arch picks by itself: the same flags
+    h = hashlib.sha256()
+    for part in (
+        variant.key,
+        variant.module_name,
+        variant.arch,
+        cuda,
+        arch_list,
+        json.dumps({k: environ.get(k) for k in _FLAG_ENV}, sort_keys=True),
+    ):
+        h.update(part.encode() + b"\0")
+    h.update(hashlib.sha256(Path(__file__).read_bytes()).digest())
+    h.update(hashlib.sha256(record.encode()).digest())
+    return h.hexdigest()
+
+
+def regenerated_source_hash(variant: Variant) -> str:
+    """The full check: FlashInfer's generator run, the recipe derived, every source hashed."""
+    rec = recipe(variant)
+    return source_hash(rec, jit_spec(rec, write=False))
+
+
+def full_check(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(ENV_FULL_CHECK, "").strip() not in ("", "0")
+
+
+def bundle_library(root: Path, variant: Variant) -> Any:
+    """What the plugin loads for `variant` from the bundle at `root` (a `bundle.Library`,
+    held open): the running stack, then `bundle.check` with the recipe key computed here and
+    the full regeneration as the fallback (always, with KIMI_W31_KERNELS_FULL_CHECK=1).
+    Raises BundleError."""
     from . import bundle
 
     running = bundle.current_stack(variant.arch)
-    rec = recipe(variant)
-    digest = source_hash(rec, jit_spec(rec, write=False))
-    return bundle.check(root, variant.key, running, digest)[1]
+    key = None if full_check() else recipe_key(variant, running.cuda)
+    regenerate = lambda: regenerated_source_hash(variant)  # noqa: E731  only on a key miss
+    return bundle.check(root, variant.key, running, regenerate, key)[1]
+
+
+def preflight_bundle(environ: Mapping[str, str] = os.environ) -> None:
+    """The bundle `KIMI_W31_KERNELS` names, checked before any weight loads: there, safe to
+    read and built for this stack (the GPU compared where this process has CUDA up
+    already: the plugin never starts CUDA in a launcher). No variable: nothing to check.
+    Raises BundleError."""
+    where = environ.get(ENV_BUNDLE, "").strip()
+    if not where:
+        return
+    from . import bundle
+
+    bundle.preflight(Path(where), bundle.current_stack(_gpu_arch_if_up()))
+
+
+def _gpu_arch_if_up() -> str:
+    """The GPU's serving arch if CUDA is initialized in this process, else "" (unknown)."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return ""
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) == (9, 0):
+        return "sm90"
+    return "sm120" if major == 12 else f"sm{major}{minor}"

@@ -30,6 +30,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -66,6 +67,7 @@ class ModuleResult:
     sources: int
     seconds: float
     source_hash: str
+    recipe_key: str | None = None  # kernels.recipe_key: compared at start-up
 
 
 @dataclass(frozen=True)
@@ -181,46 +183,166 @@ def _build(spec: Any, jobs: int, report: ProgressCallback, poll_s: float) -> flo
     return time.monotonic() - t0
 
 
+# Publishing into `--out`: the lock file, the private staging folders, and how long a
+# second publisher waits for the first (a publish renames files: seconds, not a build).
+PUBLISH_LOCK = ".kimi-w31-prebuild.lock"
+STAGE_PREFIX = ".kimi-w31-stage-"
+PUBLISH_WAIT_S = 300.0
+
+
+def _stage_library(source: Path, stage: Path, file: str) -> tuple[str, int]:
+    """Copy a built library into the private staging folder (mode 0644: the bundle's rules),
+    flushed to disk; (sha256, size) of the copy, read back from it."""
+    import hashlib
+
+    dest = stage / file
+    with source.open("rb") as src, open(dest, "xb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+        dst.flush()
+        os.fchmod(dst.fileno(), 0o644)
+        os.fsync(dst.fileno())
+    h = hashlib.sha256()
+    with dest.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest(), dest.stat().st_size
+
+
+@contextmanager
+def publish_lock(out: Path, wait_s: float = PUBLISH_WAIT_S, poll_s: float = 0.05):
+    """Hold `out`'s publish lock: a second publisher waits for the first, then refuses
+    (KERNEL_BUNDLE_BUSY). The converter's output lock, not a lock library: none is among
+    the project's dependencies, and that lock already handles a dead holder, a link or FIFO
+    planted in its place, and NFS (O_EXCL plus flock)."""
+    from ..converter.errors import Code, problem
+    from ..converter.lock import OutputLock
+    from . import bundle as B
+
+    lock = OutputLock(out / PUBLISH_LOCK)
+    deadline = time.monotonic() + wait_s
+    while True:
+        refused = lock.attempt()
+        if refused is None:
+            break
+        if refused.why not in ("busy", "vanished") or time.monotonic() >= deadline:
+            owner = refused.owner or {}
+            who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else refused.why
+            raise B.BundleError(
+                [problem(Code.KERNEL_BUNDLE_BUSY, file=out, who=who, seconds=int(wait_s))]
+            )
+        time.sleep(poll_s)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _kept_modules(out: Path, stack: Any) -> dict[str, Any]:
+    """The modules of the bundle already at `out` built for the same stack (read under the
+    publish lock, so a concurrent publisher's entries are kept, never lost)."""
+    from . import bundle as B
+
+    try:
+        folder = B.open_root(out)
+    except B.BundleError:
+        return {}
+    try:
+        old = B.read_manifest(folder, out)
+    except B.BundleError:
+        return {}
+    finally:
+        os.close(folder)
+    if old.stack != stack:
+        return {}
+    return {m.variant: m for m in old.modules if (out / m.file).is_file()}
+
+
+def check_out(out: Path) -> None:
+    """Before building: `out` must be a folder a serving node will accept (ours, not
+    writable by others; made 0755 when missing). Raises bundle.BundleError."""
+    from . import bundle as B
+
+    if not os.path.lexists(out):
+        out.mkdir(mode=0o755, parents=True, exist_ok=True)
+    os.close(B.open_root(out))
+
+
 def _bundle(out: Path, arch: Arch, results: list[ModuleResult], jobs: int) -> Path:
-    """Copy the libraries into `out` and write its manifest (kept modules of an earlier
-    bundle for the same stack stay)."""
+    """Publish the libraries into `out` with its manifest, atomically: each library is
+    staged in a private folder inside `out` (same filesystem: a rename), then, under the
+    publish lock, renamed into place and the manifest (the kept modules of an earlier
+    bundle for the same stack, plus these) replaced last. A concurrent publish waits; a
+    reader sees the old or the new files, never a mix of two builds' bytes."""
     import datetime as dt
+    import tempfile
 
     from .. import __version__
     from . import bundle as B
 
-    stack = B.current_stack(arch)
-    modules: dict[str, B.Module] = {}
+    stack = B.current_stack(arch, build=True)
+    check_out(out)
+    stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out))  # 0700: ours alone
     try:
-        old = B.Manifest.from_json((out / B.MANIFEST).read_text())
-        if old.stack == stack:
-            modules = {m.variant: m for m in old.modules if (out / m.file).is_file()}
-    except (OSError, B.BundleError):
-        pass
-    out.mkdir(parents=True, exist_ok=True)
-    for r in results:
-        file = f"{r.module}.so"
-        tmp = out / f".{file}.tmp"
-        shutil.copyfile(r.library, tmp)
-        tmp.replace(out / file)
-        modules[r.variant] = B.Module(
-            variant=r.variant,
-            name=r.module,
-            file=file,
-            sha256=B.sha256_file(out / file),
-            size=(out / file).stat().st_size,
-            source_hash=r.source_hash,
-            units=r.sources,
-            build_seconds=round(r.seconds, 1) if r.built else None,
-        )
-    manifest = B.Manifest(
-        stack=stack,
-        modules=tuple(modules[k] for k in sorted(modules)),
-        kimi_w31=__version__,
-        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        build={"jobs": jobs, "cpu_count": os.cpu_count()},
-    )
-    return B.write(out, manifest)
+        staged: dict[str, Any] = {}
+        for r in results:
+            file = f"{r.module}.so"
+            sha256, size = _stage_library(r.library, stage, file)
+            staged[r.variant] = B.Module(
+                variant=r.variant,
+                name=r.module,
+                file=file,
+                sha256=sha256,
+                size=size,
+                source_hash=r.source_hash,
+                units=r.sources,
+                build_seconds=round(r.seconds, 1) if r.built else None,
+                recipe_key=r.recipe_key,
+            )
+        with publish_lock(out):
+            modules = _kept_modules(out, stack)
+            for variant, module in staged.items():
+                os.replace(stage / module.file, out / module.file)
+                modules[variant] = module
+            manifest = B.Manifest(
+                stack=stack,
+                modules=tuple(modules[k] for k in sorted(modules)),
+                kimi_w31=__version__,
+                created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                build={"jobs": jobs, "cpu_count": os.cpu_count()},
+            )
+            tmp = stage / B.MANIFEST
+            with open(tmp, "x") as fh:
+                fh.write(manifest.to_json())
+                fh.flush()
+                os.fchmod(fh.fileno(), 0o644)
+                os.fsync(fh.fileno())
+            os.replace(tmp, out / B.MANIFEST)
+            _fsync_dir(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out / B.MANIFEST
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_out_or_refuse(out: Path) -> None:
+    try:
+        check_out(out)
+    except OSError as exc:
+        raise PrebuildError(f"cannot make the bundle folder {out}: {exc}") from exc
+
+
+def _build_cuda(arch: Arch) -> str:
+    """The CUDA major.minor the bundle's stack records (recipe keys name it)."""
+    from . import bundle as B
+
+    return B.current_stack(arch, build=True).cuda
 
 
 def prebuild(
@@ -272,12 +394,17 @@ def prebuild(
         check_humming_support()
     n_jobs = jobs if jobs is not None else default_jobs()
     report = progress_cb or (lambda _p: None)
+    if out is not None and not plan_only:
+        _check_out_or_refuse(out)  # before a build of minutes: a folder servers would refuse
+    # The recipe keys a bundle records (kernels.recipe_key) name the stack's CUDA.
+    cuda = _build_cuda(target) if out is not None and not plan_only else None
     results: list[ModuleResult] = []
     for key in keys:
         try:
             rec = kernels.recipe(kernels.VARIANTS[key])
             spec = kernels.jit_spec(rec, write=not plan_only)
             digest = kernels.source_hash(rec, spec)
+            rkey = kernels.recipe_key(kernels.VARIANTS[key], cuda) if cuda else None
         except (RuntimeError, ValueError, OSError) as exc:
             raise PrebuildError(f"cannot compute the {key} module's recipe: {exc}") from exc
         total = len(spec.sources)
@@ -285,12 +412,15 @@ def prebuild(
         if plan_only or spec.is_compiled:
             if not plan_only:
                 report(Progress("cached", total, total, 0.0, spec.name))
-            results.append(ModuleResult(key, spec.name, library, False, total, 0.0, digest))
+            results.append(ModuleResult(key, spec.name, library, False, total, 0.0, digest, rkey))
             continue
         seconds = _build(spec, n_jobs, report, poll_s)
         report(Progress("done", total, total, seconds, spec.name))
-        results.append(ModuleResult(key, spec.name, library, True, total, seconds, digest))
+        results.append(ModuleResult(key, spec.name, library, True, total, seconds, digest, rkey))
     manifest = None
     if out is not None and not plan_only:
-        manifest = _bundle(out, target, results, n_jobs)
+        try:
+            manifest = _bundle(out, target, results, n_jobs)
+        except OSError as exc:
+            raise PrebuildError(f"cannot write the bundle at {out}: {exc}") from exc
     return PrebuildResult(target, results, n_jobs, manifest, seconds=time.monotonic() - t_start)

@@ -155,6 +155,16 @@ class Code(str, Enum):
     KERNEL_BUNDLE_NO_MODULE = "kernel-bundle-no-module"
     KERNEL_BUNDLE_SOURCES = "kernel-bundle-sources"
     KERNEL_BUNDLE_LIBRARY = "kernel-bundle-library"
+    KERNEL_BUNDLE_MISSING = "kernel-bundle-missing"
+    KERNEL_BUNDLE_LINK = "kernel-bundle-link"
+    KERNEL_BUNDLE_NOT_REGULAR = "kernel-bundle-not-regular"
+    KERNEL_BUNDLE_OWNER = "kernel-bundle-owner"
+    KERNEL_BUNDLE_WRITABLE = "kernel-bundle-writable"
+    KERNEL_BUNDLE_TOO_LARGE = "kernel-bundle-too-large"
+    KERNEL_BUNDLE_CPU = "kernel-bundle-cpu"
+    KERNEL_BUNDLE_LIBC = "kernel-bundle-libc"
+    KERNEL_BUNDLE_PYTHON_ABI = "kernel-bundle-python-abi"
+    KERNEL_BUNDLE_BUSY = "kernel-bundle-busy"
 
 
 @dataclass(frozen=True)
@@ -783,6 +793,29 @@ kernel-bundle-sources: {module} was built from other sources or flags than this 
 kernel-bundle-library: the library is missing or not the one the manifest records
   expected: {want}
   found: {digest}
+kernel-bundle-missing/missing: no kernel bundle here
+kernel-bundle-missing/not-directory: not a directory ({kind}): a kernel bundle is a directory
+kernel-bundle-link: a link in the bundle (-> {target}): a bundle holds its own files only, so
+    what is checked is what is loaded
+kernel-bundle-not-regular: not a regular file ({kind}): a bundle's manifest and libraries are
+    plain files
+kernel-bundle-owner: owned by uid {uid}, neither this user ({me}) nor root: another user could
+    change the native code every serving process loads
+kernel-bundle-writable: writable by group or others (mode {mode}): anyone who can write it can
+    change the native code every serving process loads
+  hint: chmod go-w the bundle directory and its files
+kernel-bundle-too-large: larger than a bundle's {what} can be ({size} bytes, at most {limit})
+kernel-bundle-cpu: the bundle was built for another CPU architecture
+  expected: {running}
+  found: {built}
+kernel-bundle-libc: the bundle was built against another or a newer C library
+  expected: {running}
+  found: {built}
+kernel-bundle-python-abi: the bundle was built for another Python ABI
+  expected: {running}
+  found: {built}
+kernel-bundle-busy: another prebuild is publishing into this bundle ({who}); it did not finish
+    within {seconds} s
 """
 
 
@@ -1053,6 +1086,16 @@ EXIT_CODES: dict[Code, int] = {
             Code.KERNEL_BUNDLE_NO_MODULE,
             Code.KERNEL_BUNDLE_SOURCES,
             Code.KERNEL_BUNDLE_LIBRARY,
+            Code.KERNEL_BUNDLE_MISSING,
+            Code.KERNEL_BUNDLE_LINK,
+            Code.KERNEL_BUNDLE_NOT_REGULAR,
+            Code.KERNEL_BUNDLE_OWNER,
+            Code.KERNEL_BUNDLE_WRITABLE,
+            Code.KERNEL_BUNDLE_TOO_LARGE,
+            Code.KERNEL_BUNDLE_CPU,
+            Code.KERNEL_BUNDLE_LIBC,
+            Code.KERNEL_BUNDLE_PYTHON_ABI,
+            Code.KERNEL_BUNDLE_BUSY,
         ),
         EXIT_PROBLEMS,
     ),

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 from pathlib import Path
@@ -19,8 +22,7 @@ from hypothesis import strategies as st
 from kimi_w31.adapter import bundle as B
 from kimi_w31.adapter import kernels as K
 from kimi_w31.adapter import prebuild as pb
-
-STACK = B.Stack(arch="sm90", flashinfer="0.7.2.post1", cuda="13.0", torch="2.11.0", python="3.12")
+from test_kernel_bundle import STACK  # noqa: E402
 
 
 class _Act(enum.IntEnum):
@@ -78,7 +80,9 @@ def fake_flashinfer(monkeypatch, tmp_path):
     monkeypatch.setattr(K, "recipe", lambda v, **_: v.key)
     monkeypatch.setattr(K, "jit_spec", lambda key, write=True: specs[key])
     monkeypatch.setattr(K, "source_hash", lambda key, spec: f"hash-of-{key}")
-    monkeypatch.setattr(B, "current_stack", lambda arch: dataclasses.replace(STACK, arch=arch))
+    monkeypatch.setattr(
+        B, "current_stack", lambda arch, build=False: dataclasses.replace(STACK, arch=arch)
+    )
     monkeypatch.setattr(pb, "_gpu_arch", lambda: None)
     return specs
 
@@ -115,7 +119,7 @@ def test_several_precisions_and_a_bundle(fake_flashinfer, tmp_path) -> None:
         assert lib.read_bytes() == fake_flashinfer[m.variant].get_library_path().read_bytes()
         assert m.sha256 == B.sha256_file(lib) and m.source_hash == f"hash-of-{m.variant}"
         # what a serving node on the same stack accepts
-        assert B.check(out, m.variant, STACK, m.source_hash)[1] == lib
+        assert B.check(out, m.variant, STACK, m.source_hash)[1].path == lib
     # a later run for one precision keeps the other's entry
     pb.prebuild(arch="sm90", variants=["w4a8"], out=out)
     again = B.Manifest.from_json(result.bundle.read_text())
@@ -270,3 +274,147 @@ def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_pa
 
     monkeypatch.setattr(pb, "prebuild", broken)
     assert run_cli(["prebuild"], inprocess=True).returncode == 1
+
+
+# -- publishing into --out: atomic, under a lock, into a folder servers accept -------------
+
+_PUBLISHER = """
+import dataclasses, json, os, sys, time
+from pathlib import Path
+from kimi_w31.adapter import bundle as B, kernels as K, prebuild as pb
+out, variant, lib, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+class Spec:  # the seam that produces the library: already built, at `lib`
+    name, sources, is_compiled = K.VARIANTS[variant].module_name, [], True
+    def get_library_path(self):
+        return lib
+K.recipe = lambda v, **_: v
+K.jit_spec = lambda rec, write=True: Spec()
+K.source_hash = lambda rec, spec: "h-" + lib.name
+K.recipe_key = lambda v, cuda, environ=None: None
+stack = B.Stack(**json.loads(os.environ["STACK"]))
+B.current_stack = lambda arch, build=False: stack
+pb._gpu_arch = lambda: None
+Path(str(go) + "." + lib.name).touch()  # ready
+while not go.exists():
+    time.sleep(0.001)
+pb.prebuild(arch="sm90", variants=[variant], out=out)
+"""
+
+
+def _publishers(tmp_path: Path, out: Path, jobs: list[tuple[str, Path]]) -> None:
+    """Run one `prebuild --out OUT` process per (variant, library), released at once."""
+    pkg = tmp_path / "site" / "flashinfer"
+    (pkg / "fused_moe").mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(_FAKE_FLASHINFER))
+    (pkg / "fused_moe" / "__init__.py").write_text(textwrap.dedent(_FAKE_FUSED))
+    env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_CUDA_ARCH_LIST"}
+    env["SEEN"] = str(tmp_path / "seen")
+    env["STACK"] = json.dumps(dataclasses.asdict(STACK))
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
+    go = tmp_path / "go"
+    go.unlink(missing_ok=True)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PUBLISHER, str(out), variant, str(lib), str(go)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for variant, lib in jobs
+    ]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.{lib.name}").exists() for _, lib in jobs):  # all started
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.01)
+    go.touch()
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+
+
+def _libraries(tmp_path: Path, n: int, size: int = 8 << 20) -> list[Path]:
+    libs = []
+    for i in range(n):
+        lib = tmp_path / f"lib{i}.so"
+        lib.write_bytes(b"\x7fELF" + bytes([65 + i]) * size)
+        libs.append(lib)
+    return libs
+
+
+def test_two_builds_into_one_bundle_never_mix_bytes(tmp_path) -> None:
+    """Two `prebuild --out` of one precision at once: the bundle holds one build's library
+    whole, with that library's digest in the manifest, and a server accepts it."""
+    out = tmp_path / "kernels"
+    libs = _libraries(tmp_path, 2)
+    _publishers(tmp_path, out, [("w4a16", lib) for lib in libs])
+    manifest = B.Manifest.from_json((out / B.MANIFEST).read_text())
+    (module,) = manifest.modules
+    data = (out / module.file).read_bytes()
+    assert data in (libs[0].read_bytes(), libs[1].read_bytes())
+    assert module.sha256 == B.sha256_file(out / module.file)
+    assert B.check(out, "w4a16", STACK, module.source_hash)[1].sha256 == module.sha256
+    assert sorted(p.name for p in out.iterdir()) == sorted([B.MANIFEST, module.file])
+
+
+def test_two_precisions_at_once_both_land_in_the_manifest(tmp_path) -> None:
+    out = tmp_path / "kernels"
+    libs = _libraries(tmp_path, 2)
+    _publishers(tmp_path, out, [("w4a16", libs[0]), ("w4a16-all", libs[1])])
+    manifest = B.Manifest.from_json((out / B.MANIFEST).read_text())
+    assert {m.variant for m in manifest.modules} == {"w4a16", "w4a16-all"}
+    ordered = sorted(manifest.modules, key=lambda m: m.variant == "w4a16-all")
+    for m, lib in zip(ordered, libs, strict=True):
+        assert (out / m.file).read_bytes() == lib.read_bytes()
+        assert B.check(out, m.variant, STACK, m.source_hash)[1].sha256 == m.sha256
+
+
+def test_a_publish_waits_for_the_lock_then_refuses(tmp_path) -> None:
+    from kimi_w31.converter.errors import Code
+    from kimi_w31.converter.lock import OutputLock
+
+    out = tmp_path / "kernels"
+    out.mkdir()
+    held = OutputLock(out / pb.PUBLISH_LOCK)
+    held.acquire()
+    t0 = time.monotonic()
+    with pytest.raises(B.BundleError) as err, pb.publish_lock(out, wait_s=0.3):
+        pass
+    assert err.value.codes == [Code.KERNEL_BUNDLE_BUSY] and time.monotonic() - t0 >= 0.3
+    releaser = threading.Timer(0.2, held.release)
+    releaser.start()
+    with pb.publish_lock(out, wait_s=10):  # waits for the holder, then publishes
+        assert not releaser.is_alive()
+    assert not (out / pb.PUBLISH_LOCK).exists()
+
+
+@pytest.mark.parametrize("why", ["group-writable", "a-file"])
+def test_an_out_folder_servers_would_refuse_is_refused_before_building(
+    fake_flashinfer, tmp_path, why
+) -> None:
+    from kimi_w31.converter.errors import Code
+
+    out = tmp_path / "kernels"
+    if why == "group-writable":
+        out.mkdir()
+        out.chmod(0o775)
+    else:
+        out.write_text("")
+    with pytest.raises(B.BundleError) as err:
+        pb.prebuild(arch="sm90", out=out)
+    want = Code.KERNEL_BUNDLE_WRITABLE if why == "group-writable" else Code.KERNEL_BUNDLE_MISSING
+    assert err.value.codes == [want] and fake_flashinfer["w4a16"].builds == 0
+
+
+def test_a_bundle_is_published_with_modes_servers_accept_whatever_the_umask(
+    fake_flashinfer, tmp_path
+) -> None:
+    out = tmp_path / "kernels"
+    old = os.umask(0o002)
+    try:
+        pb.prebuild(arch="sm90", out=out, poll_s=0.01)
+    finally:
+        os.umask(old)
+    for path in out.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert B.check(out, "w4a16", STACK, "hash-of-w4a16")

@@ -71,6 +71,7 @@ def scenarios(per_label: int) -> list[tuple[str, Callable[[Path, Path], list[fl.
         ("publish", fl.publish_proof_cases),
         ("arguments", fl.argument_cases),
         ("hub", fl.hub_cases),
+        ("bundle", fl.bundle_cases),
     ]
 
 

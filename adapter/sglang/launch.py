@@ -579,6 +579,8 @@ def serve(
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
     guard_paths()
+    # A bundle that does not match this stack is refused first: nothing else runs for it.
+    bundle_env = kernel_bundle_env(kernels) if kernels is not None else {}
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
     plan = plan_serve(
         checkpoint,
@@ -596,8 +598,7 @@ def serve(
             problems += [f"verify: {p}" for p in verify_structure(checkpoint)]
         if problems:
             raise ServeError("not starting the server:\n  - " + "\n  - ".join(problems))
-    if kernels is not None:  # after the checks: they read plan.env as "unconverted"
-        plan.env.update(kernel_bundle_env(kernels))
+    plan.env.update(bundle_env)  # after the checks: they read plan.env as "unconverted"
     if print_only:
         click.echo(plan.shell())
         return
@@ -607,19 +608,24 @@ def serve(
 
 
 def kernel_bundle_env(kernels: Path) -> dict[str, str]:
-    """The variable that points every server process at a kernel bundle; its manifest must
-    parse (the stack match is checked by the plugin, in the processes that serve)."""
-    from ..bundle import MANIFEST, BundleError, Manifest
-    from ..kernels import ENV_BUNDLE
+    """The variable that points every server process at a kernel bundle, once the bundle
+    passes the plugin's own pre-flight here (there, safe to read, built for this machine's
+    FlashInfer, torch, CUDA, Python and CPU: `kernels.preflight_bundle`), before anything
+    else is checked or started. The plugin checks it again in every server process."""
+    from ..bundle import BundleError
+    from ..kernels import ENV_BUNDLE, preflight_bundle
 
-    where = kernels / MANIFEST
+    env = {ENV_BUNDLE: os.path.realpath(kernels)}
     try:
-        Manifest.from_json(where.read_text(), str(where))
-    except OSError as exc:
-        raise ServeError(f"--kernels {kernels}: no readable {MANIFEST} ({exc.strerror})") from None
+        preflight_bundle(env)
     except BundleError as exc:
-        raise ServeError(f"--kernels {kernels}: {exc}") from None
-    return {ENV_BUNDLE: str(kernels.resolve())}
+        raise ServeError(f"--kernels {kernels}: {exc}", reason="kernel-bundle") from None
+    except ImportError as exc:  # no torch here: the stack cannot be compared
+        raise ServeError(
+            f"--kernels {kernels}: cannot read this machine's stack ({exc}); {INSTALL_HINT}",
+            reason="kernel-bundle",
+        ) from None
+    return env
 
 
 def run_prebuild(
@@ -633,6 +639,7 @@ def run_prebuild(
 ) -> None:
     """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
     from ...converter import console
+    from ..bundle import BundleError
     from ..flashinfer_moe import SituUnsupportedError
     from ..prebuild import PrebuildError, prebuild
 
@@ -660,7 +667,7 @@ def run_prebuild(
             jobs=jobs,
             plan_only=plan_only,
         )
-    except (PrebuildError, SituUnsupportedError) as exc:
+    except (PrebuildError, SituUnsupportedError, BundleError) as exc:
         raise ServeError(f"prebuild: {exc}") from None
     finally:
         for bar in shown.values():

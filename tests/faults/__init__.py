@@ -13,6 +13,7 @@ from cli_helpers import json_problems, run_cli
 from . import filesystem
 from .aliases import alias_cases
 from .arguments import argument_cases
+from .bundle import bundle_cases
 from .concurrency import concurrency_cases, lock_race_cases
 from .config import bound_cases, config_cases, file_set_cases
 from .core import (
@@ -101,6 +102,7 @@ __all__ = [
     "json_problems",
     "kill_points",
     "label_totals",
+    "bundle_cases",
     "library_cases",
     "lock_race_cases",
     "looks_like_crash",

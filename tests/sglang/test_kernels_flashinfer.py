@@ -23,6 +23,7 @@ _FACTS = """
 import json, re, sys
 from pathlib import Path
 from kimi_w31.adapter import kernels as K
+from flashinfer.jit import env as e
 
 _INST = re.compile(r"^template\\s[^;]*;", re.M)
 out = {}
@@ -30,7 +31,7 @@ for key in ("w4a16", "w4a16-all", "w4a8"):
     v = K.VARIANTS[key]
     name, stock, _ = K.stock_recipe(v.generator)
     rec = K.recipe(v)
-    spec = K.jit_spec(rec, write=False)
+    spec = K.jit_spec(rec, write=True)  # the derived files written where the plugin puts them
     gen = [p for p in stock if p.name.endswith(".generated.cu")]
     kept = [p for p in gen if v.trim.kernel_marker in p.read_text()]
     others = {o.trim.kernel_marker for o in K.VARIANTS.values()
@@ -61,7 +62,11 @@ for key in ("w4a16", "w4a16-all", "w4a8"):
         "stock_after_has_parts": any(K.SPLIT_TAG in p.name for p in stock_after),
         # FlashInfer's generator deletes what it did not write in its own tree: ours survive
         "parts_survive": all(u.path.exists() for u in kernel_units if u.text is not None),
-        "split_root": str(Path(K.part_path(gen[0], 1, 2, v.trim.split_dir)).parents[3]),
+        "derived_root": str(K.derived_root()),
+        "flashinfer_dirs": [str(e.FLASHINFER_CSRC_DIR), str(e.FLASHINFER_GEN_SRC_DIR)],
+        "ours_in_flashinfer": [str(p) for d in (e.FLASHINFER_CSRC_DIR, e.FLASHINFER_GEN_SRC_DIR)
+                               for p in Path(d).rglob("*kimi_w31*")],
+        "include_dirs": [str(p) for p in spec.extra_include_dirs or []],
         "hash": K.source_hash(rec, spec),
         "spec_sources": len(spec.sources),
         "cuda_flags": list(spec.extra_cuda_cflags),
@@ -73,6 +78,7 @@ print(json.dumps(out))
 def _run(code: str, workspace: Path, *args: str, arch_list: str | None = "9.0a"):
     env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_CUDA_ARCH_LIST"}
     env["FLASHINFER_WORKSPACE_BASE"] = str(workspace)
+    env["XDG_CACHE_HOME"] = str(workspace / "xdg")  # the plugin's derived sources
     if arch_list:
         env["FLASHINFER_CUDA_ARCH_LIST"] = arch_list
     return subprocess.run(
@@ -140,17 +146,26 @@ def test_each_module_compiles_exactly_the_launchers_its_tactics_select_once(fact
 
 
 @pytest.mark.parametrize("key", ["w4a16", "w4a16-all", "w4a8"])
-def test_units_are_flashinfers_files_or_derived_beside_them(facts, key) -> None:
-    f = facts[0][1][key]
+def test_units_are_flashinfers_files_or_derived_in_the_plugins_cache(facts, key) -> None:
+    """Derived sources go to the plugin's own cache (`$XDG_CACHE_HOME/kimi-w31/...`), never
+    into FlashInfer's package folder or its generated tree; the stock binding's folder is on
+    the include path, so their relative includes resolve as beside it."""
+    ws, f = facts[0][0], facts[0][1][key]
     stock = {Path(p) for p in f["stock"]}
-    stock_dirs = {p.parent for p in stock}
     derived = {Path(p) for p in f["derived"]}
-    split_root = Path(f["split_root"])
+    root = Path(f["derived_root"])
+    assert root.is_relative_to(ws / "xdg" / "kimi-w31")
     for unit in map(Path, f["units"]):
-        beside = unit.parent in stock_dirs or unit.is_relative_to(split_root)
-        assert unit in stock or (unit in derived and beside), unit
+        assert unit in stock or (unit in derived and unit.is_relative_to(root)), unit
         if unit in derived:
             assert not unit.name.endswith(".generated.cu")
+            assert not any(unit.is_relative_to(d) for d in f["flashinfer_dirs"])
+            assert unit.exists()  # written by jit_spec(write=True)
+    assert f["ours_in_flashinfer"] == []
+    binding_dir = next(
+        p.parent for p in stock if p.name == "flashinfer_cutlass_fused_moe_binding.cu"
+    )
+    assert str(binding_dir) in f["include_dirs"]
     assert not f["stock_after_has_parts"]  # FlashInfer's own module never picks ours up
     # ... and regenerating FlashInfer's sources (every process does) keeps ours, so a warm
     # cache is not recompiled in the next process
@@ -185,3 +200,26 @@ def test_prebuild_off_gpu_in_a_fresh_process(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused_moe_90_kimi_w31_w4a16 (sm90 w4a16, " in out.stderr
     assert f"{tmp_path}/.cache/flashinfer/0.7.2.post1/90a/cached_ops/" in out.stderr
+
+
+_LOAD = """
+import os, sys
+from pathlib import Path
+import tvm_ffi
+from kimi_w31.adapter.bundle import Library
+from kimi_w31.adapter.kernels import _Library
+real = Path(tvm_ffi.__file__).parent / "lib" / "libtvm_ffi_testing.so"
+fd = os.open(real, os.O_RDONLY)
+# named like a bundle's library: tvm_ffi picks its loader by the suffix of the path it gets
+module = _Library(Library(Path("/b/fused_moe_90_kimi_w31_w4a16.so"), fd, "")).build_and_load()
+print(type(module).__name__)
+"""
+
+
+def test_tvm_ffi_loads_a_library_through_its_checked_descriptor(tmp_path) -> None:
+    """The loader FlashInfer uses (tvm_ffi.load_module) accepts the descriptor's link
+    (`Library.loadable`). A library tvm_ffi already holds, so the load adds no second copy
+    of its registrations."""
+    out = _run(textwrap.dedent(_LOAD), tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "Module"
