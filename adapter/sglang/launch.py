@@ -25,6 +25,7 @@ import click
 from ...converter import contract
 from ...converter.console import human, parse_size, progress_option
 from ...converter.errors import Code
+from ...converter.outdir import STATE_DIR
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
 
@@ -33,6 +34,12 @@ FLASHINFER_MIN = (0, 7, 0)
 PLUGIN_GROUP, PLUGIN_NAME = "sglang.srt.plugins", "kimi_w31"
 BACKEND = "flashinfer_mxfp4"
 ALIGNMENT = 128
+INDEX_NAME = "model.safetensors.index.json"
+
+
+# Reasons that mean the command line asks for what cannot be run as asked: exit 2, as
+# `--help` documents for usage errors (every other reason is a failed check: exit 1).
+USAGE_REASONS = frozenset({"bad-flag", "ambiguous-flag", "expert-split", "language-model-only"})
 
 
 class ServeError(click.ClickException):
@@ -42,6 +49,7 @@ class ServeError(click.ClickException):
     def __init__(self, message: str, reason: str = "check") -> None:
         super().__init__(message)
         self.reason = reason
+        self.exit_code = 2 if reason in USAGE_REASONS else 1
 
 
 # The pip install line of the README: the package is installed from a clone, not an index.
@@ -124,7 +132,25 @@ SGLANG_FLAGS: dict[str, tuple[tuple[str, ...], type]] = {
     "nnodes": (("--nnodes",), int),
     "mem_fraction_static": (("--mem-fraction-static",), float),
     "moe_runner_backend": (("--moe-runner-backend",), str),
+    "moe_dp_size": (("--moe-dp-size", "--moe-data-parallel-size"), int),
+    "reasoning_parser": (("--reasoning-parser",), str),
+    "tool_call_parser": (("--tool-call-parser",), str),
+    "json_model_override_args": (("--json-model-override-args",), str),
+    "host": (("--host",), str),
+    "port": (("--port",), int),
 }
+
+# SGLang's switches (store_true) that serve looks for after `--`, by their exact spelling.
+SGLANG_SWITCHES = ("--skip-tokenizer-init", "--language-model-only", "--trust-remote-code")
+
+# What every upstream Kimi-K3 recipe passes to serve real traffic: the tokenizer is the
+# repository's own code (tokenization_kimi.py + tiktoken.model), and the chat output carries
+# reasoning and tool calls in Kimi-K3's format. The parser names are keys of SGLang
+# 0.5.23's registries (tests/sglang/test_serve_flags.py holds them there).
+KIMI_PARSERS = {"reasoning_parser": "kimi_k3", "tool_call_parser": "kimi_k3"}
+# SGLang builds Kimi-K3's multimodal processor even with --skip-tokenizer-init, and its
+# --language-model-only refuses Kimi-K3; this override is what text-only serving needs.
+TEXT_ONLY_OVERRIDE = {"language_model_only": True}
 
 
 def _dest_of(name: str) -> str | None:
@@ -188,8 +214,20 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def check_finished(root: Path) -> None:
+    """An output the converter has started but not finished (its state folder, no index yet:
+    the index is written last) is refused as that, before any file in it is judged."""
+    if (root / STATE_DIR).is_dir() and not (root / INDEX_NAME).exists():
+        raise ServeError(
+            f"{root}: conversion incomplete (no {INDEX_NAME} yet; the converter writes it "
+            "last): rerun the conversion (the same kimi-convert command) to finish it",
+            Code.INCOMPLETE_OUTPUT.value,
+        )
+
+
 def read_config(root: Path) -> tuple[dict, bool]:
     """(config.json, converted?): what the command depends on, checked or not."""
+    check_finished(root)
     cfg_path = root / "config.json"
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -228,14 +266,49 @@ def check_config(root: Path, cfg: dict, *, converted: bool) -> None:
         )
 
 
-def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str) -> None:
+def moe_tp_size(tp: int, ep: int, moe_dp: int = 1) -> int:
+    """The MoE's tensor-parallel size SGLang 0.5.23 runs (runtime_context.py's
+    `derive_parallel_widths`: tp // ep // moe_dp), after its own refusals of the layout
+    (parallel_hook.py), restated so a layout SGLang refuses is refused here first.
+    tests/sglang/test_serve_flags.py holds both to SGLang's code."""
+    for name, value in (("tp", tp), ("ep", ep), ("moe-dp-size", moe_dp)):
+        if value < 1:
+            raise ServeError(f"--{name} {value}: must be at least 1", "bad-flag")
+    if tp % ep:
+        raise ServeError(f"--tp {tp} / --ep {ep}: --ep must divide --tp", "bad-flag")
+    # SGLang, with moe_dp > 1: tp % moe_dp == 0, ep * moe_dp <= tp, and ep * moe_dp == tp
+    # when ep > 1.
+    if moe_dp > 1 and (tp % moe_dp or ep * moe_dp > tp or (ep > 1 and ep * moe_dp != tp)):
+        raise ServeError(
+            f"--tp {tp} / --ep {ep} / --moe-dp-size {moe_dp}: SGLang needs --moe-dp-size "
+            "to divide --tp, and --ep x --moe-dp-size to equal --tp when --ep > 1",
+            "bad-flag",
+        )
+    return tp // ep // moe_dp
+
+
+def check_expert_split(cfg: dict, *, ep: int) -> None:
+    """Each expert-parallel rank holds num_experts / ep whole experts: ep must divide them."""
+    experts = text_config(cfg).get("num_experts")
+    if isinstance(experts, int) and experts > 0 and experts % ep:
+        fits = [d for d in range(1, experts + 1) if experts % d == 0 and d <= 64]
+        raise ServeError(
+            f"--ep {ep}: the {experts} routed experts per layer do not split over {ep} "
+            f"expert-parallel ranks ({experts} / {ep} = {experts / ep:.2f}); --ep must divide "
+            f"{experts} (up to 64: {', '.join(map(str, fits))})",
+            "expert-split",
+        )
+
+
+def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str, moe_dp: int = 1) -> None:
     """A MoE tensor-parallel size the CUTLASS SiTU method can run (it does not pad)."""
     n = text_config(cfg).get("moe_intermediate_size")
-    moe_tp = tp // ep
+    moe_tp = moe_tp_size(tp, ep, moe_dp)
     aligned = isinstance(n, int) and n % moe_tp == 0 and (n // moe_tp) % ALIGNMENT == 0
     if backend == BACKEND and not aligned:
+        over = f"tp/ep = {tp}/{ep}" + (f"/moe-dp {moe_dp}" if moe_dp > 1 else "")
         raise ServeError(
-            f"moe_intermediate_size {n} over moe-TP {moe_tp} (= tp/ep) is not a multiple of "
+            f"moe_intermediate_size {n} over moe-TP {moe_tp} ({over}) is not a multiple of "
             f"{ALIGNMENT}: the CUTLASS SiTU method does not pad. Pick another --tp/--ep "
             "(Kimi-K3: tp/ep in 1, 2, 3, 4, 6, 8, 12, 24), or --backend marlin.",
             "moe-tp-alignment",
@@ -249,8 +322,8 @@ def check_checkpoint(
     cfg, converted = read_config(root)
     _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
     check_config(root, cfg, converted=converted)
-    if tp < 1 or ep < 1 or tp % ep:
-        raise ServeError(f"--tp {tp} / --ep {ep}: both >= 1 and --ep must divide --tp", "bad-flag")
+    moe_tp_size(tp, ep)
+    check_expert_split(cfg, ep=ep)
     check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
     return cfg, converted
 
@@ -297,6 +370,26 @@ def checkpoint_bytes(root: Path) -> tuple[int, str]:
     return size, f"the sizes of its {len(shards)} shard file(s)"
 
 
+def count_gpus(
+    run: Callable[..., Any] = subprocess.run,
+    which: Callable[[str], Any] = shutil.which,
+    driver: Path = Path("/proc/driver/nvidia/gpus"),
+) -> int:
+    """NVIDIA GPUs this machine has, without importing torch (seconds) or opening a CUDA
+    context: nvidia-smi's list, else the driver's /proc entries; 0 when neither shows one."""
+    if which("nvidia-smi"):
+        try:
+            out = run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            if out.returncode == 0:
+                return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        return sum(1 for _ in driver.iterdir())
+    except OSError:
+        return 0
+
+
 def detect_gpu_memory(
     run: Callable[..., Any] = subprocess.run, which: Callable[[str], Any] = shutil.which
 ) -> tuple[int, str] | None:
@@ -341,6 +434,7 @@ class Capacity:
     per_gpu: int
     memory_source: str
     fraction: float | None
+    replicated: int = 0  # bytes every rank holds whole (the latent projections)
 
     @property
     def usable(self) -> float:
@@ -348,7 +442,7 @@ class Capacity:
 
     @property
     def needed_per_gpu(self) -> float:
-        return self.checkpoint / self.gpus
+        return (self.checkpoint - self.replicated) / self.gpus + self.replicated
 
     @property
     def fits(self) -> bool:
@@ -356,7 +450,22 @@ class Capacity:
 
     @property
     def min_gpus(self) -> int:
-        return max(1, math.ceil(self.checkpoint / self.usable))
+        room = self.usable - self.replicated
+        if room <= 0:
+            return 0  # no number of such GPUs holds what every rank holds whole
+        return max(1, math.ceil((self.checkpoint - self.replicated) / room))
+
+
+def replicated_bytes(cfg: dict) -> int:
+    """Bytes every rank holds whole, from the config's dimensions: each MoE layer's two bf16
+    latent projections (hidden x routed_expert_hidden_size each; SGLang builds them without
+    tensor parallelism). 0 when the config has no latent MoE."""
+    text = text_config(cfg)
+    hidden, latent = text.get("hidden_size"), text.get("routed_expert_hidden_size")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, latent)):
+        return 0
+    layers, problems = contract.moe_layer_ids(text)
+    return 0 if problems else len(layers) * 2 * hidden * latent * 2
 
 
 def check_capacity(
@@ -368,6 +477,7 @@ def check_capacity(
     gpu_memory: int | None,
     mem_fraction: float | None,
     detect: Callable[[], tuple[int, str] | None] = detect_gpu_memory,
+    replicated: int = 0,
 ) -> Capacity | None:
     """Refuse a layout whose GPUs cannot hold the checkpoint even split evenly (the least
     any rank holds: a lower bound, so this never refuses a layout that could run).
@@ -389,16 +499,26 @@ def check_capacity(
             )
             return None
         per_gpu, how = found
-    cap = Capacity(size, source, tp * pp, nnodes, per_gpu, how, mem_fraction)
+    cap = Capacity(size, source, tp * pp, nnodes, per_gpu, how, mem_fraction, min(replicated, size))
     if not cap.fits:
         each = human(per_gpu)
         if mem_fraction is not None:
             each += f" x --mem-fraction-static {mem_fraction} = {human(cap.usable)}"
+        whole = (
+            f" (of which {human(cap.replicated)} every GPU holds whole: the latent projections)"
+            if cap.replicated
+            else ""
+        )
+        need = (
+            f"at least {cap.min_gpus} such GPUs"
+            if cap.min_gpus
+            else "GPUs with more memory than what every GPU holds whole"
+        )
         raise ServeError(
-            f"the GPUs cannot hold this checkpoint: {human(size)} ({source}) over "
+            f"the GPUs cannot hold this checkpoint: {human(size)} ({source}){whole} over "
             f"tp {tp} x pp {pp} = {cap.gpus} GPU(s) (on {nnodes} node(s)) is "
             f"{human(cap.needed_per_gpu)} per GPU at the least, more than the {each} each GPU "
-            f"has ({how}). It needs at least {cap.min_gpus} such GPUs for the weights alone, "
+            f"has ({how}). It needs {need} for the weights alone, "
             "before KV cache and activations (Kimi-K3 on H200s: 16, two nodes; see the "
             "README). Use more GPUs (a larger --tp, or -- --pp-size; across nodes with -- "
             "--nnodes), or give --gpu-memory when this machine is not the one that serves.",
@@ -419,6 +539,7 @@ def plan_serve(
     checks: bool = True,
     gpu_memory: int | None = None,
     detect: Callable[[], tuple[int, str] | None] = detect_gpu_memory,
+    text_only: bool = False,
 ) -> ServePlan:
     """The server command for `root`, after the config, MoE-TP and capacity checks (all
     skipped with checks=False, as --skip-checks does); no structure verify, no stack checks.
@@ -426,6 +547,7 @@ def plan_serve(
     SGLang's own flags after `--` (any of their names and forms) win over ours: the checks
     look at the layout SGLang will really use."""
     given = sglang_flags(extra)
+    switches = {a for a in extra if a in SGLANG_SWITCHES}
     backend = given.get("moe_runner_backend", backend)
     tp = given.get("tp_size", tp)
     ep = given.get("ep_size", ep)
@@ -433,14 +555,22 @@ def plan_serve(
     nnodes = given.get("nnodes", 1)
     cfg, converted = read_config(root)
     _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
-    for name, value in (("tp", tp), ("ep", ep), ("pp", pp), ("nnodes", nnodes)):
+    moe_dp = given.get("moe_dp_size", 1)
+    for name, value in (("pp", pp), ("nnodes", nnodes)):
         if value < 1:
             raise ServeError(f"--{name} {value}: must be at least 1", "bad-flag")
-    if tp % ep:
-        raise ServeError(f"--tp {tp} / --ep {ep}: --ep must divide --tp", "bad-flag")
+    moe_tp_size(tp, ep, moe_dp)  # a layout SGLang refuses: a usage error before anything
+    if "--language-model-only" in switches:
+        raise ServeError(
+            "--language-model-only after --: SGLang 0.5.23 refuses it for Kimi-K3; pass "
+            "serve's --text-only (it sets --json-model-override-args "
+            f"'{json.dumps(TEXT_ONLY_OVERRIDE)}')",
+            "language-model-only",
+        )
     if checks:
         check_config(root, cfg, converted=converted)
-        check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
+        check_expert_split(cfg, ep=ep)
+        check_moe_tp(cfg, tp=tp, ep=ep, backend=backend, moe_dp=moe_dp)
         check_capacity(
             root,
             tp=tp,
@@ -449,6 +579,7 @@ def plan_serve(
             gpu_memory=gpu_memory,
             mem_fraction=given.get("mem_fraction_static"),
             detect=detect,
+            replicated=replicated_bytes(cfg),
         )
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(root)]
     if "moe_runner_backend" not in given:
@@ -457,9 +588,36 @@ def plan_serve(
         argv += ["--tp-size", str(tp)]
     if ep > 1 and "ep_size" not in given:
         argv += ["--ep-size", str(ep)]
+    if "--trust-remote-code" not in switches:
+        argv.append("--trust-remote-code")
+    for dest, name in KIMI_PARSERS.items():
+        if dest not in given:
+            argv += [SGLANG_FLAGS[dest][0][0], name]
     argv += list(extra)
+    if text_only or "--skip-tokenizer-init" in switches:  # after theirs: the last one wins
+        argv += text_only_override(given.get("json_model_override_args"))
     env = {OPT_IN_ENV: "1"} if (unconverted and not converted) else {}
     return ServePlan(argv=argv, env=env)
+
+
+def text_only_override(theirs: str | None) -> list[str]:
+    """The --json-model-override-args that text-only Kimi-K3 serving needs, merged into the
+    user's own (given after `--`): ours comes after theirs on the command line and wins, so
+    it keeps what they set and adds the key; nothing when they set the key themselves."""
+    merged = dict(TEXT_ONLY_OVERRIDE)
+    if theirs is not None:
+        try:
+            mine = json.loads(theirs)
+        except ValueError:
+            raise ServeError(
+                f"--json-model-override-args {theirs!r} after -- is not JSON", "bad-flag"
+            ) from None
+        if not isinstance(mine, dict):
+            raise ServeError("--json-model-override-args after -- is not a JSON object", "bad-flag")
+        if "language_model_only" in mine:
+            return []
+        merged = {**mine, **merged}
+    return ["--json-model-override-args", json.dumps(merged, separators=(",", ":"))]
 
 
 def verify_structure(root: Path) -> list[str]:
@@ -535,7 +693,19 @@ def verify_structure(root: Path) -> list[str]:
 @click.option(
     "--skip-checks",
     is_flag=True,
-    help="Skip every check above (checkpoint, stack, MoE-TP alignment, capacity).",
+    help="Skip every check above (checkpoint, stack, GPUs here, MoE-TP alignment, capacity).",
+)
+@click.option(
+    "--text-only",
+    is_flag=True,
+    help="Serve text only: pass --json-model-override-args '{\"language_model_only\": true}' "
+    "(SGLang refuses --language-model-only for Kimi-K3); implied by -- --skip-tokenizer-init.",
+)
+@click.option(
+    "--smoke",
+    is_flag=True,
+    help="Once the server answers /health, send one greedy streamed /generate request and "
+    "print its first-token latency (stderr), then keep serving. Node 0 only.",
 )
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
@@ -549,6 +719,8 @@ def serve(
     print_only: bool,
     gpu_memory: str | None,
     skip_checks: bool,
+    text_only: bool,
+    smoke: bool,
     sglang_args: tuple[str, ...],
 ) -> None:
     """Check CHECKPOINT_DIR and the SGLang stack, then run SGLang's server on it.
@@ -587,7 +759,15 @@ def serve(
         unconverted=unconverted,
         checks=not skip_checks,
         gpu_memory=per_gpu,
+        text_only=text_only,
     )
+    if not print_only and not skip_checks and count_gpus() == 0:
+        raise ServeError(
+            "no NVIDIA GPU on this machine (nvidia-smi and the driver show none): run serve "
+            "on the serving nodes, or add --print (and --gpu-memory SIZE) to print their "
+            "launch command from here",
+            "no-gpu",
+        )
     if not skip_checks:
         problems = check_stack()
         if not plan.env:  # a converted checkpoint: prove its structure first
@@ -601,7 +781,120 @@ def serve(
         return
     if prebuild_first:
         run_prebuild(None, "auto")
+    if smoke:
+        sys.exit(serve_with_smoke(plan, sglang_flags(sglang_args)))
     os.execvpe(plan.argv[0], plan.argv, {**os.environ, **plan.env})
+
+
+def server_url(given: Mapping[str, Any]) -> str:
+    """Where the server listens, as SGLang's --host/--port say (its defaults otherwise); a
+    wildcard host is reached on the loopback."""
+    host = given.get("host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{host}:{given.get('port', 30000)}"
+
+
+def serve_with_smoke(plan: ServePlan, given: Mapping[str, Any]) -> int:
+    """Run the server as a child, report one request's first-token latency once it is up,
+    then keep serving until it exits (Ctrl-C or SIGTERM stop it). Returns its exit code."""
+    from .smoke import SmokeError, smoke
+
+    child = subprocess.Popen(plan.argv, env={**os.environ, **plan.env})
+    try:
+        url = server_url(given)
+        text_only = "--skip-tokenizer-init" in plan.argv
+        try:
+            result = smoke(
+                url,
+                alive=lambda: child.poll() is None,
+                **({"input_ids": [1, 2, 3, 4]} if text_only else {}),
+            )
+        except SmokeError as exc:
+            click.echo(f"smoke: failed ({exc.reason}): {exc}", err=True)
+        else:
+            click.echo(
+                f"smoke: {url} ready after {result.ready_s:.1f} s; first token "
+                f"{result.first_token_s * 1000:.0f} ms, {result.tokens} tokens in "
+                f"{result.total_s:.2f} s: {result.text!r}",
+                err=True,
+            )
+        return child.wait()
+    finally:
+        if child.poll() is None:  # an interrupt of ours: stop the server we started
+            child.terminate()
+            child.wait()
+
+
+@click.command("smoke")
+@click.option(
+    "--url",
+    default="http://127.0.0.1:30000",
+    show_default=True,
+    help="The SGLang server (its --host/--port).",
+)
+@click.option("--prompt", default=None, help="The prompt [default: a short factual one].")
+@click.option(
+    "--input-ids",
+    default=None,
+    metavar="IDS",
+    help="Comma-separated token ids instead of --prompt (a server with --skip-tokenizer-init).",
+)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--wait",
+    type=click.FloatRange(0),
+    default=1800,
+    show_default=True,
+    help="Seconds to wait for /health to answer 200 (loading Kimi-K3 takes minutes).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def smoke_command(
+    url: str,
+    prompt: str | None,
+    input_ids: str | None,
+    max_new_tokens: int,
+    wait: float,
+    as_json: bool,
+) -> None:
+    """Send one greedy streamed generation request to a running SGLang server, once it is
+    up, and report how long the first token took.
+
+    \b
+    Examples:
+      kimi-convert smoke                                 the server on this machine
+      kimi-convert smoke --url http://NODE0_IP:30000 --json
+      kimi-convert smoke --input-ids 1,2,3 --wait 0      a --skip-tokenizer-init server
+
+    Exit codes: 0 a token came back, 1 it did not (the reason is printed), 2 usage error.
+    """
+    from .smoke import DEFAULT_PROMPT, SmokeError, smoke
+
+    ids = None
+    if input_ids is not None:
+        try:
+            ids = [int(x) for x in input_ids.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter("comma-separated integers", param_hint="--input-ids") from None
+    try:
+        result = smoke(
+            url,
+            wait=wait,
+            prompt=prompt or DEFAULT_PROMPT,
+            input_ids=ids,
+            max_new_tokens=max_new_tokens,
+        )
+    except SmokeError as exc:
+        if as_json:
+            click.echo(json.dumps({"ok": False, "reason": exc.reason, "error": str(exc)}))
+        raise ServeError(f"smoke: {exc}", exc.reason) from None
+    if as_json:
+        click.echo(json.dumps({"ok": True, **result.as_dict()}))
+        return
+    click.echo(
+        f"{result.url}: ready after {result.ready_s:.1f} s; first token "
+        f"{result.first_token_s * 1000:.0f} ms; {result.tokens} tokens in {result.total_s:.2f} s"
+        f"\n{result.text}"
+    )
 
 
 def kernel_bundle_env(kernels: Path) -> dict[str, str]:
