@@ -340,7 +340,7 @@ def convert_cmd(
             rehash=rehash,
         )
         _origin_and_executor(opts, workers, **where)
-        mode = console.resolve_mode(progress_mode, quiet or as_json)
+        mode = console.resolve_mode(progress_mode, quiet, as_json)
         reporter = ProgressReporter(mode)
         opts.executor.download_progress = reporter  # --download: bytes from the Hub
         # The GC stays off until the plan is gone too: re-enabled over ~2M live objects,
@@ -379,6 +379,13 @@ def _print_plan(result: ConvertResult, extra_rows: list[tuple[str, str]]) -> Non
     table.add_row("output tensors", str(plan.tensors))
     table.add_row("output shards", str(len(plan.shards)))
     table.add_row("space needed", human(plan.output_bytes))
+    if result.space is not None:
+        to_write, free = result.space
+        table.add_row("to write / free here", f"{human(to_write)} / {human(free)} (fits)")
+    if result.estimate is not None:
+        est = result.estimate
+        when = "unknown" if est.seconds is None else f"about {console.duration(est.seconds)}"
+        table.add_row("estimated time", f"{when} ({est.basis})")
     table.add_row("dims", ", ".join(f"{k}={v}" for k, v in plan.dims.values.items()))
     if preview is not None and preview.mode is not Mode.FRESH:
         what = "an interrupted run" if preview.mode is Mode.RESUME else "a finished output"

@@ -32,6 +32,7 @@ from .errors import (
     Fatal,
     Problem,
     count_codes,
+    human_size,
     root_problems,
 )
 
@@ -68,12 +69,7 @@ def parse_size(text: str) -> int:
     return value
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
+human = human_size  # the one rule for sizes people read (errors.py: messages use it too)
 
 
 def id_ranges(ids: Iterable[int]) -> str:
@@ -101,7 +97,8 @@ def progress_option(fn: Callable) -> Callable:
         default="auto",
         show_default=True,
         help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
-        "bar on a terminal, lines otherwise.",
+        "bar on a terminal, lines otherwise, none with --json when stderr is stdout's file. "
+        "Always on stderr: --json on stdout stays clean.",
     )(fn)
 
 
@@ -191,10 +188,30 @@ def run_guarded(
         sys.exit(EXIT_BUG)
 
 
-def resolve_mode(mode: str, quiet: bool = False) -> str:
+def same_stream(a: int = 1, b: int = 2) -> bool:
+    """Whether file descriptors `a` and `b` write to the same file (`2>&1`, a terminal)."""
+    try:
+        sa, sb = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def resolve_mode(
+    mode: str,
+    quiet: bool = False,
+    as_json: bool = False,
+    shared: Callable[[], bool] = same_stream,
+) -> str:
+    """The progress display for `--progress mode`. Progress always goes to stderr, so with
+    --json (on stdout) it is kept when asked for, and by default when stderr is not the
+    same file as the JSON (a script reading stdout, a log tailed from stderr); on a shared
+    stream it would interleave with the JSON, so `auto` shows none there."""
     if quiet:
         return "none"
     if mode == "auto":
+        if as_json and shared():
+            return "none"
         return "bar" if err.is_terminal else "lines"
     return mode
 

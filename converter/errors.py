@@ -177,6 +177,26 @@ class Problem:
         return fields
 
 
+def human_size(n: float) -> str:
+    """1_600_000_000_000 -> '1.6 TB' (decimal units, as disks are sold and `df -H` shows)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+class Size(int):
+    """A byte count as a fact: messages show it for people and exactly ('46.0 GB
+    (45,998,000,000 bytes)'); it is still the int, for code that reads it."""
+
+    def __str__(self) -> str:
+        return f"{human_size(self)} ({int(self):,} bytes)"
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if not spec else int(self).__format__(spec)
+
+
 # -- messages: each reason's words, over the facts its call sites pass ----------------------
 @dataclass(frozen=True)
 class Message:
@@ -514,12 +534,12 @@ state-lost: the state folder {state} was removed or replaced during the run: the
   hint: find what removed it, then rerun: files kimi-convert cannot prove it wrote are never deleted
     (choose an empty directory if it refuses)
 no-space/output: not enough free space for the output
-  expected: {need} bytes free
-  found: {free} bytes free
+  expected: {need} free
+  found: {free} free
   hint: free space or choose another output directory; --dry-run shows the size
 no-space/downloads: not enough free space for the downloads and the output
-  expected: {need} bytes free
-  found: {free} bytes free
+  expected: {need} free
+  found: {free} free
   hint: pass --delete-source-shards and a smaller --max-source-window, or free space; --dry-run
     shows the peak
 no-space/device: no space left on the device (or file size limit reached)

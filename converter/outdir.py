@@ -319,8 +319,7 @@ class OutputDir:
             mode, ledger, downloads = self._claim(fingerprint, force, source or SourceId("", ""))
             if prepare is not None:
                 prepare(downloads)
-            free = shutil.disk_usage(self.root).free
-            refusal = ledger.space_refusal(self.root, shards or {}, free)
+            refusal = ledger.space_refusal(self.root, shards or {}, fsio.free_bytes(self.root))
             if refusal is not None:
                 raise refusal
         except BaseException as exc:

@@ -830,21 +830,32 @@ def serve_with_smoke(plan: ServePlan, given: Mapping[str, Any]) -> int:
     "--url",
     default="http://127.0.0.1:30000",
     show_default=True,
+    metavar="URL",
     help="The SGLang server (its --host/--port).",
 )
-@click.option("--prompt", default=None, help="The prompt [default: a short factual one].")
+@click.option(
+    "--prompt", default=None, metavar="PROMPT", help="The prompt [default: a short factual one]."
+)
 @click.option(
     "--input-ids",
     default=None,
     metavar="IDS",
     help="Comma-separated token ids instead of --prompt (a server with --skip-tokenizer-init).",
 )
-@click.option("--max-new-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(1),
+    default=16,
+    show_default=True,
+    metavar="N",
+    help="Tokens to generate (greedy).",
+)
 @click.option(
     "--wait",
     type=click.FloatRange(0),
     default=1800,
     show_default=True,
+    metavar="SECONDS",
     help="Seconds to wait for /health to answer 200 (loading Kimi-K3 takes minutes).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")

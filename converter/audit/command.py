@@ -134,7 +134,7 @@ def verify(
 
     def body() -> None:
         _check_usage(numerics, sample, all_experts, seed)
-        mode = console.resolve_mode(progress_mode, quiet or as_json)
+        mode = console.resolve_mode(progress_mode, quiet, as_json)
         report = run_verify(
             output,
             manifest=manifest,

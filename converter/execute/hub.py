@@ -28,7 +28,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import Code, fatal
+from ..errors import Code, Size, fatal
 from ..plan import OutputShard, Plan
 from ..records import Ledger, PartialDownloads
 from ..source import SourceReader
@@ -198,4 +198,6 @@ class HubExecutor(Executor):
         if os.stat(storage).st_dev == os.stat(out_dir).st_dev:
             need += sum(s.file_size for s in pending)
         if need > free:
-            raise fatal(Code.NO_SPACE, rule="downloads", file=storage, need=need, free=free)
+            raise fatal(
+                Code.NO_SPACE, rule="downloads", file=storage, need=Size(need), free=Size(free)
+            )
