@@ -19,7 +19,7 @@ from rich.table import Table
 from . import console
 from .console import err, human, out, parse_size, run_guarded
 from .contract import GROUP_SIZE
-from .errors import EXIT_OK, Code, fatal
+from .errors import EXIT_OK, Code, fatal, plural, repair_command
 from .execute import Executor
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
@@ -350,6 +350,9 @@ def convert_cmd(
 
     def report(result: ConvertResult, executor: Executor) -> None:
         summary = {**result.summary(), **executor.summary(result.plan)}
+        if result.already_complete and not summary["kept_data_reread"]:
+            # kept shards proven without their data: damage verify found is not seen here
+            summary["repair"] = repair_command(str(output), source)
         if as_json:
             out.print_json(json.dumps({"ok": True, "exit_code": EXIT_OK, **summary}))
         elif quiet:
@@ -359,9 +362,14 @@ def convert_cmd(
         elif result.already_complete:
             err.print(
                 f"[green]already complete:[/] {escape(str(result.out))} holds this "
-                f"conversion; all {len(result.plan.shards)} shards proven by "
-                f"{summary['kept_proven_by']}; nothing to do."
+                f"conversion; {plural(len(result.plan.shards), 'shard')} proven by "
+                f"{summary['kept_proven_by']}; nothing rewritten."
             )
+            if summary.get("repair"):  # the data was not re-read: say what would be
+                err.print(
+                    "[yellow]hint:[/] if `kimi-convert verify --checksums` failed, this run "
+                    f"could not see it; repair with: {escape(summary['repair'])}"
+                )
         else:
             _print_summary(result, summary)
 
@@ -559,10 +567,11 @@ def synth(
         started = time.perf_counter()
         info = synth_checkpoint(output, spec)
         err.print(
-            f"wrote {escape(str(output.resolve()))}: {info['tensors']} tensors in "
-            f"{info['shards']} shards, {human(info['bytes'])} in "
-            f"{time.perf_counter() - started:.1f} s (K={kk}, N={nn}, {experts} experts x "
-            f"{len(spec.moe_layers())} MoE layers of {layers}); convert it with "
+            f"wrote {escape(str(output.resolve()))}: {plural(info['tensors'], 'tensor')} in "
+            f"{plural(info['shards'], 'shard')}, {human(info['bytes'])} in "
+            f"{time.perf_counter() - started:.1f} s (K={kk}, N={nn}, "
+            f"{plural(experts, 'expert')} x {plural(len(spec.moe_layers()), 'MoE layer')} of "
+            f"{layers}); convert it with "
             "--manifest kimi-k3-any"
         )
 

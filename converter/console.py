@@ -33,6 +33,7 @@ from .errors import (
     Problem,
     count_codes,
     human_size,
+    plural,
     root_problems,
 )
 
@@ -123,11 +124,13 @@ def problems_json(problems: list[Problem], **extra: object) -> dict:
 
 
 def suppressed_line(suppressed: list[Problem]) -> str:
-    """'3 more problem(s) follow from the above, not listed: layer-unexpected x2, ...'."""
+    """'3 more problems follow from the above, not listed: layer-unexpected x2, ...'."""
     counts = ", ".join(
         code + (f" x{n}" if n > 1 else "") for code, n in count_codes(suppressed).items()
     )
-    return f"{len(suppressed)} more problem(s) follow from the above, not listed: {counts}"
+    n = len(suppressed)
+    verb = "follows" if n == 1 else "follow"
+    return f"{plural(n, 'more problem')} {verb} from the above, not listed: {counts}"
 
 
 def render_error(exc: Fatal, as_json: bool) -> None:

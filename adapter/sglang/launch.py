@@ -24,7 +24,7 @@ import click
 
 from ...converter import contract
 from ...converter.console import human, parse_size, progress_option
-from ...converter.errors import Code
+from ...converter.errors import EXIT_PROBLEMS, EXIT_USAGE, Code, plural
 from ...converter.outdir import STATE_DIR
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
@@ -49,7 +49,11 @@ class ServeError(click.ClickException):
     def __init__(self, message: str, reason: str = "check") -> None:
         super().__init__(message)
         self.reason = reason
-        self.exit_code = 2 if reason in USAGE_REASONS else 1
+
+    @property
+    def exit_code(self) -> int:  # type: ignore[override]
+        """As the converter's table says: usage reasons exit as usage, the rest as checks."""
+        return EXIT_USAGE if self.reason in USAGE_REASONS else EXIT_PROBLEMS
 
 
 # The pip install line of the README: the package is installed from a clone, not an index.
@@ -367,7 +371,7 @@ def checkpoint_bytes(root: Path) -> tuple[int, str]:
             size += (root / name).stat().st_size
         except OSError:
             continue  # a missing shard is verify's finding, not this check's
-    return size, f"the sizes of its {len(shards)} shard file(s)"
+    return size, f"the sizes of its {plural(len(shards), 'shard file')}"
 
 
 def count_gpus(
@@ -406,7 +410,7 @@ def detect_gpu_memory(
             )
             mib = [int(x) for x in out.stdout.split() if x.strip().isdigit()]
             if out.returncode == 0 and mib:
-                return min(mib) * 2**20, f"nvidia-smi, {len(mib)} GPU(s)"
+                return min(mib) * 2**20, f"nvidia-smi, {plural(len(mib), 'GPU')}"
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
     try:
@@ -417,7 +421,7 @@ def detect_gpu_memory(
                 torch.cuda.get_device_properties(i).total_memory
                 for i in range(torch.cuda.device_count())
             ]
-            return min(sizes), f"torch.cuda, {len(sizes)} GPU(s)"
+            return min(sizes), f"torch.cuda, {plural(len(sizes), 'GPU')}"
     except Exception:  # no torch, no driver: nothing to read
         pass
     return None
@@ -516,7 +520,7 @@ def check_capacity(
         )
         raise ServeError(
             f"the GPUs cannot hold this checkpoint: {human(size)} ({source}){whole} over "
-            f"tp {tp} x pp {pp} = {cap.gpus} GPU(s) (on {nnodes} node(s)) is "
+            f"tp {tp} x pp {pp} = {plural(cap.gpus, 'GPU')} (on {plural(nnodes, 'node')}) is "
             f"{human(cap.needed_per_gpu)} per GPU at the least, more than the {each} each GPU "
             f"has ({how}). It needs {need} for the weights alone, "
             "before KV cache and activations (Kimi-K3 on H200s: 16, two nodes; see the "
