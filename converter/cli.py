@@ -24,6 +24,7 @@ from .execute import Executor
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
+from .outdir import PERMISSION_ERRNOS, SPACE_ERRNOS
 from .pipeline import ConvertOptions, ConvertResult, Reporter, convert, gc_paused
 from .records import Mode
 
@@ -565,7 +566,10 @@ def synth(
         if not spec.moe_layers():
             raise fatal(Code.USAGE, rule="synth-no-moe")
         started = time.perf_counter()
-        info = synth_checkpoint(output, spec)
+        try:
+            info = synth_checkpoint(output, spec)
+        except OSError as exc:  # a folder it may not write, a full disk: coded, no traceback
+            raise _os_refusal(exc, output) from None
         err.print(
             f"wrote {escape(str(output.resolve()))}: {plural(info['tensors'], 'tensor')} in "
             f"{plural(info['shards'], 'shard')}, {human(info['bytes'])} in "
@@ -576,3 +580,13 @@ def synth(
         )
 
     run_guarded(body)
+
+
+def _os_refusal(exc: OSError, where: Path) -> Exception:
+    """An OS error writing `where` as a coded problem naming the file it hit."""
+    file = exc.filename if exc.filename is not None else where
+    if exc.errno in PERMISSION_ERRNOS:
+        return fatal(Code.PERMISSION_DENIED, rule="folder", file=file)
+    if exc.errno in SPACE_ERRNOS:
+        return fatal(Code.NO_SPACE, rule="device", file=file, error=exc.strerror or exc)
+    return fatal(Code.IO_ERROR, file=file, error=exc.strerror or exc)

@@ -44,9 +44,11 @@ class KimiConvert(DefaultGroup):
     OUT` (click-default-group: a first word that is no command goes to the default)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
+        return sorted([*COMMANDS, "help"])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name == "help":  # a command, never convert's SRC (a folder named help: ./help)
+            return help_command
         if name not in COMMANDS:
             meant = _looks_like_a_command(name)
             if meant is not None:  # `verfy out/` is a typo, not a conversion of ./verfy
@@ -80,3 +82,29 @@ def main() -> None:
     Exit codes: 0 ok, 1 invalid input or failed check, 2 usage error, 130 interrupted,
     143 terminated.
     """
+
+
+@click.command("help")
+@click.argument("command", required=False, metavar="[COMMAND]")
+@click.pass_context
+def help_command(ctx: click.Context, command: str | None) -> None:
+    """Show the help of kimi-convert, or of COMMAND.
+
+    \b
+    Examples:
+      kimi-convert help
+      kimi-convert help verify
+    """
+    group = ctx.parent.command if ctx.parent is not None else main
+    parent = ctx.parent or ctx
+    if command is None:
+        click.echo(group.get_help(parent))
+        return
+    if command not in COMMANDS:
+        raise click.UsageError(
+            f"no such command {command!r}; the commands are {', '.join(sorted(COMMANDS))}",
+            ctx,
+        )
+    cmd = group.get_command(parent, command)
+    with click.Context(cmd, info_name=command, parent=parent) as sub:
+        click.echo(cmd.get_help(sub))
