@@ -35,7 +35,7 @@ def _looks_like_a_command(word: str) -> str | None:
     a Hub repo id has a slash). Else None: the word is convert's SRC."""
     if not re.fullmatch(r"[a-z][a-z-]*", word) or Path(word).expanduser().exists():
         return None
-    close = difflib.get_close_matches(word, COMMANDS, n=1, cutoff=0.75)
+    close = difflib.get_close_matches(word, [*COMMANDS, "help"], n=1, cutoff=0.75)
     return close[0] if close else None
 
 
