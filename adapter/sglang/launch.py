@@ -939,8 +939,13 @@ def run_prebuild(
 ) -> None:
     """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
     from ...converter import console
+    from ..prebuild import PrebuildError, prebuild, require_torch
+
+    try:
+        require_torch()  # before the imports below, which need it
+    except PrebuildError as exc:
+        raise ServeError(f"prebuild: {exc}", exc.reason) from None
     from ..flashinfer_moe import SituUnsupportedError
-    from ..prebuild import PrebuildError, prebuild
 
     shown: dict[str, console.Progress] = {}
 
@@ -967,7 +972,7 @@ def run_prebuild(
             plan_only=plan_only,
         )
     except (PrebuildError, SituUnsupportedError) as exc:
-        raise ServeError(f"prebuild: {exc}") from None
+        raise ServeError(f"prebuild: {exc}", getattr(exc, "reason", "prebuild")) from None
     finally:
         for bar in shown.values():
             bar.stop()
