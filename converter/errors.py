@@ -339,6 +339,10 @@ weight-map-entry-unsafe: weight_map entry {why}
   found: {shard!r}
 shard-missing/local: shard named in the index is missing
 shard-missing/hub: shard named in the index is missing from the repository
+shard-missing/cache: the Hugging Face cache holds part of this repository: {missing} of {total}
+    shards the index names are not in its snapshot {snapshot} (a download that did not finish)
+  hint: finish the download (`hf download {command}`: it fetches only what is missing), or stream
+    it with --download
 shard-missing/served: source: index names a shard that is not there
 shard-missing/dangling: shard named in the index is a symlink to nothing
   expected: a regular file (a shard may be a symlink to one, e.g. on another disk)
