@@ -347,10 +347,15 @@ def convert_cmd(
         # The GC stays off until the plan is gone too: re-enabled over ~2M live objects,
         # its first collection alone would rescan them all (see `gc_paused`).
         with gc_paused():
-            report(convert(opts, reporter), opts.executor)
+            report(convert(opts, reporter), opts.executor, reporter)
 
-    def report(result: ConvertResult, executor: Executor) -> None:
+    def report(result: ConvertResult, executor: Executor, reporter: ProgressReporter) -> None:
         summary = {**result.summary(), **executor.summary(result.plan)}
+        if reporter.progress is not None and summary.get("throughput_mb_s"):
+            # the progress lines' own figure: bytes this run moved over the time they took
+            rate = reporter.progress.rate()
+            summary["throughput_mb_s"] = round(rate / 1e6, 1)
+            summary["throughput_bytes_s"] = round(rate)
         if result.already_complete and not summary["kept_data_reread"]:
             # kept shards proven without their data: damage verify found is not seen here
             summary["repair"] = repair_command(str(output), source)
@@ -437,7 +442,8 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     table.add_row("output size", human(summary["output_bytes"]))
     table.add_row("time", f"{summary['seconds']:.2f} s")
     if summary["throughput_mb_s"]:
-        table.add_row("throughput (this run)", f"{summary['throughput_mb_s']} MB/s")
+        rate = summary.get("throughput_bytes_s", summary["throughput_mb_s"] * 1e6)
+        table.add_row("throughput (this run)", f"{human(rate)}/s")
     out.print(table)
     out.print("next: [bold]kimi-convert verify " + escape(summary["output"]) + "[/]")
 

@@ -242,6 +242,7 @@ class Progress:
         self.moved = 0  # what this run read or wrote (for the rate); `done` may include kept
         self.notes: dict[str, str] = {}
         self.started = time.monotonic()
+        self.stopped_at: float | None = None
         self.interval = (
             interval if interval is not None else float(os.environ.get(LINE_INTERVAL_ENV, "30"))
         )
@@ -289,7 +290,7 @@ class Progress:
         with self._lock:
             done, total, moved = self.done, self.total, self.moved
             notes = "; ".join(f"{k} {v}" for k, v in self.notes.items())
-        elapsed = max(time.monotonic() - self.started, 1e-6)
+        elapsed = self.elapsed()
         fmt = human if self.unit == "bytes" else str
         parts = [f"{fmt(done)}/{fmt(total) if total is not None else '?'}"]
         if total:
@@ -301,6 +302,17 @@ class Progress:
             parts.append(f"ETA {duration((total - done) / rate)}")
         parts.append(f"elapsed {duration(elapsed)}")
         return ", ".join(parts) + (f"; {notes}" if notes else "")
+
+    def elapsed(self) -> float:
+        """Seconds from the start to now, or to `stop()` once stopped."""
+        end = self.stopped_at if self.stopped_at is not None else time.monotonic()
+        return max(end - self.started, 1e-6)
+
+    def rate(self) -> float:
+        """What this run moved per second: the figure the lines show, and the summary too."""
+        with self._lock:
+            moved = self.moved
+        return moved / self.elapsed()
 
     def _refresh(self) -> None:
         if self._bar is not None:
@@ -328,6 +340,8 @@ class Progress:
     def stop(self) -> None:
         """The final state; nothing at all when the work never started (a run refused
         before its first byte shows the refusal, not a 0 % line above it)."""
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()

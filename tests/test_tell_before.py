@@ -82,3 +82,14 @@ def test_json_on_the_same_stream_shows_no_progress_by_default(small_source, tmp_
     )
     assert proc.returncode == 0, proc.stdout
     assert json.loads(proc.stdout)["ok"] is True  # nothing interleaved
+
+
+def test_the_summary_throughput_is_the_progress_lines(small_source, tmp_path):
+    got = run_cli(
+        [small_source, tmp_path / "out", *ANY, "--json", "--progress", "lines"],
+        env={console.LINE_INTERVAL_ENV: "0.05"},
+    )
+    assert got.returncode == 0, got.stderr
+    rate = json.loads(got.stdout)["throughput_bytes_s"]
+    last = [x for x in got.stderr.splitlines() if x.startswith("convert: ")][-1]
+    assert f", {console.human(rate)}/s," in last
