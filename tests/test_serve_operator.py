@@ -314,3 +314,18 @@ def test_server_url_follows_host_and_port():
     assert launch.server_url({}) == "http://127.0.0.1:30000"
     assert launch.server_url({"host": "0.0.0.0", "port": 8}) == "http://127.0.0.1:8"
     assert launch.server_url({"host": "node0"}) == "http://node0:30000"
+
+
+def test_ifname_sets_both_interface_variables_in_the_printed_command(tmp_path, quiet_checks):
+    root = ckpt(tmp_path)
+    args = [root, "--tp", "16", "--ep", "2", "--gpu-memory", "141GB", "--print"]
+    multi = ["--", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "h:5000"]
+    got = run_cli([*args, "--ifname", "eth0", *multi], inprocess=True, command=serve)
+    assert got.returncode == 0, got.output
+    assert got.stdout.startswith("GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0 ")
+    warned = run_cli(
+        [*args, *multi], inprocess=True, command=serve, env=dict.fromkeys(launch.IFNAME_VARS)
+    )
+    assert warned.returncode == 0 and "--ifname" in warned.stderr
+    single = run_cli(args, inprocess=True, command=serve)
+    assert "--ifname" not in single.stderr  # one node: nothing to say

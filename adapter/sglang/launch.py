@@ -155,6 +155,9 @@ KIMI_PARSERS = {"reasoning_parser": "kimi_k3", "tool_call_parser": "kimi_k3"}
 # SGLang builds Kimi-K3's multimodal processor even with --skip-tokenizer-init, and its
 # --language-model-only refuses Kimi-K3; this override is what text-only serving needs.
 TEXT_ONLY_OVERRIDE = {"language_model_only": True}
+# Across nodes NCCL and Gloo must use the interface that reaches the other node (left to
+# themselves they may pick a docker bridge or a loopback and hang at the rendezvous).
+IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 
 def _dest_of(name: str) -> str | None:
@@ -544,6 +547,7 @@ def plan_serve(
     gpu_memory: int | None = None,
     detect: Callable[[], tuple[int, str] | None] = detect_gpu_memory,
     text_only: bool = False,
+    ifname: str | None = None,
 ) -> ServePlan:
     """The server command for `root`, after the config, MoE-TP and capacity checks (all
     skipped with checks=False, as --skip-checks does); no structure verify, no stack checks.
@@ -601,6 +605,8 @@ def plan_serve(
     if text_only or "--skip-tokenizer-init" in switches:  # after theirs: the last one wins
         argv += text_only_override(given.get("json_model_override_args"))
     env = {OPT_IN_ENV: "1"} if (unconverted and not converted) else {}
+    if ifname:  # the interface NCCL and Gloo (SGLang's CPU group) reach the other node on
+        env.update(dict.fromkeys(IFNAME_VARS, ifname))
     return ServePlan(argv=argv, env=env)
 
 
@@ -706,6 +712,13 @@ def verify_structure(root: Path) -> list[str]:
     "(SGLang refuses --language-model-only for Kimi-K3); implied by -- --skip-tokenizer-init.",
 )
 @click.option(
+    "--ifname",
+    default=None,
+    metavar="IFACE",
+    help="With several nodes: the network interface that reaches the other nodes (sets "
+    "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for the server), e.g. eth0 or ib0.",
+)
+@click.option(
     "--smoke",
     is_flag=True,
     help="Once the server answers /health, send one greedy streamed /generate request and "
@@ -724,6 +737,7 @@ def serve(
     gpu_memory: str | None,
     skip_checks: bool,
     text_only: bool,
+    ifname: str | None,
     smoke: bool,
     sglang_args: tuple[str, ...],
 ) -> None:
@@ -764,7 +778,16 @@ def serve(
         checks=not skip_checks,
         gpu_memory=per_gpu,
         text_only=text_only,
+        ifname=ifname,
     )
+    nodes = sglang_flags(sglang_args).get("nnodes", 1)
+    if nodes > 1 and not ifname and not all(os.environ.get(v) for v in IFNAME_VARS):
+        click.echo(
+            f"serve: {nodes} nodes and no --ifname: NCCL and Gloo pick a network interface "
+            "themselves and may pick one that does not reach the other nodes (a hang at the "
+            "rendezvous); pass --ifname IFACE",
+            err=True,
+        )
     if not print_only and not skip_checks and count_gpus() == 0:
         raise ServeError(
             "no NVIDIA GPU on this machine (nvidia-smi and the driver show none): run serve "
