@@ -253,7 +253,4 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 def free_bytes(path: Path) -> int:
     """Free bytes of the filesystem `path` is on, or will be on once made: its nearest
     existing folder's (a dry run asks before the output folder exists)."""
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(nearest_existing(Path(os.path.abspath(path)))).free

@@ -233,13 +233,13 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
         else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
             context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)
             result.preview = preview(mode, records, plan, context)
-            _tell_before_starting(result, source)
+            _tell_before_starting(result, source, opts.executor)
     finally:
         sources.close()
     return result
 
 
-def _tell_before_starting(result: ConvertResult, source: Source) -> None:
+def _tell_before_starting(result: ConvertResult, source: Source, executor: Executor) -> None:
     """What a dry run owes before a long job: whether the output fits (refused with the
     reason a run's claim gives, by the same rule) and how long the job will take."""
     assert result.preview is not None
@@ -250,6 +250,8 @@ def _tell_before_starting(result: ConvertResult, source: Source) -> None:
     refusal = space_refusal(result.out, needed, free)
     if refusal is not None:
         raise refusal
+    pending = [s for s in result.plan.shards if s.name in result.preview.redo]
+    executor.check_space(result.out, pending)  # what it adds beside the output (downloads)
     result.estimate = estimate(needed, source.root, source.shard_files)
 
 

@@ -651,3 +651,31 @@ def _forbid_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the Hub was asked")
 
     monkeypatch.setattr(huggingface_hub, "HfApi", asked)
+
+
+FAKE_FREE = (
+    "import os, shutil\n"
+    "_real = shutil.disk_usage\n"
+    "shutil.disk_usage = lambda p: _real(p)._replace(free=int(os.environ['FAKE_FREE']))\n"
+)
+
+
+def test_dry_run_refuses_downloads_that_do_not_fit_as_the_run_does(hub, tmp_path):
+    """The dry run asks the run's own question of the downloads beside the output: the same
+    refusal (code and figures) before anything is downloaded."""
+    args = ["--delete-source-shards", "--max-source-window", "3", "--json"]
+    plan = _convert(hub, tmp_path, tmp_path / "out", "--dry-run", *args)
+    assert plan.returncode == 0, plan.stderr
+    assert plan.json["space_ok"] is True
+    free = str(plan.json["output_bytes"] + 1)  # the output alone fits, the window does not
+    env = _env(hub, tmp_path, FAKE_FREE=free)
+    refusals = []
+    for dry in (["--dry-run"], []):
+        r = run_cli(
+            [REPO, tmp_path / "out", "--download", *ARGS, *dry, *args], env=env, prelude=FAKE_FREE
+        )
+        assert r.returncode == 1, r.stderr
+        (problem,) = r.problems
+        refusals.append((problem["code"], problem["expected"], problem["found"]))
+    assert refusals[0] == refusals[1] and refusals[0][0] == "no-space"
+    assert all(d.file not in SHARDS for d in hub.downloads())

@@ -72,6 +72,10 @@ class Executor(Protocol):
         """Rows this executor adds to the dry run's plan table."""
         return []
 
+    def check_space(self, out: Path, shards: list[OutputShard]) -> None:
+        """A dry run's free-space check of what this executor adds beside the output (the
+        output itself is the pipeline's): raises as its run would (default: nothing)."""
+
     def summary(self, plan: Plan) -> dict:
         """Keys this executor adds to the run's summary (and its `--json`)."""
         return {}

@@ -24,10 +24,10 @@ Files nobody recorded, another process's among them, are never touched.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import fsio
 from ..errors import Code, Size, fatal
 from ..plan import OutputShard, Plan
 from ..records import Ledger, PartialDownloads
@@ -101,6 +101,15 @@ class HubExecutor(Executor):
         if not self.delete_source_shards:
             rows.append(("note", "without --delete-source-shards every source shard stays"))
         return rows
+
+    def check_space(self, out: Path, shards: list[OutputShard]) -> None:
+        """The run's own check of the downloads beside the output, asked before it starts
+        (the output folder need not exist yet: its nearest existing folder stands in)."""
+        sources = self._sources
+        if sources is None or not shards:
+            return
+        window = Window(shards, sources.order)
+        self._check_space(Path(os.path.abspath(out)), shards, window.order, sources)
 
     def summary(self, plan: Plan) -> dict:
         sources, t = self._sources, self.tally
@@ -194,8 +203,10 @@ class HubExecutor(Executor):
             (sources.remote.size(f) for f in order if not os.path.lexists(root / f)), reverse=True
         )
         need = sum(absent[: self.window]) if self.delete_source_shards else sum(absent)
-        free = shutil.disk_usage(storage).free
-        if os.stat(storage).st_dev == os.stat(out_dir).st_dev:
+        # Either may not exist yet in a dry run: the folder it will be made in stands in.
+        free = fsio.free_bytes(storage)
+        near = fsio.nearest_existing
+        if os.stat(near(Path(os.path.abspath(storage)))).st_dev == os.stat(near(out_dir)).st_dev:
             need += sum(s.file_size for s in pending)
         if need > free:
             raise fatal(
