@@ -252,7 +252,9 @@ def _tell_before_starting(result: ConvertResult, source: Source, executor: Execu
         raise refusal
     pending = [s for s in result.plan.shards if s.name in result.preview.redo]
     executor.check_space(result.out, pending)  # what it adds beside the output (downloads)
-    result.estimate = estimate(needed, source.root, source.shard_files)
+    result.estimate = executor.estimate(pending) or estimate(
+        needed, source.root, source.shard_files
+    )
 
 
 def preview(

@@ -285,6 +285,9 @@ def test_dry_run_prints_the_window_and_peak_and_downloads_nothing(hub, tmp_path)
     summary = r.json
     h = summary["hub"]
     assert (h["window"], h["min_window"]) == (2, 3)
+    # the time, from a measured download rate (a short ranged read, not a download)
+    assert summary["estimate_seconds"] > 0 and summary["estimate_rate_bytes_s"] > 0
+    assert "download measured" in summary["estimate_basis"]
     assert h["peak_disk_bound"] > 0 and h["peak_disk_measured"] is None
     for path in (summary["source"], summary["output"], h["download_dir"]):
         assert os.path.isabs(path), path

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import fsio
-from ..errors import Code, Size, fatal
+from ..errors import Code, Size, fatal, human_size
+from ..estimate import Estimate
 from ..plan import OutputShard, Plan
 from ..records import Ledger, PartialDownloads
 from ..source import SourceReader
@@ -101,6 +102,30 @@ class HubExecutor(Executor):
         if not self.delete_source_shards:
             rows.append(("note", "without --delete-source-shards every source shard stays"))
         return rows
+
+    def estimate(self, shards: list[OutputShard]) -> Estimate | None:
+        """The downloads' time at a measured network rate: a short timed download of the
+        largest source shard still to come (nothing to download: the disk estimate)."""
+        sources = self._sources
+        if sources is None or not shards:
+            return None
+        needed = {f for s in shards for f in s.input_files}
+        absent = [f for f in sources.order if f in needed and not os.path.lexists(sources.root / f)]
+        if not absent:
+            return None
+        total = sum(sources.remote.size(f) for f in absent)
+        largest = max(absent, key=sources.remote.size)
+        nbytes, seconds = sources.remote.measure(largest)
+        if nbytes <= 0 or seconds <= 0:
+            return Estimate(None, None, f"not measured: downloading {largest} gave nothing")
+        rate = nbytes / seconds
+        return Estimate(
+            total / rate,
+            rate,
+            f"download measured at {human_size(rate)}/s over {human_size(nbytes)} of {largest} "
+            f"for the {human_size(total)} of source shards to download; the conversion runs "
+            "beside the downloads",
+        )
 
     def check_space(self, out: Path, shards: list[OutputShard]) -> None:
         """The run's own check of the downloads beside the output, asked before it starts
