@@ -552,7 +552,7 @@ state-lost: the state folder {state} was removed or replaced during the run: the
 no-space/output: not enough free space for the output
   expected: {need} free
   found: {free} free
-  hint: free space or choose another output directory; --dry-run shows the size
+  hint: free space or choose another output directory (--dry-run checks this before a run)
 no-space/downloads: not enough free space for the downloads and the output
   expected: {need} free
   found: {free} free

@@ -768,6 +768,13 @@ def serve(
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
+    if not print_only and not skip_checks and count_gpus() == 0:  # before any other check
+        raise ServeError(
+            "no NVIDIA GPU on this machine (nvidia-smi and the driver show none): run serve "
+            "on the serving nodes, or add --print (and --gpu-memory SIZE) to print their "
+            "launch command from here",
+            "no-gpu",
+        )
     plan = plan_serve(
         checkpoint,
         sglang_args,
@@ -787,13 +794,6 @@ def serve(
             "themselves and may pick one that does not reach the other nodes (a hang at the "
             "rendezvous); pass --ifname IFACE",
             err=True,
-        )
-    if not print_only and not skip_checks and count_gpus() == 0:
-        raise ServeError(
-            "no NVIDIA GPU on this machine (nvidia-smi and the driver show none): run serve "
-            "on the serving nodes, or add --print (and --gpu-memory SIZE) to print their "
-            "launch command from here",
-            "no-gpu",
         )
     if not skip_checks:
         problems = check_stack()
