@@ -743,11 +743,14 @@ def serve(
 ) -> None:
     """Check CHECKPOINT_DIR and the SGLang stack, then run SGLang's server on it.
 
-    Before starting anything: verify's structure level on the checkpoint, the kimi_w31 block
-    against the model config, the fail-closed wrapper, sglang 0.5.23 and flashinfer-python
-    >= 0.7.0 with the kimi_w31 plugin installed, a MoE tensor-parallel size the CUTLASS
-    SiTU method can run, and GPUs that can hold the checkpoint (its size over tp x pp GPUs
-    against each GPU's memory, read from this machine's GPUs or given with --gpu-memory).
+    Before starting anything: a GPU on this machine (unless --print), a finished conversion,
+    verify's structure level on the checkpoint, the kimi_w31 block against the model config,
+    the fail-closed wrapper, sglang 0.5.23 and flashinfer-python >= 0.7.0 with the kimi_w31
+    plugin installed, a layout SGLang runs (--ep dividing --tp and the experts; MoE-TP =
+    tp / ep / moe-dp-size) with a MoE tensor-parallel size the CUTLASS SiTU method can run,
+    and GPUs that can hold the checkpoint (its size over tp x pp GPUs against each GPU's
+    memory, read from this machine's GPUs or given with --gpu-memory). It adds what Kimi-K3
+    serving needs: --trust-remote-code and the kimi_k3 reasoning and tool-call parsers.
     Arguments after `--` go to `python -m sglang.launch_server` unchanged (its
     --tp-size/--tensor-parallel-size, --ep-size/--expert-parallel-size/--ep,
     --pp-size/--pipeline-parallel-size, --nnodes, --mem-fraction-static and
