@@ -107,7 +107,9 @@ class HubExecutor(Executor):
         """The downloads' time at a measured network rate: a short timed download of the
         largest source shard still to come (nothing to download: the disk estimate)."""
         sources = self._sources
-        if sources is None or not shards:
+        # Optional to a Remote (`measure`): one that cannot time a fetch gets no estimate.
+        measure = getattr(sources.remote, "measure", None) if sources is not None else None
+        if measure is None or not shards:
             return None
         needed = {f for s in shards for f in s.input_files}
         absent = [f for f in sources.order if f in needed and not os.path.lexists(sources.root / f)]
@@ -115,7 +117,7 @@ class HubExecutor(Executor):
             return None
         total = sum(sources.remote.size(f) for f in absent)
         largest = max(absent, key=sources.remote.size)
-        nbytes, seconds = sources.remote.measure(largest)
+        nbytes, seconds = measure(largest)
         if nbytes <= 0 or seconds <= 0:
             return Estimate(None, None, f"not measured: downloading {largest} gave nothing")
         rate = nbytes / seconds

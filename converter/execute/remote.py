@@ -56,10 +56,6 @@ class Remote(Protocol):
         """What a record keeps of a source shard instead of its inode (it may be deleted)."""
         ...
 
-    def measure(self, file: str) -> tuple[int, float]:
-        """(bytes, seconds) of a short timed fetch of `file`: the rate a run will see."""
-        ...
-
     def other_bytes(self) -> int:
         """The non-weight files, already downloaded while resolving."""
         ...
