@@ -25,7 +25,7 @@ COMMANDS = {
     "synth": "kimi_w31.converter.cli:synth",
     "serve": "kimi_w31.adapter.sglang.launch:serve",
     "prebuild": "kimi_w31.adapter.sglang.launch:prebuild_command",
-    "smoke": "kimi_w31.adapter.sglang.launch:smoke_command",
+    "smoke": "kimi_w31.adapter.sglang.smoke:smoke_command",
 }
 
 

@@ -1,7 +1,8 @@
 """One real generation request to a running SGLang server: is it up, does it generate, and
 how long until the first token (`kimi-convert smoke`, `kimi-convert serve --smoke`).
 
-Only the standard library: the check runs from any machine that reaches the server.
+The request needs only the standard library (and the command click): the check runs from
+any machine that reaches the server.
 SGLang's native `/generate` streams server-sent events (`data: {...}` lines, then
 `data: [DONE]`); the first event that carries output is the first token.
 """
@@ -14,6 +15,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+import click
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -147,3 +150,84 @@ def smoke(
     ready = wait_ready(url, wait, alive=alive)
     first, total, tokens, text = generate(url, **request)  # type: ignore[arg-type]
     return SmokeResult(url, round(ready, 3), round(first, 3), round(total, 3), tokens, text)
+
+
+@click.command("smoke")
+@click.option(
+    "--url",
+    default="http://127.0.0.1:30000",
+    show_default=True,
+    metavar="URL",
+    help="The SGLang server (its --host/--port).",
+)
+@click.option(
+    "--prompt", default=None, metavar="PROMPT", help="The prompt [default: a short factual one]."
+)
+@click.option(
+    "--input-ids",
+    default=None,
+    metavar="IDS",
+    help="Comma-separated token ids instead of --prompt (a server with --skip-tokenizer-init).",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(1),
+    default=16,
+    show_default=True,
+    metavar="N",
+    help="Tokens to generate (greedy).",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(0),
+    default=1800,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds to wait for /health to answer 200 (loading Kimi-K3 takes minutes).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def smoke_command(
+    url: str,
+    prompt: str | None,
+    input_ids: str | None,
+    max_new_tokens: int,
+    wait: float,
+    as_json: bool,
+) -> None:
+    """Send one greedy streamed generation request to a running SGLang server, once it is
+    up, and report how long the first token took.
+
+    \b
+    Examples:
+      kimi-convert smoke                                 the server on this machine
+      kimi-convert smoke --url http://NODE0_IP:30000 --json
+      kimi-convert smoke --input-ids 1,2,3 --wait 0      a --skip-tokenizer-init server
+
+    Exit codes: 0 a token came back, 1 it did not (the reason is printed), 2 usage error.
+    """
+    ids = None
+    if input_ids is not None:
+        try:
+            ids = [int(x) for x in input_ids.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter("comma-separated integers", param_hint="--input-ids") from None
+    try:
+        result = smoke(
+            url,
+            wait=wait,
+            prompt=prompt or DEFAULT_PROMPT,
+            input_ids=ids,
+            max_new_tokens=max_new_tokens,
+        )
+    except SmokeError as exc:
+        if as_json:
+            click.echo(json.dumps({"ok": False, "reason": exc.reason, "error": str(exc)}))
+        raise click.ClickException(f"smoke ({exc.reason}): {exc}") from None
+    if as_json:
+        click.echo(json.dumps({"ok": True, **result.as_dict()}))
+        return
+    click.echo(
+        f"{result.url}: ready after {result.ready_s:.1f} s; first token "
+        f"{result.first_token_s * 1000:.0f} ms; {result.tokens} tokens in {result.total_s:.2f} s"
+        f"\n{result.text}"
+    )
