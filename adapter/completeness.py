@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..converter.errors import plural
+
 # Loader projections: w1 gate, w3 up (both halves of a converted w31), w2 down.
 PROJECTIONS = ("w1", "w3", "w2")
 PACKED, SCALE = "weight_packed", "weight_scale"
@@ -105,11 +107,11 @@ def incomplete_report(
     bad = [(lg, lines) for lg, lines in bad if lines]
     if not bad:
         return None
-    text = [f"{len(bad)} MoE layer(s) did not receive every part of every local expert:"]
+    text = [f"{plural(len(bad), 'MoE layer')} did not receive every part of every local expert:"]
     for lg, lines in bad[:max_layers]:
         local = id_ranges(lg.global_ids)
         text.append(f"  {lg.where} (local experts {local}):")
         text.extend(f"    {line}" for line in lines)
     if len(bad) > max_layers:
-        text.append(f"  ... and {len(bad) - max_layers} more layer(s)")
+        text.append(f"  ... and {plural(len(bad) - max_layers, 'more layer')}")
     return "\n".join(text)

@@ -84,7 +84,58 @@ ProgressCallback = Callable[[Progress], None]
 
 
 class PrebuildError(RuntimeError):
-    """The modules cannot be built here (no FlashInfer, no nvcc, wrong arch, build failed)."""
+    """The modules cannot be built here (no FlashInfer, no nvcc, wrong arch, build failed).
+    `reason` is stable (tests, tools); the message says what to install or pass."""
+
+    def __init__(self, message: str, reason: str = "build") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+INSTALL_SERVING = (
+    "pip install '.[sglang]' from a clone of kimi-w31 (torch, FlashInfer, SGLang), in the "
+    "environment that serves"
+)
+
+
+def cuda_home(
+    environ: dict[str, str] | os._Environ[str] = os.environ,
+    which: Callable[[str], str | None] = shutil.which,
+) -> Path:
+    """The CUDA toolkit FlashInfer's JIT compiles with, found by its own rule
+    (flashinfer/jit/cpp_ext.py `get_cuda_path`): CUDA_HOME, CUDA_PATH, nvcc's folder's
+    parent, /usr/local/cuda."""
+    given = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if given:
+        return Path(given)
+    nvcc = which("nvcc")
+    return Path(nvcc).resolve().parent.parent if nvcc else Path("/usr/local/cuda")
+
+
+def toolkit_problems(home: Path) -> list[str]:
+    """What the build needs from the CUDA toolkit at `home` and does not find there: nvcc,
+    and the cuRAND headers the MoE sources include (a runtime-only CUDA install lacks them)."""
+    missing = []
+    if not (home / "bin" / "nvcc").is_file():
+        missing.append(f"nvcc ({home / 'bin' / 'nvcc'})")
+    includes = [home / "include", *sorted(home.glob("targets/*/include"))]
+    if not any((d / "curand.h").is_file() for d in includes):
+        missing.append(f"the cuRAND headers (curand.h in {home / 'include'})")
+    return missing
+
+
+def check_toolkit(home: Path | None = None) -> None:
+    """Refuse, before compiling, a machine whose CUDA toolkit cannot build the modules."""
+    home = home or cuda_home()
+    missing = toolkit_problems(home)
+    if missing:
+        raise PrebuildError(
+            f"the CUDA toolkit at {home} lacks {' and '.join(missing)}: install the full CUDA "
+            "toolkit (nvcc and the cuRAND development headers, e.g. the distribution's "
+            "cuda-toolkit or libcurand-dev package) and set CUDA_HOME to it, or build on "
+            "a machine that has it (`prebuild --arch sm90 --out DIR` needs no GPU)",
+            "no-cuda-toolkit",
+        )
 
 
 def _meminfo_available() -> int | None:
@@ -116,14 +167,23 @@ def default_jobs(
     return max(1, min(cores, int(available_bytes // (gib_per_job * 2**30))))
 
 
+def require_torch() -> None:
+    """Refuse, with what to install, an environment without torch (`pip install .` alone:
+    the converter needs none, the kernels do)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise PrebuildError(f"prebuild needs torch and FlashInfer: {INSTALL_SERVING}", "no-torch")
+
+
 def _gpu_arch() -> Arch | None:
     """The visible GPU's serving arch, None without a GPU; raises for other GPUs."""
+    require_torch()  # before flashinfer_moe, which imports torch
     from .flashinfer_moe import arch_of
 
-    try:
-        import torch
-    except ImportError as exc:
-        raise PrebuildError("prebuild needs torch") from exc
+    require_torch()
+    import torch
+
     if not torch.cuda.is_available():
         return None
     try:
@@ -368,7 +428,11 @@ def prebuild(
         raise PrebuildError(f"unknown arch {arch!r}: expected one of {list(ARCHES)}")
     gpu = _gpu_arch()
     if arch is None and gpu is None:
-        raise PrebuildError("no CUDA GPU visible: pass arch='sm90' or arch='sm120'")
+        raise PrebuildError(
+            "no CUDA GPU visible here: pass the serving GPU's architecture, --arch sm90 "
+            "(H100, H200) or --arch sm120 (RTX PRO 6000 class); building needs no GPU",
+            "no-gpu",
+        )
     if arch is not None and gpu is not None and arch != gpu:
         raise PrebuildError(
             f"this machine's GPU is {gpu}, not {arch}: prebuild on the GPU you serve on, or "
@@ -409,6 +473,8 @@ def prebuild(
             raise PrebuildError(f"cannot compute the {key} module's recipe: {exc}") from exc
         total = len(spec.sources)
         library = spec.get_library_path()
+        if not plan_only and not spec.is_compiled:
+            check_toolkit()  # before nvcc's own error, 5 s into the build
         if plan_only or spec.is_compiled:
             if not plan_only:
                 report(Progress("cached", total, total, 0.0, spec.name))

@@ -20,11 +20,12 @@ from . import console
 from .arguments import PathArg
 from .console import err, human, out, parse_size, run_guarded
 from .contract import GROUP_SIZE
-from .errors import EXIT_OK, Code, fatal
+from .errors import EXIT_OK, Code, fatal, plural, repair_command
 from .execute import Executor
 from .execute.local import LocalExecutor, default_workers
 from .execute.shard import Outcome, ShardOutcome
 from .manifest import DEFAULT_MANIFEST
+from .outdir import PERMISSION_ERRNOS, SPACE_ERRNOS
 from .pipeline import ConvertOptions, ConvertResult, Reporter, convert, gc_paused
 from .records import Mode
 
@@ -342,16 +343,24 @@ def convert_cmd(
             rehash=rehash,
         )
         _origin_and_executor(opts, workers, **where)
-        mode = console.resolve_mode(progress_mode, quiet or as_json)
+        mode = console.resolve_mode(progress_mode, quiet, as_json)
         reporter = ProgressReporter(mode)
         opts.executor.download_progress = reporter  # --download: bytes from the Hub
         # The GC stays off until the plan is gone too: re-enabled over ~2M live objects,
         # its first collection alone would rescan them all (see `gc_paused`).
         with gc_paused():
-            report(convert(opts, reporter), opts.executor)
+            report(convert(opts, reporter), opts.executor, reporter)
 
-    def report(result: ConvertResult, executor: Executor) -> None:
+    def report(result: ConvertResult, executor: Executor, reporter: ProgressReporter) -> None:
         summary = {**result.summary(), **executor.summary(result.plan)}
+        if reporter.progress is not None and summary.get("throughput_mb_s"):
+            # the progress lines' own figure: bytes this run moved over the time they took
+            rate = reporter.progress.rate()
+            summary["throughput_mb_s"] = round(rate / 1e6, 1)
+            summary["throughput_bytes_s"] = round(rate)
+        if result.already_complete and not summary["kept_data_reread"]:
+            # kept shards proven without their data: damage verify found is not seen here
+            summary["repair"] = repair_command(str(output), source)
         if as_json:
             out.print_json(json.dumps({"ok": True, "exit_code": EXIT_OK, **summary}))
         elif quiet:
@@ -361,9 +370,14 @@ def convert_cmd(
         elif result.already_complete:
             err.print(
                 f"[green]already complete:[/] {escape(str(result.out))} holds this "
-                f"conversion; all {len(result.plan.shards)} shards proven by "
-                f"{summary['kept_proven_by']}; nothing to do."
+                f"conversion; {plural(len(result.plan.shards), 'shard')} proven by "
+                f"{summary['kept_proven_by']}; nothing rewritten."
             )
+            if summary.get("repair"):  # the data was not re-read: say what would be
+                err.print(
+                    "[yellow]hint:[/] if `kimi-convert verify --checksums` failed, this run "
+                    f"could not see it; repair with: {escape(summary['repair'])}"
+                )
         else:
             _print_summary(result, summary)
 
@@ -381,6 +395,13 @@ def _print_plan(result: ConvertResult, extra_rows: list[tuple[str, str]]) -> Non
     table.add_row("output tensors", str(plan.tensors))
     table.add_row("output shards", str(len(plan.shards)))
     table.add_row("space needed", human(plan.output_bytes))
+    if result.space is not None:
+        to_write, free = result.space
+        table.add_row("to write / free here", f"{human(to_write)} / {human(free)} (fits)")
+    if result.estimate is not None:
+        est = result.estimate
+        when = "unknown" if est.seconds is None else f"about {console.duration(est.seconds)}"
+        table.add_row("estimated time", f"{when} ({est.basis})")
     table.add_row("dims", ", ".join(f"{k}={v}" for k, v in plan.dims.values.items()))
     if preview is not None and preview.mode is not Mode.FRESH:
         what = "an interrupted run" if preview.mode is Mode.RESUME else "a finished output"
@@ -423,7 +444,8 @@ def _print_summary(result: ConvertResult, summary: dict) -> None:
     table.add_row("output size", human(summary["output_bytes"]))
     table.add_row("time", f"{summary['seconds']:.2f} s")
     if summary["throughput_mb_s"]:
-        table.add_row("throughput (this run)", f"{summary['throughput_mb_s']} MB/s")
+        rate = summary.get("throughput_bytes_s", summary["throughput_mb_s"] * 1e6)
+        table.add_row("throughput (this run)", f"{human(rate)}/s")
     out.print(table)
     out.print("next: [bold]kimi-convert verify " + escape(summary["output"]) + "[/]")
 
@@ -598,13 +620,27 @@ def synth(
         if not spec.moe_layers():
             raise fatal(Code.USAGE, rule="synth-no-moe")
         started = time.perf_counter()
-        info = synth_checkpoint(output, spec)
+        try:
+            info = synth_checkpoint(output, spec)
+        except OSError as exc:  # a folder it may not write, a full disk: coded, no traceback
+            raise _os_refusal(exc, output) from None
         err.print(
-            f"wrote {escape(str(output.resolve()))}: {info['tensors']} tensors in "
-            f"{info['shards']} shards, {human(info['bytes'])} in "
-            f"{time.perf_counter() - started:.1f} s (K={kk}, N={nn}, {experts} experts x "
-            f"{len(spec.moe_layers())} MoE layers of {layers}); convert it with "
+            f"wrote {escape(str(output.resolve()))}: {plural(info['tensors'], 'tensor')} in "
+            f"{plural(info['shards'], 'shard')}, {human(info['bytes'])} in "
+            f"{time.perf_counter() - started:.1f} s (K={kk}, N={nn}, "
+            f"{plural(experts, 'expert')} x {plural(len(spec.moe_layers()), 'MoE layer')} of "
+            f"{layers}); convert it with "
             "--manifest kimi-k3-any"
         )
 
     run_guarded(body)
+
+
+def _os_refusal(exc: OSError, where: Path) -> Exception:
+    """An OS error writing `where` as a coded problem naming the file it hit."""
+    file = exc.filename if exc.filename is not None else where
+    if exc.errno in PERMISSION_ERRNOS:
+        return fatal(Code.PERMISSION_DENIED, rule="folder", file=file)
+    if exc.errno in SPACE_ERRNOS:
+        return fatal(Code.NO_SPACE, rule="device", file=file, error=exc.strerror or exc)
+    return fatal(Code.IO_ERROR, file=file, error=exc.strerror or exc)

@@ -33,6 +33,8 @@ from .errors import (
     Fatal,
     Problem,
     count_codes,
+    human_size,
+    plural,
     root_problems,
 )
 
@@ -69,12 +71,7 @@ def parse_size(text: str) -> int:
     return value
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
+human = human_size  # the one rule for sizes people read (errors.py: messages use it too)
 
 
 def id_ranges(ids: Iterable[int]) -> str:
@@ -102,7 +99,8 @@ def progress_option(fn: Callable) -> Callable:
         default="auto",
         show_default=True,
         help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
-        "bar on a terminal, lines otherwise.",
+        "bar on a terminal, lines otherwise, none with --json when stderr is stdout's file. "
+        "Always on stderr: --json on stdout stays clean.",
     )(fn)
 
 
@@ -127,11 +125,13 @@ def problems_json(problems: list[Problem], **extra: object) -> dict:
 
 
 def suppressed_line(suppressed: list[Problem]) -> str:
-    """'3 more problem(s) follow from the above, not listed: layer-unexpected x2, ...'."""
+    """'3 more problems follow from the above, not listed: layer-unexpected x2, ...'."""
     counts = ", ".join(
         code + (f" x{n}" if n > 1 else "") for code, n in count_codes(suppressed).items()
     )
-    return f"{len(suppressed)} more problem(s) follow from the above, not listed: {counts}"
+    n = len(suppressed)
+    verb = "follows" if n == 1 else "follow"
+    return f"{plural(n, 'more problem')} {verb} from the above, not listed: {counts}"
 
 
 def render_error(exc: Fatal, as_json: bool) -> None:
@@ -205,10 +205,30 @@ def guard_paths() -> None:
         sys.exit(exc.exit_code)
 
 
-def resolve_mode(mode: str, quiet: bool = False) -> str:
+def same_stream(a: int = 1, b: int = 2) -> bool:
+    """Whether file descriptors `a` and `b` write to the same file (`2>&1`, a terminal)."""
+    try:
+        sa, sb = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def resolve_mode(
+    mode: str,
+    quiet: bool = False,
+    as_json: bool = False,
+    shared: Callable[[], bool] = same_stream,
+) -> str:
+    """The progress display for `--progress mode`. Progress always goes to stderr, so with
+    --json (on stdout) it is kept when asked for, and by default when stderr is not the
+    same file as the JSON (a script reading stdout, a log tailed from stderr); on a shared
+    stream it would interleave with the JSON, so `auto` shows none there."""
     if quiet:
         return "none"
     if mode == "auto":
+        if as_json and shared():
+            return "none"
         return "bar" if err.is_terminal else "lines"
     return mode
 
@@ -236,6 +256,7 @@ class Progress:
         self.moved = 0  # what this run read or wrote (for the rate); `done` may include kept
         self.notes: dict[str, str] = {}
         self.started = time.monotonic()
+        self.stopped_at: float | None = None
         self.interval = (
             interval if interval is not None else float(os.environ.get(LINE_INTERVAL_ENV, "30"))
         )
@@ -283,7 +304,7 @@ class Progress:
         with self._lock:
             done, total, moved = self.done, self.total, self.moved
             notes = "; ".join(f"{k} {v}" for k, v in self.notes.items())
-        elapsed = max(time.monotonic() - self.started, 1e-6)
+        elapsed = self.elapsed()
         fmt = human if self.unit == "bytes" else str
         parts = [f"{fmt(done)}/{fmt(total) if total is not None else '?'}"]
         if total:
@@ -295,6 +316,17 @@ class Progress:
             parts.append(f"ETA {duration((total - done) / rate)}")
         parts.append(f"elapsed {duration(elapsed)}")
         return ", ".join(parts) + (f"; {notes}" if notes else "")
+
+    def elapsed(self) -> float:
+        """Seconds from the start to now, or to `stop()` once stopped."""
+        end = self.stopped_at if self.stopped_at is not None else time.monotonic()
+        return max(end - self.started, 1e-6)
+
+    def rate(self) -> float:
+        """What this run moved per second: the figure the lines show, and the summary too."""
+        with self._lock:
+            moved = self.moved
+        return moved / self.elapsed()
 
     def _refresh(self) -> None:
         if self._bar is not None:
@@ -322,6 +354,8 @@ class Progress:
     def stop(self) -> None:
         """The final state; nothing at all when the work never started (a run refused
         before its first byte shows the refusal, not a 0 % line above it)."""
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()

@@ -194,6 +194,38 @@ class Problem:
         return fields
 
 
+def human_size(n: float) -> str:
+    """1_600_000_000_000 -> '1.6 TB' (decimal units, as disks are sold and `df -H` shows)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def repair_command(output: str, source: str = "SRC") -> str:
+    """The command that repairs an output whose data was damaged after its conversion: the
+    conversion again, re-reading every kept shard (verify names it; so does a plain rerun,
+    which does not re-read and so cannot see the damage)."""
+    return f"kimi-convert {source} {output} --rehash"
+
+
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """'1 shard', '2 shards', '0 shards' (`many` where the plural is not noun + s)."""
+    return f"{n} {noun if n == 1 else many or noun + 's'}"
+
+
+class Size(int):
+    """A byte count as a fact: messages show it for people and exactly ('46.0 GB
+    (45,998,000,000 bytes)'); it is still the int, for code that reads it."""
+
+    def __str__(self) -> str:
+        return f"{human_size(self)} ({int(self):,} bytes)"
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if not spec else int(self).__format__(spec)
+
+
 # -- messages: each reason's words, over the facts its call sites pass ----------------------
 @dataclass(frozen=True)
 class Message:
@@ -355,6 +387,10 @@ weight-map-entry-unsafe: weight_map entry {why}
   found: {shard!r}
 shard-missing/local: shard named in the index is missing
 shard-missing/hub: shard named in the index is missing from the repository
+shard-missing/cache: the Hugging Face cache holds part of this repository: {missing} of {total}
+    shards the index names are not in its snapshot {snapshot} (a download that did not finish)
+  hint: finish the download (`hf download {command}`: it fetches only what is missing), or stream
+    it with --download
 shard-missing/served: source: index names a shard that is not there
 shard-missing/dangling: shard named in the index is a symlink to nothing
   expected: a regular file (a shard may be a symlink to one, e.g. on another disk)
@@ -566,12 +602,12 @@ state-lost: the state folder {state} was removed or replaced during the run: the
   hint: find what removed it, then rerun: files kimi-convert cannot prove it wrote are never deleted
     (choose an empty directory if it refuses)
 no-space/output: not enough free space for the output
-  expected: {need} bytes free
-  found: {free} bytes free
-  hint: free space or choose another output directory; --dry-run shows the size
+  expected: {need} free
+  found: {free} free
+  hint: free space or choose another output directory (--dry-run checks this before a run)
 no-space/downloads: not enough free space for the downloads and the output
-  expected: {need} bytes free
-  found: {free} bytes free
+  expected: {need} free
+  found: {free} free
   hint: pass --delete-source-shards and a smaller --max-source-window, or free space; --dry-run
     shows the peak
 no-space/device: no space left on the device (or file size limit reached)

@@ -276,3 +276,9 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the filesystem `path` is on, or will be on once made: its nearest
+    existing folder's (a dry run asks before the output folder exists)."""
+    return shutil.disk_usage(nearest_existing(Path(os.path.abspath(path)))).free

@@ -33,7 +33,7 @@ from typing import NoReturn
 
 from . import contract, faults, fsio
 from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
-from .errors import Code, Fatal, fatal, problem
+from .errors import Code, Fatal, fatal, plural, problem
 from .hashing import CHUNK_SIZE, sha256_file, shard_header_sha256
 from .lock import LockRefused, OutputLock
 from .records import FinalFile, Ledger, Mode, PartialDownloads, ShardRecord, SourceId
@@ -319,8 +319,7 @@ class OutputDir:
             mode, ledger, downloads = self._claim(fingerprint, force, source or SourceId("", ""))
             if prepare is not None:
                 prepare(downloads)
-            free = shutil.disk_usage(self.root).free
-            refusal = ledger.space_refusal(self.root, shards or {}, free)
+            refusal = ledger.space_refusal(self.root, shards or {}, fsio.free_bytes(self.root))
             if refusal is not None:
                 raise refusal
         except BaseException as exc:
@@ -524,7 +523,9 @@ class OutputDir:
 
     def resume_hint(self, first: str) -> str:
         done = len(self.ledger.done) if self.ledger else 0
-        kept = f"the {done} finished shard(s) are kept" if done else "it starts where it stopped"
+        kept = "it starts where it stopped"
+        if done:
+            kept = f"the {plural(done, 'finished shard')} {'is' if done == 1 else 'are'} kept"
         return f"{first}, then rerun the same command: {kept}"
 
     def release(self, finished: bool) -> None:

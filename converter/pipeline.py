@@ -20,7 +20,9 @@ from pathlib import Path
 
 from .. import __version__
 from . import faults
+from . import fsio
 from .errors import Code, Fatal, Problem, fatal
+from .estimate import Estimate, estimate
 from .execute import Executor
 from .execute.local import LocalExecutor
 from .execute.shard import (
@@ -36,7 +38,7 @@ from .final import final_files
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
 from .outdir import OutputDir
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
-from .records import FinalFiles, Mode, ShardRecord
+from .records import FinalFiles, Mode, ShardRecord, space_refusal
 from .session import Session
 from .source import Origin, Source, read_source, source_id
 from .source.local import LocalOrigin
@@ -84,6 +86,8 @@ class ConvertResult:
     warnings: list[str] = field(default_factory=list)
     preview: Preview | None = None
     rehash: bool = False  # kept shards' data re-read this run
+    space: tuple[int, int] | None = None  # dry run: (bytes to write, bytes free)
+    estimate: Estimate | None = None  # dry run: how long the writing will take
 
     def count(self, outcome: Outcome) -> int:
         return sum(1 for o in self.outcomes if o.outcome is outcome)
@@ -124,6 +128,11 @@ class ConvertResult:
             out["would_keep"] = self.preview.keep
             out["would_write"] = sorted(self.preview.redo)
             out["redo_reasons"] = self.preview.redo
+            if self.space is not None:
+                out["space_needed_bytes"], out["free_bytes"] = self.space
+                out["space_ok"] = self.space[0] <= self.space[1]
+            if self.estimate is not None:
+                out |= self.estimate.as_json()
             return out
         out |= {
             "shards_written": self.count(Outcome.WRITTEN),
@@ -225,9 +234,28 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
         else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
             context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)
             result.preview = preview(mode, records, plan, context)
+            _tell_before_starting(result, source, opts.executor)
     finally:
         sources.close()
     return result
+
+
+def _tell_before_starting(result: ConvertResult, source: Source, executor: Executor) -> None:
+    """What a dry run owes before a long job: whether the output fits (refused with the
+    reason a run's claim gives, by the same rule) and how long the job will take."""
+    assert result.preview is not None
+    sizes = {s.name: s.file_size for s in result.plan.shards}
+    needed = sum(sizes[name] for name in result.preview.redo)
+    free = fsio.free_bytes(result.out)
+    result.space = (needed, free)
+    refusal = space_refusal(result.out, needed, free)
+    if refusal is not None:
+        raise refusal
+    pending = [s for s in result.plan.shards if s.name in result.preview.redo]
+    executor.check_space(result.out, pending)  # what it adds beside the output (downloads)
+    result.estimate = executor.estimate(pending) or estimate(
+        needed, source.root, source.shard_files
+    )
 
 
 def preview(

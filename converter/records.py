@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import faults, fsio
-from .errors import Code, Fatal, fatal
+from .errors import Code, Fatal, Size, fatal
 
 
 @dataclass(frozen=True)
@@ -145,10 +145,7 @@ class Ledger:
     def space_refusal(self, root: Path, sizes: Mapping[str, int], free: int) -> Fatal | None:
         """Why the shards not finished yet (`sizes`: name -> size) cannot fit in `free` bytes
         of `root`'s filesystem (None: they fit)."""
-        needed = sum(n for s, n in sizes.items() if s not in self.done)
-        if needed > free:
-            return fatal(Code.NO_SPACE, rule="output", file=root, need=needed, free=free)
-        return None
+        return space_refusal(root, sum(n for s, n in sizes.items() if s not in self.done), free)
 
     def record(self, record: ShardRecord) -> None:
         with self._lock:
@@ -216,3 +213,11 @@ class PartialDownloads:
         """Called once every recorded partial download is removed."""
         self.path.unlink(missing_ok=True)
         self._paths.clear()
+
+
+def space_refusal(root: Path, needed: int, free: int) -> Fatal | None:
+    """Why `needed` bytes of output cannot be written to `root`'s filesystem with `free`
+    bytes free (None: they fit). One rule for a run's claim and for --dry-run."""
+    if needed > free:
+        return fatal(Code.NO_SPACE, rule="output", file=root, need=Size(needed), free=Size(free))
+    return None

@@ -25,6 +25,7 @@ COMMANDS = {
     "synth": "kimi_w31.converter.cli:synth",
     "serve": "kimi_w31.adapter.sglang.launch:serve",
     "prebuild": "kimi_w31.adapter.sglang.launch:prebuild_command",
+    "smoke": "kimi_w31.adapter.sglang.smoke:smoke_command",
 }
 
 
@@ -34,7 +35,7 @@ def _looks_like_a_command(word: str) -> str | None:
     a Hub repo id has a slash). Else None: the word is convert's SRC."""
     if not re.fullmatch(r"[a-z][a-z-]*", word) or _names_a_path(word):
         return None
-    close = difflib.get_close_matches(word, COMMANDS, n=1, cutoff=0.75)
+    close = difflib.get_close_matches(word, [*COMMANDS, "help"], n=1, cutoff=0.75)
     return close[0] if close else None
 
 
@@ -52,9 +53,11 @@ class KimiConvert(DefaultGroup):
     OUT` (click-default-group: a first word that is no command goes to the default)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
+        return sorted([*COMMANDS, "help"])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name == "help":  # a command, never convert's SRC (a folder named help: ./help)
+            return help_command
         if name not in COMMANDS:
             meant = _looks_like_a_command(name)
             if meant is not None:  # `verfy out/` is a typo, not a conversion of ./verfy
@@ -88,3 +91,29 @@ def main() -> None:
     Exit codes: 0 ok, 1 invalid input or failed check, 2 usage error, 130 interrupted,
     143 terminated.
     """
+
+
+@click.command("help")
+@click.argument("command", required=False, metavar="[COMMAND]")
+@click.pass_context
+def help_command(ctx: click.Context, command: str | None) -> None:
+    """Show the help of kimi-convert, or of COMMAND.
+
+    \b
+    Examples:
+      kimi-convert help
+      kimi-convert help verify
+    """
+    group = ctx.parent.command if ctx.parent is not None else main
+    parent = ctx.parent or ctx
+    if command is None:
+        click.echo(group.get_help(parent))
+        return
+    if command not in COMMANDS:
+        raise click.UsageError(
+            f"no such command {command!r}; the commands are {', '.join(sorted(COMMANDS))}",
+            ctx,
+        )
+    cmd = group.get_command(parent, command)
+    with click.Context(cmd, info_name=command, parent=parent) as sub:
+        click.echo(cmd.get_help(sub))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import math
 import shlex
 import types
 from pathlib import Path
@@ -18,7 +19,9 @@ from kimi_w31.converter import contract
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 
-SOURCE = make_config(SynthSpec(k=3584, n=3072))
+SOURCE = make_config(SynthSpec(k=3584, n=3072, experts=896))
+# What serve adds for Kimi-K3 to serve real traffic, as upstream recipes do.
+UPSTREAM = ["--trust-remote-code", "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3"]
 QC = SOURCE["text_config"]["quantization_config"]  # published: inside text_config only
 
 
@@ -45,13 +48,14 @@ def test_default_command(tmp_path):
         "flashinfer_mxfp4",
         "--tp-size",
         "1",
+        *UPSTREAM,
     ]
     assert plan.env == {}
 
 
 def test_tp_ep_and_extra_args(tmp_path):
     plan = plan_serve(ckpt(tmp_path), ["--port", "30000"], tp=8, ep=4, python="py")
-    assert plan.argv[-6:] == ["--tp-size", "8", "--ep-size", "4", "--port", "30000"]
+    assert plan.argv[-11:] == ["--tp-size", "8", "--ep-size", "4", *UPSTREAM, "--port", "30000"]
 
 
 def test_user_flags_win_over_defaults(tmp_path):
@@ -180,6 +184,7 @@ def test_cli_print_shows_the_command(tmp_path, monkeypatch):
         "flashinfer_mxfp4",
         "--tp-size",
         "2",
+        *UPSTREAM,
         "--port",
         "1",
     ]
@@ -202,6 +207,7 @@ def test_cli_runs_the_real_structure_verify(tmp_path, monkeypatch):
 
 def test_cli_execs_sglang(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "check_stack", lambda: [])
+    monkeypatch.setattr(launch, "count_gpus", lambda: 1)
     calls = []
     monkeypatch.setattr(launch.os, "execvpe", lambda f, argv, env: calls.append((argv, env)))
     result = run_cli(
@@ -237,11 +243,17 @@ VALUES = {
     "nnodes": st.integers(1, 8),
     "mem_fraction_static": st.sampled_from([0.5, 0.8, 0.88, 0.9]),
     "moe_runner_backend": st.sampled_from(["marlin", "flashinfer_mxfp4", "auto"]),
+    "moe_dp_size": st.integers(1, 8),
+    "reasoning_parser": st.sampled_from(["kimi_k3", "kimi"]),
+    "tool_call_parser": st.sampled_from(["kimi_k3", "kimi_k2"]),
+    "json_model_override_args": st.sampled_from(['{"a":1}', "{}"]),
+    "host": st.sampled_from(["0.0.0.0", "127.0.0.1"]),
+    "port": st.integers(1, 65535),
 }
 OTHER = [
-    ["--port", "30000"],
+    ["--log-level", "info"],
     ["--trust-remote-code"],
-    ["--host", "0.0.0.0"],
+    ["--skip-tokenizer-init"],
     ["--dist-init-addr=a:1"],
 ]
 
@@ -308,7 +320,7 @@ def test_long_and_short_names_drive_the_command_and_the_checks(tmp_path, extra):
     root = ckpt(tmp_path)
     plan = plan_serve(root, extra, tp=1, python="py")
     head = ["py", "-m", "sglang.launch_server", "--model-path", str(root)]
-    assert plan.argv == [*head, "--moe-runner-backend", "flashinfer_mxfp4", *extra]
+    assert plan.argv == [*head, "--moe-runner-backend", "flashinfer_mxfp4", *UPSTREAM, *extra]
     bad = [x.replace("16", "32").replace("=2", "=1") for x in extra]  # moe-TP 32 or 16
     bad = [x if x != "2" else "1" for x in bad]
     with pytest.raises(ServeError) as err:
@@ -362,9 +374,11 @@ def test_capacity_refuses_exactly_when_an_even_split_does_not_fit(
     root = _with_index(ckpt(tmp_path), size)
     extra = ["--pp-size", str(pp)] + ([f"--mem-fraction-static={fraction}"] if fraction else [])
     usable = per_gpu * (fraction if fraction else 1.0)
-    fits = size / (tp * pp) <= usable
+    # every GPU holds the latent projections whole, its share of the rest
+    whole = min(launch.replicated_bytes(SOURCE), size)
+    fits = (size - whole) / (tp * pp) + whole <= usable
     try:
-        plan_serve(root, extra, tp=tp, ep=tp, gpu_memory=per_gpu, python="py")
+        plan_serve(root, extra, tp=tp, ep=math.gcd(tp, 896), gpu_memory=per_gpu, python="py")
         refused = False
     except ServeError as exc:
         assert exc.reason == "capacity"

@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.adapter import bundle as B
@@ -84,7 +85,19 @@ def fake_flashinfer(monkeypatch, tmp_path):
         B, "current_stack", lambda arch, build=False: dataclasses.replace(STACK, arch=arch)
     )
     monkeypatch.setattr(pb, "_gpu_arch", lambda: None)
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "cuda")))
     return specs
+
+
+def fake_toolkit(home, nvcc: bool = True, curand: bool = True):
+    """A CUDA toolkit folder with what the build checks for."""
+    (home / "bin").mkdir(parents=True, exist_ok=True)
+    (home / "include").mkdir(parents=True, exist_ok=True)
+    if nvcc:
+        (home / "bin" / "nvcc").write_text("")
+    if curand:
+        (home / "include" / "curand.h").write_text("")
+    return home
 
 
 def test_builds_the_default_module_once_with_progress(fake_flashinfer) -> None:
@@ -418,3 +431,67 @@ def test_a_bundle_is_published_with_modes_servers_accept_whatever_the_umask(
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert B.check(out, "w4a16", STACK, "hash-of-w4a16")
+
+
+# -- what to install or pass, before any build starts -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nvcc", "curand", "missing"),
+    [(True, True, 0), (False, True, 1), (True, False, 1), (False, False, 2)],
+)
+def test_the_toolkit_is_checked_for_nvcc_and_curand(tmp_path, nvcc, curand, missing):
+    home = fake_toolkit(tmp_path / "cuda", nvcc=nvcc, curand=curand)
+    assert len(pb.toolkit_problems(home)) == missing
+    if missing:
+        with pytest.raises(pb.PrebuildError) as err:
+            pb.check_toolkit(home)
+        assert err.value.reason == "no-cuda-toolkit"
+    else:
+        pb.check_toolkit(home)
+
+
+def test_curand_under_targets_counts(tmp_path):
+    home = fake_toolkit(tmp_path / "cuda", curand=False)
+    (home / "targets" / "x86_64-linux" / "include").mkdir(parents=True)
+    (home / "targets" / "x86_64-linux" / "include" / "curand.h").write_text("")
+    assert pb.toolkit_problems(home) == []
+
+
+def test_cuda_home_is_found_as_flashinfer_finds_it(tmp_path):
+    nvcc = fake_toolkit(tmp_path / "cuda") / "bin" / "nvcc"
+    assert pb.cuda_home({"CUDA_HOME": "/a", "CUDA_PATH": "/b"}, lambda n: None) == Path("/a")
+    assert pb.cuda_home({"CUDA_PATH": "/b"}, lambda n: None) == Path("/b")
+    assert pb.cuda_home({}, lambda n: str(nvcc)) == (tmp_path / "cuda").resolve()
+    assert pb.cuda_home({}, lambda n: None) == Path("/usr/local/cuda")
+
+
+def test_a_missing_toolkit_refuses_before_building(fake_flashinfer, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "bare", curand=False)))
+    with pytest.raises(pb.PrebuildError) as err:
+        pb.prebuild(arch="sm90", poll_s=0.01)
+    assert err.value.reason == "no-cuda-toolkit"
+    assert fake_flashinfer["w4a16"].builds == 0
+    pb.prebuild(arch="sm90", plan_only=True)  # planning needs no compiler
+
+
+def test_without_torch_it_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(pb.PrebuildError) as err:
+        pb.prebuild(arch="sm90")
+    assert err.value.reason == "no-torch"
+
+
+def test_without_torch_the_cli_exits_1_without_a_traceback():
+    got = run_cli(
+        ["prebuild", "--arch", "sm90"], prelude="import sys; sys.modules['torch'] = None\n"
+    )
+    assert got.returncode == 1 and "Traceback" not in got.stderr
+    assert "pip install" in got.stderr
+
+
+def test_without_a_gpu_it_names_the_flag_to_pass(monkeypatch):
+    monkeypatch.setattr(pb, "_gpu_arch", lambda: None)
+    with pytest.raises(pb.PrebuildError) as err:
+        pb.prebuild()
+    assert err.value.reason == "no-gpu" and "--arch sm90" in str(err.value)

@@ -207,3 +207,33 @@ def test_output_independent_of_worker_count(small_source, converted, tmp_path, w
     for p in converted.iterdir():
         if p.is_file():
             assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+@pytest.mark.parametrize("gone", ["deleted", "dangling"])
+def test_a_partial_hf_cache_names_the_snapshot_and_the_download(small_source, tmp_path, gone):
+    """A download that did not finish leaves a snapshot without some shards (or links to
+    blobs never written): said as that, with the snapshot and the command that finishes it."""
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--tiny-k3" / "snapshots" / ("b" * 40)
+    blobs = cache / "models--org--tiny-k3" / "blobs"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in small_source.iterdir():
+        blob = blobs / f.name
+        blob.write_bytes(f.read_bytes())
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    (cache / "models--org--tiny-k3" / "refs").mkdir()
+    (cache / "models--org--tiny-k3" / "refs" / "main").write_text("b" * 40)
+    shard = sorted(snap.glob("*.safetensors"))[-1]
+    (shard if gone == "deleted" else blobs / shard.name).unlink()
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    for args in (
+        ["org/tiny-k3", tmp_path / "out"],
+        ["verify", tmp_path / "x", "--source", "org/tiny-k3"],
+    ):
+        proc = run_cli([*args, "--manifest", "kimi-k3-any", "--json"], env=env)
+        assert proc.returncode == 1, proc.stderr
+        (problem,) = proc.problems
+        assert problem["code"] == "shard-missing" and problem["file"] == shard.name
+        assert str(snap) in problem["what"] and "hf download org/tiny-k3" in proc.json["hint"]
+    assert not (tmp_path / "out").exists()

@@ -285,6 +285,9 @@ def test_dry_run_prints_the_window_and_peak_and_downloads_nothing(hub, tmp_path)
     summary = r.json
     h = summary["hub"]
     assert (h["window"], h["min_window"]) == (2, 3)
+    # the time, from a measured download rate (a short ranged read, not a download)
+    assert summary["estimate_seconds"] > 0 and summary["estimate_rate_bytes_s"] > 0
+    assert "download measured" in summary["estimate_basis"]
     assert h["peak_disk_bound"] > 0 and h["peak_disk_measured"] is None
     for path in (summary["source"], summary["output"], h["download_dir"]):
         assert os.path.isabs(path), path
@@ -651,3 +654,31 @@ def _forbid_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the Hub was asked")
 
     monkeypatch.setattr(huggingface_hub, "HfApi", asked)
+
+
+FAKE_FREE = (
+    "import os, shutil\n"
+    "_real = shutil.disk_usage\n"
+    "shutil.disk_usage = lambda p: _real(p)._replace(free=int(os.environ['FAKE_FREE']))\n"
+)
+
+
+def test_dry_run_refuses_downloads_that_do_not_fit_as_the_run_does(hub, tmp_path):
+    """The dry run asks the run's own question of the downloads beside the output: the same
+    refusal (code and figures) before anything is downloaded."""
+    args = ["--delete-source-shards", "--max-source-window", "3", "--json"]
+    plan = _convert(hub, tmp_path, tmp_path / "out", "--dry-run", *args)
+    assert plan.returncode == 0, plan.stderr
+    assert plan.json["space_ok"] is True
+    free = str(plan.json["output_bytes"] + 1)  # the output alone fits, the window does not
+    env = _env(hub, tmp_path, FAKE_FREE=free)
+    refusals = []
+    for dry in (["--dry-run"], []):
+        r = run_cli(
+            [REPO, tmp_path / "out", "--download", *ARGS, *dry, *args], env=env, prelude=FAKE_FREE
+        )
+        assert r.returncode == 1, r.stderr
+        (problem,) = r.problems
+        refusals.append((problem["code"], problem["expected"], problem["found"]))
+    assert refusals[0] == refusals[1] and refusals[0][0] == "no-space"
+    assert all(d.file not in SHARDS for d in hub.downloads())

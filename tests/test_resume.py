@@ -70,9 +70,11 @@ def test_interrupt_midway_then_resume_is_byte_identical(
     # Honest figures: what this run wrote, what it kept, and a speed of this run's bytes only.
     assert summary["bytes_kept"] == sum(p.stat().st_size for p in kept)
     assert summary["bytes_written"] == summary["output_bytes"] - summary["bytes_kept"]
-    assert summary["throughput_mb_s"] == pytest.approx(
-        summary["bytes_written"] / summary["seconds"] / 1e6, rel=0.05, abs=0.2
-    )
+    # The progress lines' figure: bytes this run moved over the time it moved them (the
+    # shard phase, without finalizing), so at least the run's bytes over its whole time.
+    rate = summary["throughput_bytes_s"]
+    assert summary["throughput_mb_s"] == pytest.approx(rate / 1e6, abs=0.05)
+    assert rate >= summary["bytes_written"] / summary["seconds"] * 0.95
     assert _files(out) == _files(converted)
 
 

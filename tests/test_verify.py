@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.audit import command as verify_command
 from kimi_w31.converter.audit import verify
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.errors import Code, Fatal
 from verify_mutations import (
     CHECKSUMS,
     CONFIG,
@@ -297,14 +297,42 @@ def test_dtype_and_shape_against_the_source(output_copy, small_source):
     }
 
 
-def test_source_that_is_the_output_is_refused(converted):
-    report = verify(converted, source=str(converted))
-    assert failed(report) == {"source": {Code.USAGE}}
+def _bad_sources(converted: Path, tmp_path: Path) -> dict[str, tuple[str, Code, int]]:
+    """A --source that cannot be one, the reason, and the exit code."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    other_output = tmp_path / "another-output"
+    shutil.copytree(converted, other_output)
+    return {
+        "the output": (str(converted), Code.USAGE, 2),
+        "missing": (str(tmp_path / "nowhere"), Code.SOURCE_NOT_FOUND, 1),
+        "no weights": (str(empty), Code.FILE_MISSING, 1),
+        "a converted checkpoint": (str(other_output), Code.ALREADY_MARKED, 1),
+    }
 
 
-def test_missing_source_is_reported(converted, tmp_path):
-    report = verify(converted, source=str(tmp_path / "nowhere"))
-    assert failed(report) == {"source": {Code.SOURCE_NOT_FOUND}}
+@pytest.mark.parametrize("case", ["the output", "missing", "no weights", "a converted checkpoint"])
+def test_a_bad_source_is_refused_before_any_data_is_read(
+    converted, small_source, tmp_path, monkeypatch, case
+):
+    import kimi_w31.converter.audit as audit
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("data read before the arguments were judged")
+
+    monkeypatch.setattr(audit, "check_structure", must_not_run)
+    monkeypatch.setattr(audit, "check_checksums", must_not_run)
+    spec, code, exit_code = _bad_sources(converted, tmp_path)[case]
+    with pytest.raises(Fatal) as err:
+        verify(converted, checksums=True, source=spec)
+    assert err.value.codes == [code] and err.value.exit_code == exit_code
+    # negative control: the real source passes the same gate
+    assert audit.locate_source(str(small_source), converted) == small_source.resolve()
+
+
+def test_a_bad_source_exits_before_the_checksum_pass(converted, tmp_path):
+    got = run_cli(["verify", converted, "--checksums", "--source", converted, "--json"])
+    assert got.returncode == 2 and got.json["problems"][0]["code"] == Code.USAGE.value
 
 
 # A property: any byte change in any tensor, however placed, is caught by --source.

@@ -7,8 +7,9 @@
 #   plus several GB of NVIDIA libraries.
 # - sglang and flashinfer-python are installed with --no-deps (their own pins want CUDA
 #   wheels); the list below is what importing SGLang's model, MoE and plugin code needs.
-# - triton and torchvision are not installed: the tests put import stand-ins in place
-#   (tests/sglang/stubs.py), which saves ~1 GB and a CUDA-pulling resolve.
+# - torchvision is not installed: the tests put an import stand-in in place
+#   (tests/sglang/stubs.py). triton is, all the same (999 MB): xgrammar, which the server
+#   path imports, requires it on Linux x86_64; the stand-in is used where it is missing.
 # - uvloop ... python-multipart: what `python -m sglang.launch_server --device cpu` imports
 #   (the whole-model test starts the real server).
 # - Idempotent: a stamp holding this script's hash makes a second run instant.

@@ -25,7 +25,8 @@ import click
 from ...converter import contract
 from ...converter.arguments import PathArg
 from ...converter.console import guard_paths, human, parse_size, progress_option
-from ...converter.errors import Code
+from ...converter.errors import EXIT_PROBLEMS, EXIT_USAGE, Code, plural
+from ...converter.outdir import STATE_DIR
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
 
@@ -34,6 +35,12 @@ FLASHINFER_MIN = (0, 7, 0)
 PLUGIN_GROUP, PLUGIN_NAME = "sglang.srt.plugins", "kimi_w31"
 BACKEND = "flashinfer_mxfp4"
 ALIGNMENT = 128
+INDEX_NAME = "model.safetensors.index.json"
+
+
+# Reasons that mean the command line asks for what cannot be run as asked: exit 2, as
+# `--help` documents for usage errors (every other reason is a failed check: exit 1).
+USAGE_REASONS = frozenset({"bad-flag", "ambiguous-flag", "expert-split", "language-model-only"})
 
 
 class ServeError(click.ClickException):
@@ -43,6 +50,11 @@ class ServeError(click.ClickException):
     def __init__(self, message: str, reason: str = "check") -> None:
         super().__init__(message)
         self.reason = reason
+
+    @property
+    def exit_code(self) -> int:  # type: ignore[override]
+        """As the converter's table says: usage reasons exit as usage, the rest as checks."""
+        return EXIT_USAGE if self.reason in USAGE_REASONS else EXIT_PROBLEMS
 
 
 # The pip install line of the README: the package is installed from a clone, not an index.
@@ -125,7 +137,28 @@ SGLANG_FLAGS: dict[str, tuple[tuple[str, ...], type]] = {
     "nnodes": (("--nnodes",), int),
     "mem_fraction_static": (("--mem-fraction-static",), float),
     "moe_runner_backend": (("--moe-runner-backend",), str),
+    "moe_dp_size": (("--moe-dp-size", "--moe-data-parallel-size"), int),
+    "reasoning_parser": (("--reasoning-parser",), str),
+    "tool_call_parser": (("--tool-call-parser",), str),
+    "json_model_override_args": (("--json-model-override-args",), str),
+    "host": (("--host",), str),
+    "port": (("--port",), int),
 }
+
+# SGLang's switches (store_true) that serve looks for after `--`, by their exact spelling.
+SGLANG_SWITCHES = ("--skip-tokenizer-init", "--language-model-only", "--trust-remote-code")
+
+# What every upstream Kimi-K3 recipe passes to serve real traffic: the tokenizer is the
+# repository's own code (tokenization_kimi.py + tiktoken.model), and the chat output carries
+# reasoning and tool calls in Kimi-K3's format. The parser names are keys of SGLang
+# 0.5.23's registries (tests/sglang/test_serve_flags.py holds them there).
+KIMI_PARSERS = {"reasoning_parser": "kimi_k3", "tool_call_parser": "kimi_k3"}
+# SGLang builds Kimi-K3's multimodal processor even with --skip-tokenizer-init, and its
+# --language-model-only refuses Kimi-K3; this override is what text-only serving needs.
+TEXT_ONLY_OVERRIDE = {"language_model_only": True}
+# Across nodes NCCL and Gloo must use the interface that reaches the other node (left to
+# themselves they may pick a docker bridge or a loopback and hang at the rendezvous).
+IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 
 def _dest_of(name: str) -> str | None:
@@ -189,8 +222,20 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def check_finished(root: Path) -> None:
+    """An output the converter has started but not finished (its state folder, no index yet:
+    the index is written last) is refused as that, before any file in it is judged."""
+    if (root / STATE_DIR).is_dir() and not (root / INDEX_NAME).exists():
+        raise ServeError(
+            f"{root}: conversion incomplete (no {INDEX_NAME} yet; the converter writes it "
+            "last): rerun the conversion (the same kimi-convert command) to finish it",
+            Code.INCOMPLETE_OUTPUT.value,
+        )
+
+
 def read_config(root: Path) -> tuple[dict, bool]:
     """(config.json, converted?): what the command depends on, checked or not."""
+    check_finished(root)
     cfg_path = root / "config.json"
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -229,14 +274,49 @@ def check_config(root: Path, cfg: dict, *, converted: bool) -> None:
         )
 
 
-def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str) -> None:
+def moe_tp_size(tp: int, ep: int, moe_dp: int = 1) -> int:
+    """The MoE's tensor-parallel size SGLang 0.5.23 runs (runtime_context.py's
+    `derive_parallel_widths`: tp // ep // moe_dp), after its own refusals of the layout
+    (parallel_hook.py), restated so a layout SGLang refuses is refused here first.
+    tests/sglang/test_serve_flags.py holds both to SGLang's code."""
+    for name, value in (("tp", tp), ("ep", ep), ("moe-dp-size", moe_dp)):
+        if value < 1:
+            raise ServeError(f"--{name} {value}: must be at least 1", "bad-flag")
+    if tp % ep:
+        raise ServeError(f"--tp {tp} / --ep {ep}: --ep must divide --tp", "bad-flag")
+    # SGLang, with moe_dp > 1: tp % moe_dp == 0, ep * moe_dp <= tp, and ep * moe_dp == tp
+    # when ep > 1.
+    if moe_dp > 1 and (tp % moe_dp or ep * moe_dp > tp or (ep > 1 and ep * moe_dp != tp)):
+        raise ServeError(
+            f"--tp {tp} / --ep {ep} / --moe-dp-size {moe_dp}: SGLang needs --moe-dp-size "
+            "to divide --tp, and --ep x --moe-dp-size to equal --tp when --ep > 1",
+            "bad-flag",
+        )
+    return tp // ep // moe_dp
+
+
+def check_expert_split(cfg: dict, *, ep: int) -> None:
+    """Each expert-parallel rank holds num_experts / ep whole experts: ep must divide them."""
+    experts = text_config(cfg).get("num_experts")
+    if isinstance(experts, int) and experts > 0 and experts % ep:
+        fits = [d for d in range(1, experts + 1) if experts % d == 0 and d <= 64]
+        raise ServeError(
+            f"--ep {ep}: the {experts} routed experts per layer do not split over {ep} "
+            f"expert-parallel ranks ({experts} / {ep} = {experts / ep:.2f}); --ep must divide "
+            f"{experts} (up to 64: {', '.join(map(str, fits))})",
+            "expert-split",
+        )
+
+
+def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str, moe_dp: int = 1) -> None:
     """A MoE tensor-parallel size the CUTLASS SiTU method can run (it does not pad)."""
     n = text_config(cfg).get("moe_intermediate_size")
-    moe_tp = tp // ep
+    moe_tp = moe_tp_size(tp, ep, moe_dp)
     aligned = isinstance(n, int) and n % moe_tp == 0 and (n // moe_tp) % ALIGNMENT == 0
     if backend == BACKEND and not aligned:
+        over = f"tp/ep = {tp}/{ep}" + (f"/moe-dp {moe_dp}" if moe_dp > 1 else "")
         raise ServeError(
-            f"moe_intermediate_size {n} over moe-TP {moe_tp} (= tp/ep) is not a multiple of "
+            f"moe_intermediate_size {n} over moe-TP {moe_tp} ({over}) is not a multiple of "
             f"{ALIGNMENT}: the CUTLASS SiTU method does not pad. Pick another --tp/--ep "
             "(Kimi-K3: tp/ep in 1, 2, 3, 4, 6, 8, 12, 24), or --backend marlin.",
             "moe-tp-alignment",
@@ -250,8 +330,8 @@ def check_checkpoint(
     cfg, converted = read_config(root)
     _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
     check_config(root, cfg, converted=converted)
-    if tp < 1 or ep < 1 or tp % ep:
-        raise ServeError(f"--tp {tp} / --ep {ep}: both >= 1 and --ep must divide --tp", "bad-flag")
+    moe_tp_size(tp, ep)
+    check_expert_split(cfg, ep=ep)
     check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
     return cfg, converted
 
@@ -295,7 +375,27 @@ def checkpoint_bytes(root: Path) -> tuple[int, str]:
             size += (root / name).stat().st_size
         except OSError:
             continue  # a missing shard is verify's finding, not this check's
-    return size, f"the sizes of its {len(shards)} shard file(s)"
+    return size, f"the sizes of its {plural(len(shards), 'shard file')}"
+
+
+def count_gpus(
+    run: Callable[..., Any] = subprocess.run,
+    which: Callable[[str], Any] = shutil.which,
+    driver: Path = Path("/proc/driver/nvidia/gpus"),
+) -> int:
+    """NVIDIA GPUs this machine has, without importing torch (seconds) or opening a CUDA
+    context: nvidia-smi's list, else the driver's /proc entries; 0 when neither shows one."""
+    if which("nvidia-smi"):
+        try:
+            out = run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            if out.returncode == 0:
+                return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        return sum(1 for _ in driver.iterdir())
+    except OSError:
+        return 0
 
 
 def detect_gpu_memory(
@@ -314,7 +414,7 @@ def detect_gpu_memory(
             )
             mib = [int(x) for x in out.stdout.split() if x.strip().isdigit()]
             if out.returncode == 0 and mib:
-                return min(mib) * 2**20, f"nvidia-smi, {len(mib)} GPU(s)"
+                return min(mib) * 2**20, f"nvidia-smi, {plural(len(mib), 'GPU')}"
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
     try:
@@ -325,7 +425,7 @@ def detect_gpu_memory(
                 torch.cuda.get_device_properties(i).total_memory
                 for i in range(torch.cuda.device_count())
             ]
-            return min(sizes), f"torch.cuda, {len(sizes)} GPU(s)"
+            return min(sizes), f"torch.cuda, {plural(len(sizes), 'GPU')}"
     except Exception:  # no torch, no driver: nothing to read
         pass
     return None
@@ -342,6 +442,7 @@ class Capacity:
     per_gpu: int
     memory_source: str
     fraction: float | None
+    replicated: int = 0  # bytes every rank holds whole (the latent projections)
 
     @property
     def usable(self) -> float:
@@ -349,7 +450,7 @@ class Capacity:
 
     @property
     def needed_per_gpu(self) -> float:
-        return self.checkpoint / self.gpus
+        return (self.checkpoint - self.replicated) / self.gpus + self.replicated
 
     @property
     def fits(self) -> bool:
@@ -357,7 +458,22 @@ class Capacity:
 
     @property
     def min_gpus(self) -> int:
-        return max(1, math.ceil(self.checkpoint / self.usable))
+        room = self.usable - self.replicated
+        if room <= 0:
+            return 0  # no number of such GPUs holds what every rank holds whole
+        return max(1, math.ceil((self.checkpoint - self.replicated) / room))
+
+
+def replicated_bytes(cfg: dict) -> int:
+    """Bytes every rank holds whole, from the config's dimensions: each MoE layer's two bf16
+    latent projections (hidden x routed_expert_hidden_size each; SGLang builds them without
+    tensor parallelism). 0 when the config has no latent MoE."""
+    text = text_config(cfg)
+    hidden, latent = text.get("hidden_size"), text.get("routed_expert_hidden_size")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, latent)):
+        return 0
+    layers, problems = contract.moe_layer_ids(text)
+    return 0 if problems else len(layers) * 2 * hidden * latent * 2
 
 
 def check_capacity(
@@ -369,6 +485,7 @@ def check_capacity(
     gpu_memory: int | None,
     mem_fraction: float | None,
     detect: Callable[[], tuple[int, str] | None] = detect_gpu_memory,
+    replicated: int = 0,
 ) -> Capacity | None:
     """Refuse a layout whose GPUs cannot hold the checkpoint even split evenly (the least
     any rank holds: a lower bound, so this never refuses a layout that could run).
@@ -390,16 +507,26 @@ def check_capacity(
             )
             return None
         per_gpu, how = found
-    cap = Capacity(size, source, tp * pp, nnodes, per_gpu, how, mem_fraction)
+    cap = Capacity(size, source, tp * pp, nnodes, per_gpu, how, mem_fraction, min(replicated, size))
     if not cap.fits:
         each = human(per_gpu)
         if mem_fraction is not None:
             each += f" x --mem-fraction-static {mem_fraction} = {human(cap.usable)}"
+        whole = (
+            f" (of which {human(cap.replicated)} every GPU holds whole: the latent projections)"
+            if cap.replicated
+            else ""
+        )
+        need = (
+            f"at least {cap.min_gpus} such GPUs"
+            if cap.min_gpus
+            else "GPUs with more memory than what every GPU holds whole"
+        )
         raise ServeError(
-            f"the GPUs cannot hold this checkpoint: {human(size)} ({source}) over "
-            f"tp {tp} x pp {pp} = {cap.gpus} GPU(s) (on {nnodes} node(s)) is "
+            f"the GPUs cannot hold this checkpoint: {human(size)} ({source}){whole} over "
+            f"tp {tp} x pp {pp} = {plural(cap.gpus, 'GPU')} (on {plural(nnodes, 'node')}) is "
             f"{human(cap.needed_per_gpu)} per GPU at the least, more than the {each} each GPU "
-            f"has ({how}). It needs at least {cap.min_gpus} such GPUs for the weights alone, "
+            f"has ({how}). It needs {need} for the weights alone, "
             "before KV cache and activations (Kimi-K3 on H200s: 16, two nodes; see the "
             "README). Use more GPUs (a larger --tp, or -- --pp-size; across nodes with -- "
             "--nnodes), or give --gpu-memory when this machine is not the one that serves.",
@@ -420,6 +547,8 @@ def plan_serve(
     checks: bool = True,
     gpu_memory: int | None = None,
     detect: Callable[[], tuple[int, str] | None] = detect_gpu_memory,
+    text_only: bool = False,
+    ifname: str | None = None,
 ) -> ServePlan:
     """The server command for `root`, after the config, MoE-TP and capacity checks (all
     skipped with checks=False, as --skip-checks does); no structure verify, no stack checks.
@@ -427,6 +556,7 @@ def plan_serve(
     SGLang's own flags after `--` (any of their names and forms) win over ours: the checks
     look at the layout SGLang will really use."""
     given = sglang_flags(extra)
+    switches = {a for a in extra if a in SGLANG_SWITCHES}
     backend = given.get("moe_runner_backend", backend)
     tp = given.get("tp_size", tp)
     ep = given.get("ep_size", ep)
@@ -434,14 +564,22 @@ def plan_serve(
     nnodes = given.get("nnodes", 1)
     cfg, converted = read_config(root)
     _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
-    for name, value in (("tp", tp), ("ep", ep), ("pp", pp), ("nnodes", nnodes)):
+    moe_dp = given.get("moe_dp_size", 1)
+    for name, value in (("pp", pp), ("nnodes", nnodes)):
         if value < 1:
             raise ServeError(f"--{name} {value}: must be at least 1", "bad-flag")
-    if tp % ep:
-        raise ServeError(f"--tp {tp} / --ep {ep}: --ep must divide --tp", "bad-flag")
+    moe_tp_size(tp, ep, moe_dp)  # a layout SGLang refuses: a usage error before anything
+    if "--language-model-only" in switches:
+        raise ServeError(
+            "--language-model-only after --: SGLang 0.5.23 refuses it for Kimi-K3; pass "
+            "serve's --text-only (it sets --json-model-override-args "
+            f"'{json.dumps(TEXT_ONLY_OVERRIDE)}')",
+            "language-model-only",
+        )
     if checks:
         check_config(root, cfg, converted=converted)
-        check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
+        check_expert_split(cfg, ep=ep)
+        check_moe_tp(cfg, tp=tp, ep=ep, backend=backend, moe_dp=moe_dp)
         check_capacity(
             root,
             tp=tp,
@@ -450,6 +588,7 @@ def plan_serve(
             gpu_memory=gpu_memory,
             mem_fraction=given.get("mem_fraction_static"),
             detect=detect,
+            replicated=replicated_bytes(cfg),
         )
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(root)]
     if "moe_runner_backend" not in given:
@@ -458,9 +597,38 @@ def plan_serve(
         argv += ["--tp-size", str(tp)]
     if ep > 1 and "ep_size" not in given:
         argv += ["--ep-size", str(ep)]
+    if "--trust-remote-code" not in switches:
+        argv.append("--trust-remote-code")
+    for dest, name in KIMI_PARSERS.items():
+        if dest not in given:
+            argv += [SGLANG_FLAGS[dest][0][0], name]
     argv += list(extra)
+    if text_only or "--skip-tokenizer-init" in switches:  # after theirs: the last one wins
+        argv += text_only_override(given.get("json_model_override_args"))
     env = {OPT_IN_ENV: "1"} if (unconverted and not converted) else {}
+    if ifname:  # the interface NCCL and Gloo (SGLang's CPU group) reach the other node on
+        env.update(dict.fromkeys(IFNAME_VARS, ifname))
     return ServePlan(argv=argv, env=env)
+
+
+def text_only_override(theirs: str | None) -> list[str]:
+    """The --json-model-override-args that text-only Kimi-K3 serving needs, merged into the
+    user's own (given after `--`): ours comes after theirs on the command line and wins, so
+    it keeps what they set and adds the key; nothing when they set the key themselves."""
+    merged = dict(TEXT_ONLY_OVERRIDE)
+    if theirs is not None:
+        try:
+            mine = json.loads(theirs)
+        except ValueError:
+            raise ServeError(
+                f"--json-model-override-args {theirs!r} after -- is not JSON", "bad-flag"
+            ) from None
+        if not isinstance(mine, dict):
+            raise ServeError("--json-model-override-args after -- is not a JSON object", "bad-flag")
+        if "language_model_only" in mine:
+            return []
+        merged = {**mine, **merged}
+    return ["--json-model-override-args", json.dumps(merged, separators=(",", ":"))]
 
 
 def verify_structure(root: Path) -> list[str]:
@@ -536,7 +704,26 @@ def verify_structure(root: Path) -> list[str]:
 @click.option(
     "--skip-checks",
     is_flag=True,
-    help="Skip every check above (checkpoint, stack, MoE-TP alignment, capacity).",
+    help="Skip every check above (checkpoint, stack, GPUs here, MoE-TP alignment, capacity).",
+)
+@click.option(
+    "--text-only",
+    is_flag=True,
+    help="Serve text only: pass --json-model-override-args '{\"language_model_only\": true}' "
+    "(SGLang refuses --language-model-only for Kimi-K3); implied by -- --skip-tokenizer-init.",
+)
+@click.option(
+    "--ifname",
+    default=None,
+    metavar="IFACE",
+    help="With several nodes: the network interface that reaches the other nodes (sets "
+    "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for the server), e.g. eth0 or ib0.",
+)
+@click.option(
+    "--smoke",
+    is_flag=True,
+    help="Once the server answers /health, send one greedy streamed /generate request and "
+    "print its first-token latency (stderr), then keep serving. Node 0 only.",
 )
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
@@ -550,15 +737,21 @@ def serve(
     print_only: bool,
     gpu_memory: str | None,
     skip_checks: bool,
+    text_only: bool,
+    ifname: str | None,
+    smoke: bool,
     sglang_args: tuple[str, ...],
 ) -> None:
     """Check CHECKPOINT_DIR and the SGLang stack, then run SGLang's server on it.
 
-    Before starting anything: verify's structure level on the checkpoint, the kimi_w31 block
-    against the model config, the fail-closed wrapper, sglang 0.5.23 and flashinfer-python
-    >= 0.7.0 with the kimi_w31 plugin installed, a MoE tensor-parallel size the CUTLASS
-    SiTU method can run, and GPUs that can hold the checkpoint (its size over tp x pp GPUs
-    against each GPU's memory, read from this machine's GPUs or given with --gpu-memory).
+    Before starting anything: a GPU on this machine (unless --print), a finished conversion,
+    verify's structure level on the checkpoint, the kimi_w31 block against the model config,
+    the fail-closed wrapper, sglang 0.5.23 and flashinfer-python >= 0.7.0 with the kimi_w31
+    plugin installed, a layout SGLang runs (--ep dividing --tp and the experts; MoE-TP =
+    tp / ep / moe-dp-size) with a MoE tensor-parallel size the CUTLASS SiTU method can run,
+    and GPUs that can hold the checkpoint (its size over tp x pp GPUs against each GPU's
+    memory, read from this machine's GPUs or given with --gpu-memory). It adds what Kimi-K3
+    serving needs: --trust-remote-code and the kimi_k3 reasoning and tool-call parsers.
     Arguments after `--` go to `python -m sglang.launch_server` unchanged (its
     --tp-size/--tensor-parallel-size, --ep-size/--expert-parallel-size/--ep,
     --pp-size/--pipeline-parallel-size, --nnodes, --mem-fraction-static and
@@ -582,6 +775,13 @@ def serve(
     # A bundle that does not match this stack is refused first: nothing else runs for it.
     bundle_env = kernel_bundle_env(kernels) if kernels is not None else {}
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
+    if not print_only and not skip_checks and count_gpus() == 0:  # before any other check
+        raise ServeError(
+            "no NVIDIA GPU on this machine (nvidia-smi and the driver show none): run serve "
+            "on the serving nodes, or add --print (and --gpu-memory SIZE) to print their "
+            "launch command from here",
+            "no-gpu",
+        )
     plan = plan_serve(
         checkpoint,
         sglang_args,
@@ -591,7 +791,17 @@ def serve(
         unconverted=unconverted,
         checks=not skip_checks,
         gpu_memory=per_gpu,
+        text_only=text_only,
+        ifname=ifname,
     )
+    nodes = sglang_flags(sglang_args).get("nnodes", 1)
+    if nodes > 1 and not ifname and not all(os.environ.get(v) for v in IFNAME_VARS):
+        click.echo(
+            f"serve: {nodes} nodes and no --ifname: NCCL and Gloo pick a network interface "
+            "themselves and may pick one that does not reach the other nodes (a hang at the "
+            "rendezvous); pass --ifname IFACE",
+            err=True,
+        )
     if not skip_checks:
         problems = check_stack()
         if not plan.env:  # a converted checkpoint: prove its structure first
@@ -604,7 +814,48 @@ def serve(
         return
     if prebuild_first:
         run_prebuild(None, "auto")
+    if smoke:
+        sys.exit(serve_with_smoke(plan, sglang_flags(sglang_args)))
     os.execvpe(plan.argv[0], plan.argv, {**os.environ, **plan.env})
+
+
+def server_url(given: Mapping[str, Any]) -> str:
+    """Where the server listens, as SGLang's --host/--port say (its defaults otherwise); a
+    wildcard host is reached on the loopback."""
+    host = given.get("host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{host}:{given.get('port', 30000)}"
+
+
+def serve_with_smoke(plan: ServePlan, given: Mapping[str, Any]) -> int:
+    """Run the server as a child, report one request's first-token latency once it is up,
+    then keep serving until it exits (Ctrl-C or SIGTERM stop it). Returns its exit code."""
+    from .smoke import SmokeError, smoke
+
+    child = subprocess.Popen(plan.argv, env={**os.environ, **plan.env})
+    try:
+        url = server_url(given)
+        text_only = "--skip-tokenizer-init" in plan.argv
+        try:
+            result = smoke(
+                url,
+                alive=lambda: child.poll() is None,
+                **({"input_ids": [1, 2, 3, 4]} if text_only else {}),
+            )
+        except SmokeError as exc:
+            click.echo(f"smoke: failed ({exc.reason}): {exc}", err=True)
+        else:
+            click.echo(
+                f"smoke: {url} ready after {result.ready_s:.1f} s; first token "
+                f"{result.first_token_s * 1000:.0f} ms, {result.tokens} tokens in "
+                f"{result.total_s:.2f} s: {result.text!r}",
+                err=True,
+            )
+        return child.wait()
+    finally:
+        if child.poll() is None:  # an interrupt of ours: stop the server we started
+            child.terminate()
+            child.wait()
 
 
 def kernel_bundle_env(kernels: Path) -> dict[str, str]:
@@ -640,8 +891,13 @@ def run_prebuild(
     """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
     from ...converter import console
     from ..bundle import BundleError
+    from ..prebuild import PrebuildError, prebuild, require_torch
+
+    try:
+        require_torch()  # before the imports below, which need it
+    except PrebuildError as exc:
+        raise ServeError(f"prebuild: {exc}", exc.reason) from None
     from ..flashinfer_moe import SituUnsupportedError
-    from ..prebuild import PrebuildError, prebuild
 
     shown: dict[str, console.Progress] = {}
 
@@ -668,7 +924,7 @@ def run_prebuild(
             plan_only=plan_only,
         )
     except (PrebuildError, SituUnsupportedError, BundleError) as exc:
-        raise ServeError(f"prebuild: {exc}") from None
+        raise ServeError(f"prebuild: {exc}", getattr(exc, "reason", "prebuild")) from None
     finally:
         for bar in shown.values():
             bar.stop()

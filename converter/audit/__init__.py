@@ -27,7 +27,7 @@ from pathlib import Path
 from .. import verified
 from ..errors import Code, fatal
 from ..manifest import Manifest, load_manifest
-from .against_source import check_against_source
+from .against_source import check_against_source, locate_source
 from .checksums import check_checksums
 from .report import Check, VerifyReport
 from .structure import check_structure
@@ -48,8 +48,10 @@ def verify(
 ) -> VerifyReport:
     """Run the levels asked for; every finding is in the report, never raised.
 
-    Raises `Fatal` (exit code 2) only for a request that cannot be run: --numerics without
-    --source, a sample or worker count below 1, a --manifest that cannot be loaded.
+    Raises `Fatal` only for a request that cannot be run, before reading anything:
+    --numerics without --source, a sample or worker count below 1, a --manifest that cannot
+    be loaded, a --source that is missing, is the output, or is no source (exit 2 for usage,
+    1 for the source's own problems).
     """
     if numerics and not source:
         raise fatal(Code.USAGE, rule="numerics-source")
@@ -59,6 +61,8 @@ def verify(
         raise fatal(Code.USAGE, rule="workers", workers=workers)
     explicit = load_manifest(manifest) if manifest else None
     root = Path(root).expanduser().absolute()
+    if source:  # every argument judged before any data is read
+        locate_source(source, root)
     report = VerifyReport(str(root), levels=_levels(checksums, source, numerics))
     before = _identities(root) if verified.REQUIRED_LEVEL in report.levels else None
     _run_levels(

@@ -17,6 +17,8 @@ source is the trusted original: no record in the output is trusted.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from .. import contract
 from ..errors import Code, Fatal, Problem, fatal, problem
@@ -30,6 +32,7 @@ from .source_bytes import compare_with_source
 from .structure import Output
 
 LEVEL = "source"
+INDEX = "model.safetensors.index.json"
 
 
 def check_against_source(
@@ -47,6 +50,26 @@ def check_against_source(
         out, source, (served, served_problems), changed, workers, progress_mode, report
     )
     return source
+
+
+def locate_source(spec: str, output: Path) -> Path:
+    """The source directory `--source` names, refused before verify reads anything (a
+    checksum pass over 1.5 TB first would make a typo cost an hour): it must exist, not be
+    the output, and look like a source (weights, and a config without the converter's
+    markers). Raises `Fatal`."""
+    root = resolve_local(spec)
+    if root == Path(os.path.realpath(output)):
+        raise fatal(Code.USAGE, rule="source-is-output", file=root)
+    if not (root / INDEX).is_file() and not any(root.glob("*.safetensors")):
+        raise fatal(Code.FILE_MISSING, rule="no-weights", file=root)
+    try:
+        cfg = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return root  # read_source words what is wrong with it, as a finding
+    found = contract.marks(cfg)
+    if found:
+        raise fatal(Code.ALREADY_MARKED, file=root / "config.json", marks=", ".join(found))
+    return root
 
 
 def _read(out: Output, spec: str, report: VerifyReport) -> Source | None:

@@ -20,7 +20,7 @@ from rich.markup import escape
 from .. import console
 from ..arguments import PathArg
 from ..console import err, out, run_guarded
-from ..errors import Code, fatal
+from ..errors import Code, fatal, plural
 from . import verify as run_verify
 from .report import VerifyReport
 
@@ -140,7 +140,7 @@ def verify(
 
     def body() -> None:
         _check_usage(numerics, sample, all_experts, seed)
-        mode = console.resolve_mode(progress_mode, quiet or as_json)
+        mode = console.resolve_mode(progress_mode, quiet, as_json)
         report = run_verify(
             output,
             manifest=manifest,
@@ -168,9 +168,15 @@ def verify(
                     else ""
                 )
                 err.print(
-                    f"[bold red]error:[/] verification failed: {total} problem(s) in "
-                    f"{len(failed)} check(s){more}"
+                    f"[bold red]error:[/] verification failed: {plural(total, 'problem')} in "
+                    f"{plural(len(failed), 'check')}{more}"
                 )
+                if report.repair:
+                    err.print(
+                        "[yellow]repair:[/] rerun the conversion with --rehash (it re-reads "
+                        "every shard and rewrites what differs; SRC is the source it was "
+                        f"converted from): {escape(report.repair)}"
+                    )
             sys.exit(report.exit_code)
 
     run_guarded(body, as_json, interrupted=INTERRUPTED)
@@ -204,7 +210,7 @@ def _print_report(report: VerifyReport) -> None:
         count = ""
         if check.ok is False:
             suppressed = check.suppressed(hidden)
-            count = f" ({check.problems_total - suppressed} problem(s)"
+            count = f" ({plural(check.problems_total - suppressed, 'problem')}"
             if suppressed:
                 count += f"; {suppressed} more that follow from a cause listed below"
             count += ")"
@@ -212,7 +218,8 @@ def _print_report(report: VerifyReport) -> None:
     _print_problems(report, out)
     if report.ok:
         skipped = sum(c.ok is None for c in report.checks)
-        out.print("[green]passed[/]" + (f" ({skipped} check(s) skipped)" if skipped else ""))
+        note = f" ({plural(skipped, 'check')} skipped)" if skipped else ""
+        out.print("[green]passed[/]" + note)
     if report.record:
         out.print(f"verification record for serving: {escape(report.record)}")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from ..errors import Code, Problem, suppressed_codes
+from ..errors import Code, Problem, repair_command, suppressed_codes
 from ..errors import exit_code as exit_code_of
 
 # Problems kept per check: a badly damaged 334k-tensor output must not print a million lines.
@@ -59,6 +59,22 @@ class Check:
         }
 
 
+# Findings that mean the output's bytes are no longer what the conversion wrote: rerunning
+# the conversion with --rehash re-reads every kept shard and rewrites what fails, so it
+# repairs them (a plain rerun proves kept shards by size and header only and would not).
+REPAIRED_BY_REHASH = frozenset(
+    {
+        Code.CHECKSUM_MISMATCH,
+        Code.FILE_SIZE_MISMATCH,
+        Code.HEADER_HASH_MISMATCH,
+        Code.BYTES_DIFFER,
+        Code.W31_NOT_UP_GATE,
+        Code.FILE_TRUNCATED,
+        Code.FILE_TRAILING_BYTES,
+    }
+)
+
+
 @dataclass
 class VerifyReport:
     output: str
@@ -100,6 +116,13 @@ class VerifyReport:
         """From the table, like every command's: 0 when every check passed."""
         return exit_code_of(self.root_codes) if not self.ok else 0
 
+    @property
+    def repair(self) -> str | None:
+        """The command that repairs what failed, when a rerun can (None otherwise)."""
+        if self.root_codes & REPAIRED_BY_REHASH:
+            return repair_command(self.output)
+        return None
+
     def check(self, name: str) -> Check | None:
         return next((c for c in self.checks if c.name == name), None)
 
@@ -137,4 +160,5 @@ class VerifyReport:
             "suppressed_codes": sorted(c.value for c in hidden),
             "checks": [c.as_dict(hidden) for c in self.checks],
             "record": self.record,
+            "repair": self.repair,
         }

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from ..estimate import Estimate
 from ..plan import OutputShard, Plan
 from ..records import Ledger, PartialDownloads
 from ..source import SourceReader
@@ -71,6 +72,15 @@ class Executor(Protocol):
     def plan_rows(self, plan: Plan) -> list[tuple[str, str]]:
         """Rows this executor adds to the dry run's plan table."""
         return []
+
+    def estimate(self, shards: list[OutputShard]) -> Estimate | None:
+        """How long writing `shards` will take, when this executor knows better than a timed
+        read of the source's disk (a downloading one: the network); None: it does not."""
+        return None
+
+    def check_space(self, out: Path, shards: list[OutputShard]) -> None:
+        """A dry run's free-space check of what this executor adds beside the output (the
+        output itself is the pipeline's): raises as its run would (default: nothing)."""
 
     def summary(self, plan: Plan) -> dict:
         """Keys this executor adds to the run's summary (and its `--json`)."""

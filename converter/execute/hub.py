@@ -24,11 +24,12 @@ Files nobody recorded, another process's among them, are never touched.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import Code, fatal
+from .. import fsio
+from ..errors import Code, Size, fatal, human_size
+from ..estimate import Estimate
 from ..plan import OutputShard, Plan
 from ..records import Ledger, PartialDownloads
 from ..source import SourceReader
@@ -101,6 +102,41 @@ class HubExecutor(Executor):
         if not self.delete_source_shards:
             rows.append(("note", "without --delete-source-shards every source shard stays"))
         return rows
+
+    def estimate(self, shards: list[OutputShard]) -> Estimate | None:
+        """The downloads' time at a measured network rate: a short timed download of the
+        largest source shard still to come (nothing to download: the disk estimate)."""
+        sources = self._sources
+        # Optional to a Remote (`measure`): one that cannot time a fetch gets no estimate.
+        measure = getattr(sources.remote, "measure", None) if sources is not None else None
+        if measure is None or not shards:
+            return None
+        needed = {f for s in shards for f in s.input_files}
+        absent = [f for f in sources.order if f in needed and not os.path.lexists(sources.root / f)]
+        if not absent:
+            return None
+        total = sum(sources.remote.size(f) for f in absent)
+        largest = max(absent, key=sources.remote.size)
+        nbytes, seconds = measure(largest)
+        if nbytes <= 0 or seconds <= 0:
+            return Estimate(None, None, f"not measured: downloading {largest} gave nothing")
+        rate = nbytes / seconds
+        return Estimate(
+            total / rate,
+            rate,
+            f"download measured at {human_size(rate)}/s over {human_size(nbytes)} of {largest} "
+            f"for the {human_size(total)} of source shards to download; the conversion runs "
+            "beside the downloads",
+        )
+
+    def check_space(self, out: Path, shards: list[OutputShard]) -> None:
+        """The run's own check of the downloads beside the output, asked before it starts
+        (the output folder need not exist yet: its nearest existing folder stands in)."""
+        sources = self._sources
+        if sources is None or not shards:
+            return
+        window = Window(shards, sources.order)
+        self._check_space(Path(os.path.abspath(out)), shards, window.order, sources)
 
     def summary(self, plan: Plan) -> dict:
         sources, t = self._sources, self.tally
@@ -195,8 +231,12 @@ class HubExecutor(Executor):
             (sources.remote.size(f) for f in order if not os.path.lexists(root / f)), reverse=True
         )
         need = sum(absent[: self.window]) if self.delete_source_shards else sum(absent)
-        free = shutil.disk_usage(storage).free
-        if os.stat(storage).st_dev == os.stat(out_dir).st_dev:
+        # Either may not exist yet in a dry run: the folder it will be made in stands in.
+        free = fsio.free_bytes(storage)
+        near = fsio.nearest_existing
+        if os.stat(near(Path(os.path.abspath(storage)))).st_dev == os.stat(near(out_dir)).st_dev:
             need += sum(s.file_size for s in pending)
         if need > free:
-            raise fatal(Code.NO_SPACE, rule="downloads", file=storage, need=need, free=free)
+            raise fatal(
+                Code.NO_SPACE, rule="downloads", file=storage, need=Size(need), free=Size(free)
+            )

@@ -159,6 +159,44 @@ def read_remote_header(
     return parse_header_bytes(file, raw, size)
 
 
+def measure_download(
+    repo: HubRepo,
+    file: str,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+    limit: int = 64 * 2**20,
+    budget: float = 3.0,
+) -> tuple[int, float]:
+    """(bytes, seconds) of downloading the start of `file` (a ranged GET, read until `limit`
+    bytes or `budget` seconds): the network rate a --download run will see, measured."""
+    import time
+
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    url = hf_hub_url(repo.repo_id, file, revision=repo.commit, endpoint=endpoint)
+    last = min(limit, repo.files[file].size) - 1
+    headers = {**build_hf_headers(token=token), "Accept-Encoding": "identity"}
+    started = time.perf_counter()
+    done = 0
+    try:
+        with get_session().stream(
+            "GET",
+            url,
+            headers={**headers, "range": f"bytes=0-{last}"},
+            timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+            follow_redirects=True,
+        ) as resp:
+            hf_raise_for_status(resp)
+            for chunk in resp.iter_bytes(2**20):
+                done += len(chunk)
+                if done > last or time.perf_counter() - started >= budget:
+                    break
+    except Exception as exc:
+        raise hub_error(exc, "measuring the download rate", file) from None
+    return done, time.perf_counter() - started
+
+
 # huggingface_hub 2.x: `<etag>.<8 hex>.incomplete` in the cache's blobs folder, and
 # `<short hash>.<etag>.<8 hex>.incomplete` under `<local_dir>/.cache/huggingface/download/`.
 PARTIAL_NAME = re.compile(r".+\.[0-9a-f]{8}\.incomplete")
@@ -462,6 +500,10 @@ class HubSnapshot:
 
     def other_bytes(self) -> int:
         return sum(self.repo.files[f].size for f in self.small_files)
+
+    def measure(self, file: str) -> tuple[int, float]:
+        """(bytes, seconds) of a short timed download of `file`'s start."""
+        return measure_download(self.repo, file, self.origin.endpoint, self.origin.token)
 
     def rows(self) -> list[tuple[str, str]]:
         return [

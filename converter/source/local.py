@@ -10,11 +10,12 @@ Everything else is refused once per file, with a hint (`publish_problem`).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from .. import contract, fsio
-from ..contract import CHECKSUMS_NAME
+from ..contract import CHECKSUMS_NAME, INDEX_NAME
 from ..errors import Code, Fatal, Problem, fatal, problem
 from ..safetensors_format import ShardHeader, read_header
 from . import Resolved
@@ -33,14 +34,40 @@ def resolve_local(spec: str, revision: str | None = None) -> Path:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
 
+        where, command = spec, spec
+        if revision:
+            where, command = f"{spec}@{revision}", f"{spec} --revision {revision}"
         try:
-            return Path(snapshot_download(spec, revision=revision, local_files_only=True))
+            snapshot = Path(snapshot_download(spec, revision=revision, local_files_only=True))
         except LocalEntryNotFoundError:
-            where, command = spec, spec
-            if revision:
-                where, command = f"{spec}@{revision}", f"{spec} --revision {revision}"
             raise fatal(Code.SOURCE_NOT_IN_CACHE, where=where, command=command) from None
+        _check_snapshot_complete(snapshot, command)
+        return snapshot
     raise fatal(Code.SOURCE_NOT_FOUND, rule="spec", file=spec)
+
+
+def _check_snapshot_complete(snapshot: Path, command: str) -> None:
+    """A cache snapshot whose index names shards that are not there is a download that did
+    not finish: said as that, with the snapshot's path and the command that finishes it
+    (not as a shard of a directory the user never named)."""
+    try:
+        weight_map = json.loads((snapshot / INDEX_NAME).read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable index: reading the source says what is wrong with it
+    if not isinstance(weight_map, dict):
+        return
+    shards = sorted({v for v in weight_map.values() if isinstance(v, str)})
+    missing = [f for f in shards if not (snapshot / f).exists()]
+    if missing:
+        raise fatal(
+            Code.SHARD_MISSING,
+            rule="cache",
+            file=missing[0],
+            snapshot=snapshot,
+            missing=len(missing),
+            total=len(shards),
+            command=command,
+        )
 
 
 class LocalOrigin:

@@ -85,35 +85,38 @@ def free_space_cases(template: Path, work: Path) -> list[Case]:
     """The up-front check: a disk that clearly cannot hold the output is refused early."""
     from unittest import mock
 
-    from kimi_w31.converter.errors import Fatal
+    from kimi_w31.converter.errors import Fatal, Size
     from kimi_w31.converter.pipeline import convert
 
     src = copy_source(template, work / "src")
     out = work / "new" / "out"
-    opts = ConvertOptions(source=str(src), out=out, manifest="kimi-k3-any", max_shard_size=300_000)
-    _, _, plan = prepare(opts)
-    fake = shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)  # type: ignore[attr-defined]
-    try:
-        with mock.patch("shutil.disk_usage", return_value=fake):
-            convert(opts)
-    except Fatal as exc:
-        p = exc.problems[0]
-        # Refused before anything was written, and nothing left that looks like a run.
-        ok = (
-            exc.codes == [Code.NO_SPACE]
-            and p.expected == f"{plan.output_bytes} bytes free"
-            and p.found == "1000 bytes free"
-            and not (work / "new").exists()
+    rows = []
+    # The dry run asks the same question by the same rule: the same refusal, nothing written.
+    for dry_run, name in ((False, "free-space check up front"), (True, "--dry-run refuses too")):
+        opts = ConvertOptions(
+            source=str(src), out=out, manifest="kimi-k3-any", max_shard_size=300_000
         )
-        return [
-            Case(
-                "disk full",
-                "free-space check up front",
-                CLEAN if ok else WRONG,
-                p.render()[:160] if ok else f"{p.render()[:200]}; left: {sorted(tree(work))}",
+        opts.dry_run = dry_run
+        _, _, plan = prepare(opts)
+        fake = shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)  # type: ignore[attr-defined]
+        try:
+            with mock.patch("shutil.disk_usage", return_value=fake):
+                convert(opts)
+        except Fatal as exc:
+            p = exc.problems[0]
+            # Refused before anything was written, and nothing left that looks like a run;
+            # the sizes in people's units and exactly.
+            ok = (
+                exc.codes == [Code.NO_SPACE]
+                and p.expected == f"{Size(plan.output_bytes)} free"
+                and p.found == f"{Size(1000)} free"
+                and not (work / "new").exists()
             )
-        ]
-    return [Case("disk full", "free-space check up front", WRONG, "converted onto a full disk")]
+            detail = p.render()[:160] if ok else f"{p.render()[:200]}; left: {sorted(tree(work))}"
+            rows.append(Case("disk full", name, CLEAN if ok else WRONG, detail))
+            continue
+        rows.append(Case("disk full", name, WRONG, "went ahead onto a full disk"))
+    return rows
 
 
 def dry_run_space_cases(template: Path, work: Path) -> list[Case]:
@@ -124,8 +127,12 @@ def dry_run_space_cases(template: Path, work: Path) -> list[Case]:
     need = sum(p.stat().st_size for p in ref.glob("*.safetensors"))
     proc = run_cli([src, work / "dry", *MANIFEST, *SHARD_SIZE, "--dry-run", "--json"])
     reported = proc.json.get("output_bytes") if proc.returncode == 0 else None
+    checked = proc.returncode == 0 and proc.json.get("space_ok") is True
+    checked = checked and proc.json.get("space_needed_bytes") == need
+    checked = checked and proc.json.get("free_bytes", 0) > 0
     text = run_cli([src, work / "dry", *MANIFEST, *SHARD_SIZE, "--dry-run"])
     ok = reported == need and "space needed" in text.stdout and not (work / "dry").exists()
+    ok = ok and checked
     return [
         Case(
             "disk full",

@@ -149,7 +149,10 @@ def test_serve_checks_pass_on_the_real_stack_and_print_the_command(pair):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     cmd = proc.stdout.strip().splitlines()[-1]
     assert "-m sglang.launch_server --model-path" in cmd
-    assert "--moe-runner-backend flashinfer_mxfp4 --tp-size 1 --port 30001" in cmd
+    assert (
+        "--moe-runner-backend flashinfer_mxfp4 --tp-size 1 --trust-remote-code "
+        "--reasoning-parser kimi_k3 --tool-call-parser kimi_k3 --port 30001"
+    ) in cmd
     # the source is refused without the opt-in
     proc = subprocess.run(
         [sys.executable, "-m", "kimi_w31", "serve", str(pair[0]), "--print"],

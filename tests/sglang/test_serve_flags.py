@@ -8,6 +8,7 @@ generated argument lists.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 
 import harness  # noqa: F401  (the import stand-ins)
@@ -111,3 +112,95 @@ def test_generated_command_lines(seed):
             value = _value(name, rng)
             args += [f"{name}={value}"] if rng.random() < 0.5 else [name, value]
         _check(args)
+
+
+# -- what serve adds for Kimi-K3, and how it reads MoE-DP -------------------------------------
+
+
+def test_the_parsers_serve_passes_are_in_sglangs_registries():
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+    assert launch.KIMI_PARSERS["reasoning_parser"] in ReasoningParser.DetectorMap
+    assert launch.KIMI_PARSERS["tool_call_parser"] in FunctionCallParser.ToolCallParserEnum
+    # negative control: a name that is not there is not found
+    assert "kimi_k9" not in ReasoningParser.DetectorMap
+
+
+def test_the_switches_serve_adds_or_reads_are_sglangs():
+    for switch in [*launch.SGLANG_SWITCHES]:
+        action = next(a for a in PARSER._actions if switch in a.option_strings)
+        assert action.nargs == 0, switch  # a switch: it takes no value
+
+
+def test_the_plan_parses_with_sglangs_parser(tmp_path):
+    from kimi_w31.converter import contract
+    from kimi_w31.converter.synth import SynthSpec, make_config
+
+    cfg = contract.converted_config(
+        make_config(SynthSpec(k=3584, n=3072, experts=896)), contract.make_block(4.0, 25.0)
+    )
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    plan = launch.plan_serve(tmp_path, ["--skip-tokenizer-init"], tp=8, python="py")
+    ns = PARSER.parse_args(plan.argv[3:])
+    assert ns.trust_remote_code and ns.reasoning_parser == ns.tool_call_parser == "kimi_k3"
+    assert json.loads(ns.json_model_override_args) == {"language_model_only": True}
+
+
+def _sglang_moe_dp_rules():
+    """SGLang 0.5.23's own checks of a MoE-DP layout (parallel_hook.py's `if cfg.moe_dp_size
+    > 1:` block), taken from its source and run on a layout."""
+    import ast
+    import inspect
+    import textwrap
+
+    from sglang.srt.arg_groups import parallel_hook
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(parallel_hook)))
+    (block,) = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If) and ast.unparse(n.test) == "cfg.moe_dp_size > 1"
+    ]
+    code = compile(ast.Module(body=[block], type_ignores=[]), "parallel_hook", "exec")
+
+    def accepts(tp: int, ep: int, dp: int) -> bool:
+        from types import SimpleNamespace
+
+        cfg = SimpleNamespace(
+            tp_size=tp, moe_dp_size=dp, pp_size=1, enable_aiter_allreduce_fusion=False
+        )
+        try:
+            exec(code, {"cfg": cfg, "view": SimpleNamespace(ep_size=ep)})
+        except AssertionError:
+            return False
+        return True
+
+    return accepts
+
+
+def test_moe_tp_is_sglangs_on_every_layout():
+    from sglang.srt.runtime_context import derive_parallel_widths
+
+    accepts = _sglang_moe_dp_rules()
+    for tp in (1, 2, 4, 6, 8, 12, 16, 24, 32):
+        for ep in (1, 2, 3, 4, 8, 16, 32):
+            if tp % ep:
+                continue  # ours refuses it before SGLang is asked
+            for dp in (1, 2, 3, 4, 8, 16):
+                try:
+                    ours = launch.moe_tp_size(tp, ep, dp)
+                except launch.ServeError:
+                    ours = None
+                assert (ours is not None) == accepts(tp, ep, dp), (tp, ep, dp)
+                if ours is not None:
+                    theirs = derive_parallel_widths(
+                        tp_size=tp,
+                        attn_cp_size=1,
+                        attn_dp_size=1,
+                        moe_ep_size=ep,
+                        moe_dp_size=dp,
+                        dcp_size=1,
+                        dcp_enabled=False,
+                    )["moe_tp_size"]
+                    assert ours == theirs, (tp, ep, dp)
