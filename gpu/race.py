@@ -390,6 +390,10 @@ class Race:
                 info.setdefault("norm_ratio", {})[f"{arm}/{routing}/{m}"] = (
                     float(np.linalg.norm(got)) / norm if norm > 0 else None
                 )
+                if not arms[arm]["info"]["fuse_rsf_in_topk"] and rsf != 1.0:
+                    # The layer returns sum_j w_j f_j without the factor (nothing in it
+                    # applies it); KimiK3MoE's latent RMSNorm removes any uniform scale.
+                    row.nrmse_rescaled = ref.compare(got * np.float32(rsf), want)["nrmse"]
             self.rows.append(row)
         del arms
         gc.collect()

@@ -172,6 +172,9 @@ class Row:
     cosine: float | None = None
     nrmse: float | None = None
     max_abs: float | None = None
+    # An arm whose layer leaves the routed scaling factor out (SGLang's Marlin route on
+    # MXFP4): its NRMSE with the factor applied, which Kimi-K3's latent RMSNorm makes moot.
+    nrmse_rescaled: float | None = None
 
     @property
     def floor_fraction(self) -> float:
@@ -243,6 +246,41 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, object]) -> str:
         cells.append(win[key])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def rescaled_nrmse(cosine: float, norm_ratio: float, scale: float) -> float:
+    """NRMSE of `scale` x actual against expected, from the unscaled comparison's cosine and
+    |actual| / |expected| (|s a - e|^2 = s^2 |a|^2 + |e|^2 - 2 s a.e, divided by |e|^2)."""
+    sr = scale * norm_ratio
+    return math.sqrt(max(sr * sr + 1.0 - 2.0 * sr * cosine, 0.0))
+
+
+def summary(rows: Sequence[Row], layout: str, routing: str) -> dict[str, object]:
+    """Where each arm stands against Marlin on one layout and routing: the M range each arm
+    wins, its speed-up range, and its floor fraction over decode (M 8-256)."""
+    sp = speedups(rows)
+    win = winners(rows)
+    mine = [r for r in rows if r.layout == layout and r.routing == routing]
+    out: dict[str, object] = {
+        "marlin_fastest_at": sorted(
+            m
+            for (lay, rt, m), arm in win.items()
+            if (lay, rt) == (layout, routing) and arm == "marlin"
+        )
+    }
+    for arm in ARMS[1:]:
+        xs = {r.m: sp[(layout, routing, r.m, arm)] for r in mine if r.arm == arm}
+        dec = [r.floor_fraction for r in mine if r.arm == arm and 8 <= r.m <= 256]
+        if not xs:
+            continue
+        out[arm] = {
+            "x_min": min(xs.values()),
+            "x_max": max(xs.values()),
+            "slower_than_marlin_at": sorted(m for m, x in xs.items() if x < 1.0),
+            "x_at_512_and_up_min": min((x for m, x in xs.items() if m >= 512), default=None),
+            "decode_floor_fraction": [min(dec), max(dec)] if dec else None,
+        }
+    return out
 
 
 def row_dict(row: Row) -> dict[str, object]:
