@@ -153,7 +153,9 @@ def make_batches(
             seed = 7000 + 97 * ri + m
             g = torch.Generator().manual_seed(seed)
             x = torch.randn(m, R.K, generator=g).to(torch.bfloat16)
-            router = S.make_router(m, R.EXPERTS, seed + 1, R.skew_of(routing))
+            router = S.make_router(
+                m, R.EXPERTS, seed + 1, R.skew_of(routing), R.LOGIT_STD, R.BIAS_STD
+            )
             ids, w = S.route(router, R.TOP_K, renorm, rsf)
             out[(routing, m)] = Batch(
                 routing=routing,

@@ -23,6 +23,10 @@ BF16_FLOPS_PER_S = 989e12  # dense bf16 tensor cores, SXM datasheet
 MS = tuple(2**i for i in range(14))  # 1 ... 8192 tokens per rank
 ROUTINGS = ("uniform", "skewed")
 SKEW = 0.5  # gpu/sglang_layer.SKEW: log-rank penalty, a few experts get many tokens
+# The race's router (gpu/sglang_cases.make_router): logits N(0, 1) and a correction bias
+# that only breaks ties, so "uniform" spreads tokens over all 896 experts as a balanced
+# router does (the gate suites' bias of std 0.1 concentrates them on a few).
+LOGIT_STD, BIAS_STD = 1.0, 1e-3
 ARMS = ("marlin", "w4a16", "w4a8")
 
 
@@ -69,7 +73,8 @@ def parse_ms(text: str) -> tuple[int, ...]:
 def skew_of(routing: str) -> float:
     if routing not in ROUTINGS:
         raise ValueError(f"routing {routing!r} not in {ROUTINGS}")
-    return SKEW if routing == "skewed" else 0.0
+    # the gate suites' skew relative to their logits' spread (0.5 on std 2)
+    return SKEW * LOGIT_STD / 2.0 if routing == "skewed" else 0.0
 
 
 # --- what a batch touches on one rank, and the floor --------------------------------------
