@@ -16,8 +16,10 @@ independent numpy router (gpu/sglang_cases.py).
     python -m gpu.sglang_layer single --source SRC --converted CONV --out OUT
     python -m gpu.sglang_layer dist --source SRC --converted CONV --out OUT --ep 1   # 2 GPUs
 
-`sgl_kernel` is replaced by an import stub (its wheel cannot load against the machine's
-torch); nothing on this path calls it (the stub raises if anything does).
+`sgl_kernel` is replaced by an import stub when none can be imported (SGLang's pin, 0.4.10,
+cannot load against the machine's torch); nothing on this path calls it (the stub raises if
+anything does). A real one (the slim 0.4.6 gpu/race_h200.sh installs, which SGLang's Marlin
+route needs) is used as it is.
 """
 
 from __future__ import annotations
