@@ -102,3 +102,88 @@ def test_rank_of_restores_widths_on_error(plugins, rank_pair, monkeypatch) -> No
             assert get_parallel().moe_ep_size == 16
             raise RuntimeError("boom")
         assert get_parallel().moe_ep_size == 1
+
+
+class _Replay:
+    """A CUDA graph stand-in: replay() calls the captured function."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+def test_race_layout_on_cpu(plugins, rank_pair, monkeypatch, tmp_path) -> None:
+    """The race's flow for one layout with the plugin's W4A16 arm: batches over the global
+    experts, SGLang's TopK and FusedMoE of EP rank 0, the rank's reference from the source
+    (only its experts), rows, floors and the report files. FlashInfer's kernel is the CPU
+    reference kernel (kernel_ref.py); graphs and CUDA-event timing are the GPU run's."""
+    import contextlib
+    import json
+
+    import flashinfer.fused_moe
+    from kernel_ref import RefCutlassFusedMoe
+    from sglang.srt.layers.quantization import mxfp4
+    from sglang.srt.runtime_context import override_platform
+
+    sys.path.insert(0, str(ROOT))
+    from gpu import race
+    from gpu import race_cases as R
+    from gpu import sglang_layer as L
+
+    ident = lambda t, *a, **k: t.clone()  # noqa: E731  (CUDA-only swizzles)
+    for name in (
+        "interleave_moe_weights_for_sm90_mixed_gemm",
+        "interleave_moe_scales_for_sm90_mixed_gemm",
+    ):
+        monkeypatch.setattr(flashinfer.fused_moe, name, ident)
+    monkeypatch.setattr(flashinfer.fused_moe, "cutlass_fused_moe", RefCutlassFusedMoe())
+    monkeypatch.setattr(L, "DEVICE", "cpu")
+    real_rank = L.sglang_rank
+
+    @contextlib.contextmanager
+    def cpu_rank(*a, **k):
+        with real_rank(*a, **k):
+            monkeypatch.setattr(mxfp4, "_FI_HAS_SM90_CUTLASS_MXFP4", True)
+            with override_platform(is_sm90=True):
+                yield
+
+    monkeypatch.setattr(L, "sglang_rank", cpu_rank)
+    for name, value in (("EXPERTS", GLOBAL), ("K", KK), ("N", NN), ("TOP_K", 4)):
+        monkeypatch.setattr(R, name, value)
+    monkeypatch.setattr(race, "install_module", lambda spec, args: None)
+    monkeypatch.setattr(race, "keep_module", lambda: None)
+    monkeypatch.setattr(race.Race, "capture", staticmethod(_Replay))
+    monkeypatch.setattr(
+        race.Race,
+        "time_layout",
+        lambda self, arms, batches: {
+            (*key, arm): [[0.5, 0.4, 0.6]] * 3 for key in batches for arm in arms
+        },
+    )
+    root = tmp_path / "ck"
+    (root / "t").mkdir(parents=True)
+    (root / "t" / "src").symlink_to(rank_pair[0])
+    (root / "t" / "conv").symlink_to(rank_pair[1])
+    layout = R.Layout("t", "test rank", tp=EP, ep=EP, n_local=NN)
+    args = race.parse_args(
+        ["--root", str(root), "--out", str(tmp_path), "--arms", "w4a16", "--ms", "1,8,32",
+         "--accuracy-ms", "8,32", "--no-autotune"],
+    )  # fmt: skip
+    r = race.Race(args, lambda _msg: None)
+    r.layout(layout)
+    r.write({"date_utc": "cpu"})
+
+    assert not r.report["errors"]
+    assert {(x.routing, x.m) for x in r.rows} == {(rt, m) for rt in R.ROUTINGS for m in (1, 8, 32)}
+    for row in r.rows:
+        assert row.ms == 0.5 and row.arm == "w4a16"
+        assert 0 <= row.touched <= min(row.pairs, LOCAL)
+        if row.m in (8, 32) and row.pairs:  # the rank's output against the rank's reference
+            assert row.cosine > 0.99999 and row.nrmse < 0.005, row
+    info = r.report["layouts"]["t"]["arms"]["w4a16"]
+    assert info["local_experts"] == LOCAL and info["quant_method"] == "KimiW31SituMoEMethod"
+    saved = json.loads((tmp_path / "report-race.json").read_text())
+    assert len(saved["rows"]) == len(r.rows)
+    assert "| t | uniform | 8 |" in (tmp_path / "report-race.md").read_text()
