@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from . import faults
-from . import fsio
+from . import faults, fsio
 from .errors import Code, Fatal, Problem, fatal
 from .estimate import Estimate, estimate
 from .execute import Executor

@@ -6,8 +6,9 @@
 #   gpu/coldstart_h200.sh wait SECONDS   wait up to SECONDS, print the log tail, copy to $OUT
 #   gpu/coldstart_h200.sh pipeline       (internal)
 #
-# Inputs beside the repo (as gpu/sglang_h200.sh): .fi/ (FlashInfer, tvm-ffi, prebuilt/ with
-# the W4A8 module for its gate) and .whl/ (SGLang trimmed + wheels).
+# Inputs beside the repo (as gpu/sglang_h200.sh): .fi/ (FlashInfer, tvm-ffi; prebuilt/ is
+# optional: the W4A8 module for gate8 without build8, the libraries tactics16/8 study) and
+# .whl/ (SGLang trimmed + wheels).
 #
 # Pipeline, in order (KIMI_W31_COLDSTART_STEPS to choose, default all):
 #   build16  kimi-convert prebuild --arch sm90 --precision w4a16 --out BUNDLE, empty cache,
@@ -17,10 +18,13 @@
 #   gate16   SGLang single-GPU suite, W4A16, module from the bundle (KIMI_W31_KERNELS)
 #   gate8    SGLang single-GPU suite, W4A8: the bundle's module when build8 made one, else
 #            the prebuilt W4A8 library, through the product
+#   buildall kimi-convert prebuild --precision w4a16-all --out BUNDLE (every tactic), empty
+#            cache (only when named: "all" leaves it and smokeall out)
 #   build8   kimi-convert prebuild --precision w4a8 --out BUNDLE, empty cache
 #   bundle16 the W4A16 bundle from the workspace a cache-route probe already compiled
 #   smoke16, smoke8   (after the gates) every tactic FlashInfer's autotuner can
-#            select, profiled once through the bundle's module (TP 8, M <= 64): none may fail
+#            select, profiled once through the bundle's module (TP 8, M <= 64): none may fail;
+#            smokeall the same for the w4a16-all module (KIMI_W31_TACTICS=all)
 #   tactics16, tactics8   gpu/tactics.py on the prebuilt W4A16 / W4A8 module (every
 #            launcher): every valid tactic of each GEMM timed in the whole forward at
 #            Kimi-K3 per-rank shapes (TP 8, 2, 1; M 1..8192), the fewest launchers within
@@ -48,12 +52,18 @@ setup() {
             --target "$SITE" .whl/*.whl .fi/apache_tvm_ffi-*cp312*.whl || return 1
         tar -xJf .whl/sglang-0.5.23-trim.tar.xz -C "$SITE" || return 1
         tar -xJf .fi/flashinfer-0.7.2.post1-sm90moe.tar.xz -C "$SITE" || return 1
-        xz -dc .fi/prebuilt/fused_moe_90_kimi_w31_w4a8_humming.so.xz > "$WORK/prebuilt_w4a8.so" \
-            || return 1
-        xz -dc .fi/prebuilt/fused_moe_90_kimi_w31_w4a16.so.xz > "$WORK/prebuilt_w4a16.so" \
-            || return 1
         touch "$SITE/.installed"
     fi
+    # The prebuilt libraries are optional: only gate8 (without build8) and tactics16/8 use
+    # them, and those steps say so when theirs is missing.
+    local v xz
+    for v in w4a16 w4a8; do
+        xz=.fi/prebuilt/fused_moe_90_kimi_w31_${v}.so.xz
+        [ "$v" = w4a8 ] && xz=.fi/prebuilt/fused_moe_90_kimi_w31_w4a8_humming.so.xz
+        if [ -f "$xz" ] && [ ! -f "$WORK/prebuilt_$v.so" ]; then
+            xz -dc "$xz" > "$WORK/prebuilt_$v.so" || { rm -f "$WORK/prebuilt_$v.so"; return 1; }
+        fi
+    done
     rm -rf "$PKG" "$REPO" && mkdir -p "$PKG/kimi_w31-0.1.0.dist-info" "$REPO" || return 1
     cp -r kimi_w31 "$PKG"/ && cp -r gpu "$REPO"/ || return 1
     for d in converter adapter manifests; do cp -r "$d" "$PKG/kimi_w31/$d" || return 1; done
@@ -110,7 +120,8 @@ smoke() {  # smoke VARIANT PHASE: the bundle's module under FlashInfer's own aut
     echo "== $2 exit $? $(tail -1 "$OUTD/$2.log")"
 }
 
-has() { [ "${KIMI_W31_COLDSTART_STEPS:-all}" = all ] || [[ ",$KIMI_W31_COLDSTART_STEPS," == *",$1,"* ]]; }
+has() { [ "${KIMI_W31_COLDSTART_STEPS:-all}" = all ] || named "$1"; }
+named() { [[ ",${KIMI_W31_COLDSTART_STEPS:-}," == *",$1,"* ]]; }  # steps that "all" leaves out
 
 pipeline() {
     cd "$WORK" || exit 1
@@ -126,6 +137,7 @@ pipeline() {
         probe bundle KIMI_W31_KERNELS="$BUNDLE" FLASHINFER_WORKSPACE_BASE="$WORK/fiws-serve"
         probe cache FLASHINFER_WORKSPACE_BASE="$WORK/fiws-build16"
     fi
+    if named buildall; then build w4a16-all buildall; fi
     if has build8; then build w4a8 build8; fi
     if has gate16 || has gate8; then
         rm -rf "$WORK/src" "$WORK/conv"
@@ -144,16 +156,25 @@ pipeline() {
         # the bundle's W4A8 module when build8 made one, else the prebuilt library
         local w4a8=(--prebuilt "$WORK/prebuilt_w4a8.so")
         if grep -q '"w4a8"' "$BUNDLE/manifest.json" 2>/dev/null; then w4a8=(); fi
-        KIMI_W31_KERNELS=$BUNDLE FLASHINFER_WORKSPACE_BASE=$WORK/fiws-gate8 \
-            python3 -m gpu.sglang_run single-w4a8 "${args[@]}" "${w4a8[@]}" \
-            > "$OUTD/gate8.log" 2>&1
-        echo "== gate8 exit $? $(grep -h 'verdict' "$OUTD/gate8.log" | tail -1)"
+        if [ "${#w4a8[@]}" -gt 0 ] && [ ! -f "$WORK/prebuilt_w4a8.so" ]; then
+            echo "== gate8 NOT RUN: no W4A8 module (run build8, or put the prebuilt one in .fi/prebuilt/)"
+        else
+            KIMI_W31_KERNELS=$BUNDLE FLASHINFER_WORKSPACE_BASE=$WORK/fiws-gate8 \
+                python3 -m gpu.sglang_run single-w4a8 "${args[@]}" "${w4a8[@]}" \
+                > "$OUTD/gate8.log" 2>&1
+            echo "== gate8 exit $? $(grep -h 'verdict' "$OUTD/gate8.log" | tail -1)"
+        fi
     fi
     if has smoke16; then smoke w4a16 smoke16; fi
     if has smoke8; then smoke w4a8 smoke8; fi
+    if named smokeall; then KIMI_W31_TACTICS=all smoke w4a16 smokeall; fi
     for v in w4a16 w4a8; do
         local step=tactics${v#w4a} so=$WORK/prebuilt_$v.so
         has "$step" || continue
+        if [ ! -f "$so" ]; then
+            echo "== $step NOT RUN: no prebuilt $v library in .fi/prebuilt/"
+            continue
+        fi
         echo "== $step $(date -u +%FT%TZ)"
         python3 -m gpu.tactics --variant "$v" --prebuilt "$so" --out "$OUTD/smoke" --tp 8 \
             --max-tokens 64 --reps 3 --rounds 1 > "$OUTD/$step-smoke.log" 2>&1 \

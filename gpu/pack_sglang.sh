@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Make .whl/ for gpu/sglang_h200.sh on a machine with network access (~21 MB):
+# Make .whl/ for gpu/sglang_h200.sh and gpu/race_h200.sh on a machine with network access:
 # sglang 0.5.23 without multimodal_gen/, tests, benchmarks and its compiled extensions
 # (none of which the MoE path imports), and the wheels SGLang's imports need that the H200
 # machine's image lacks (found by importing the path and diffing against the image's list).
-# sgl_kernel is not among them: gpu/sglang_layer.py stubs it.
+# Also a slim sgl_kernel 0.4.6 (the one that loads against the machine's torch 2.11; SGLang's
+# Marlin MoE and server need it: gpu/slim_kernel.py says what it keeps) and the wheels the
+# real server imports beyond the layer path. Without the slim kernel, gpu/sglang_layer.py
+# stubs sgl_kernel (enough for the plugin's layer path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -29,4 +32,11 @@ dl .whl annotated-doc==0.0.7 annotated-types==0.8.0 asttokens==3.0.2 click-defau
     pydantic==2.14.4 pydantic-core==2.50.5 pyzmq==27.3.0 sniffio==1.3.1 stack-data==0.6.3 \
     starlette==1.10.0 traitlets==5.16.1 truststore==0.10.5 typing-inspection==0.4.5 \
     uvicorn==0.54.0 wcwidth==0.9.4
-ls -la .whl
+# The server path (gpu/sglang_layer.py's stub is not enough there).
+dl .whl cffi==2.1.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 pycparser==3.12 \
+    python-multipart==0.0.34 referencing==0.37.0 rpds-py==2026.9.1 setproctitle==1.3.8 \
+    soundfile==0.14.0 xgrammar==0.2.7
+dl "$tmp" sglang-kernel==0.4.6
+python3 -m gpu.slim_kernel "$tmp"/sglang_kernel-0.4.6-*.whl .whl/sgl_kernel-0.4.6-slim.tar.xz
+ls .whl/*.whl | wc -l | sed 's/^/wheels: /'
+du -sh .whl

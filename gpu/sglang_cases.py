@@ -24,12 +24,25 @@ class Router:
     bias: np.ndarray
 
 
-def make_router(m: int, num_experts: int, seed: int, skew: float = 0.0) -> Router:
-    """Random fp32 logits (std 2) and a small correction bias; `skew` > 0 favours low ids."""
+def make_router(
+    m: int,
+    num_experts: int,
+    seed: int,
+    skew: float = 0.0,
+    logit_std: float = 2.0,
+    bias_std: float = 0.1,
+) -> Router:
+    """Random fp32 logits and a small correction bias; `skew` > 0 favours low ids.
+
+    With the defaults the bias (std 0.1) outweighs the gaps between the saturated sigmoid
+    scores of a token's best experts, so most tokens pick the same few high-bias experts:
+    fine for checking numerics, not a load. For a load spread like a trained router's
+    (which the bias exists to balance), use logit_std 1 and a bias that only breaks ties.
+    """
     rng = np.random.default_rng(seed)
-    logits = rng.standard_normal((m, num_experts)).astype(np.float32) * 2.0
+    logits = rng.standard_normal((m, num_experts)).astype(np.float32) * np.float32(logit_std)
     logits -= np.float32(skew) * np.log1p(np.arange(num_experts, dtype=np.float32))
-    bias = (rng.standard_normal(num_experts) * 0.1).astype(np.float32)
+    bias = (rng.standard_normal(num_experts) * bias_std).astype(np.float32)
     return Router(logits=logits, bias=bias)
 
 

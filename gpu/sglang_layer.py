@@ -17,8 +17,10 @@ independent numpy router (gpu/sglang_cases.py).
     python -m gpu.sglang_layer single --source SRC --converted CONV --out OUT
     python -m gpu.sglang_layer dist --source SRC --converted CONV --out OUT --ep 1   # 2 GPUs
 
-`sgl_kernel` is replaced by an import stub (its wheel cannot load against the machine's
-torch); nothing on this path calls it (the stub raises if anything does).
+`sgl_kernel` is replaced by an import stub when none can be imported (SGLang's pin, 0.4.10,
+cannot load against the machine's torch); nothing on this path calls it (the stub raises if
+anything does). A real one (the slim 0.4.6 gpu/race_h200.sh installs, which SGLang's Marlin
+route needs) is used as it is.
 """
 
 from __future__ import annotations
@@ -112,9 +114,17 @@ def install_sgl_kernel_stub() -> None:
 
 @contextlib.contextmanager
 def sglang_rank(
-    model_path: Path, *, tp: int, ep: int, rank: int, precision: str = "default"
+    model_path: Path,
+    *,
+    tp: int,
+    ep: int,
+    rank: int,
+    precision: str = "default",
+    backend: str = "flashinfer_mxfp4",
 ) -> Iterator[None]:
-    """Publish server args and create the groups, as one scheduler rank does."""
+    """Publish server args and create the groups, as one scheduler rank does. `backend` is
+    `--moe-runner-backend` ("marlin": SGLang's own Hopper route for the unconverted
+    checkpoint)."""
     import torch
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import (
@@ -134,7 +144,7 @@ def sglang_rank(
             model_path=str(model_path),
             tp_size=tp,
             ep_size=ep,
-            moe_runner_backend="flashinfer_mxfp4",
+            moe_runner_backend=backend,
             flashinfer_mxfp4_moe_precision=precision,  # "fp8": SM90 W4A8 (Humming)
             disable_custom_all_reduce=True,  # its kernels live in sgl_kernel
             disable_radix_cache=True,
@@ -210,11 +220,13 @@ def build_layer(
     *,
     intermediate: int | None = None,
     setup: Callable[[Any], None] | None = None,
+    num_experts: int | None = None,
 ) -> Layer:
     """FusedMoE + TopK with KimiK3MoE's arguments (kimi_k3.py, KimiK3MoE.__init__).
 
     `intermediate` builds the layer for one moe-TP rank's N on one GPU (with `setup`
-    setting that rank), as a TP-sharded server would hold it.
+    setting that rank), as a TP-sharded server would hold it. `num_experts` overrides the
+    config's global expert count (a checkpoint that holds only one EP rank's experts).
     """
     import torch
     from sglang.srt.layers.moe.ep_moe.layer import get_moe_impl_class
@@ -223,7 +235,7 @@ def build_layer(
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
 
     quant = Mxfp4Config(is_checkpoint_mxfp4_serialized=True)
-    num_experts = getattr(cfg, "n_routed_experts", None) or cfg.num_experts
+    num_experts = num_experts or getattr(cfg, "n_routed_experts", None) or cfg.num_experts
     with torch.device(DEVICE):
         moe = get_moe_impl_class(quant)(
             num_experts=num_experts,

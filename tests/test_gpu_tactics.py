@@ -117,3 +117,15 @@ def test_the_shipped_w4a16_set_is_the_measured_one() -> None:
     # every case of the study keeps a launcher within 1 % of its best, by its own timings
     for by in times.values():
         assert by[T.best_in(by, shipped, key)] <= min(by.values()) * 1.01
+
+
+def test_forward_ratio_ignores_a_pair_compared_with_itself() -> None:
+    """The autotuner smoke's forward check: when the set's best pair is the full best pair,
+    nothing was compared, and no ratio is reported (timing one pair twice is noise)."""
+    from gpu.tactics import max_forward_ratio
+
+    same = {"tp": 8, "m": 1, "full": [3, 4], "set": [3, 4], "same_pair": True}
+    assert max_forward_ratio([same]) is None
+    other = {"tp": 8, "m": 8, "full": [3, 4], "set": [5, 4], "ratio": 1.07}
+    assert max_forward_ratio([same, other]) == 1.07
+    assert max_forward_ratio([]) is None
