@@ -387,7 +387,12 @@ def test_capacity_refuses_exactly_when_an_even_split_does_not_fit(
 
 
 def test_capacity_reads_shard_sizes_without_total_size_and_the_gpus_where_present(tmp_path):
-    root = _with_index(ckpt(tmp_path), None, {"a.safetensors": 600, "b.safetensors": 500})
+    # no latent MoE in this config: every byte splits over the GPUs
+    root = _with_index(
+        ckpt(tmp_path, routed_expert_hidden_size=None),
+        None,
+        {"a.safetensors": 600, "b.safetensors": 500},
+    )
     assert launch.checkpoint_bytes(root)[0] == 1100
     seen = {}
 
@@ -406,7 +411,7 @@ def test_capacity_reads_shard_sizes_without_total_size_and_the_gpus_where_presen
 
 
 def test_capacity_counts_pipeline_stages_and_shows_nodes(tmp_path):
-    root = _with_index(ckpt(tmp_path), 2000)
+    root = _with_index(ckpt(tmp_path, routed_expert_hidden_size=None), 2000)  # no latent MoE
     extra = ["--pipeline-parallel-size", "2", "--nnodes", "2"]
     plan_serve(root, extra, tp=2, ep=2, gpu_memory=500, python="py")  # 4 GPUs x 500
     with pytest.raises(ServeError) as err:
