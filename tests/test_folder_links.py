@@ -79,7 +79,7 @@ def test_a_folder_and_its_link_are_both_published_and_verify_agrees(tmp_path):
     """End to end: both names in the output; verify --source passes; negative control:
     an output missing one name fails verify --source."""
     src = fl.make_source(tmp_path / "src", layers=2, experts=2, shards=2)
-    (src / "assets").mkdir()
+    (src / "assets").mkdir(exist_ok=True)  # synth ships assets/ as published
     (src / "assets" / "notes.txt").write_text("notes\n")
     (src / "alias").symlink_to("assets", target_is_directory=True)
     out = tmp_path / "out"

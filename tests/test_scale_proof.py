@@ -30,8 +30,12 @@ def scaled_source(tmp_path_factory) -> Path:
     """A small source with, besides its experts' scales, one non-expert U8 scale."""
     root = tmp_path_factory.mktemp("scales") / "src"
     synth_checkpoint(root, SynthSpec(layers=2, experts=2, shards=2))
-    _add_tensor(root, "model-00001-of-00002.safetensors", DENSE_SCALE, "U8", [64], bytes(64))
+    _add_tensor(root, _first_shard(root), DENSE_SCALE, "U8", [64], bytes(64))
     return root
+
+
+def _first_shard(root: Path) -> str:
+    return sorted(p.name for p in root.glob("*.safetensors"))[0]
 
 
 def _scales(src: Path) -> list[tuple[str, str, int]]:
@@ -102,7 +106,7 @@ def test_a_rerun_judges_scales_as_a_fresh_run_does(
     work = tmp_path_factory.mktemp("rerun")
     src = Path(shutil.copytree(scaled_source, work / "src"))
     if nan_in is not None:
-        _plant(src, "model-00001-of-00002.safetensors", nan_in, 5)
+        _plant(src, _first_shard(src), nan_in, 5)
     _verdict(src, work / "out", first_checks)
     rerun = _verdict(src, work / "out", check_scales, rehash)
     fresh = _verdict(src, work / "fresh", check_scales, rehash)

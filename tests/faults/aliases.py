@@ -36,9 +36,9 @@ ALIASES: dict[str, tuple[Callable[[str], bool], Callable[[str], str]]] = {
         lambda n: n.endswith("layers.0.mlp.down_proj.weight"),
         lambda n: n.replace("language_model.model.layers.", "language_model.layers.", 1),
     ),
-    "block_sparse_moe for mlp (an expert)": (
-        lambda n: n.endswith("layers.1.mlp.experts.0.w2.weight_scale"),
-        lambda n: n.replace(".mlp.", ".block_sparse_moe.", 1),
+    "mlp for block_sparse_moe (an expert)": (
+        lambda n: n.endswith("layers.1.block_sparse_moe.experts.0.w2.weight_scale"),
+        lambda n: n.replace(".block_sparse_moe.", ".mlp.", 1),
     ),
     "no language_model. prefix": (
         lambda n: n.endswith("layers.0.self_attn.b_proj.weight"),

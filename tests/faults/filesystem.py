@@ -262,13 +262,13 @@ def _shard_folder_on_other_disk(src: Path, work: Path) -> None:
 
 def _folder_loop(src: Path, work: Path) -> None:
     """A folder holding a link to its own parent: its files would have names without end."""
-    (src / "assets").mkdir()
+    (src / "assets").mkdir(exist_ok=True)  # synth ships assets/ as published
     (src / "assets" / "notes.txt").write_text("notes\n")
     (src / "assets" / "up").symlink_to("..", target_is_directory=True)
 
 
 def _folder_and_alias(src: Path, work: Path) -> None:
-    (src / "assets").mkdir()
+    (src / "assets").mkdir(exist_ok=True)  # synth ships assets/ as published
     (src / "assets" / "notes.txt").write_text("notes\n")
     (src / "alias").symlink_to("assets", target_is_directory=True)
 

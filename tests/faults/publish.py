@@ -214,7 +214,7 @@ def force_hidden_case(template: Path, work: Path) -> list[Case]:
     """--force over an earlier conversion whose folders hold hidden files someone else put
     there: the recorded files go, the hidden ones (and their folders) stay."""
     src = copy_source(template, work / "src")
-    (src / "assets").mkdir()
+    (src / "assets").mkdir(exist_ok=True)  # synth ships assets/ as published
     (src / "assets" / "notes.txt").write_text("a file of the model\n")
     out = work / "out"
     reference_output(src, out)
