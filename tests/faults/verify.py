@@ -19,7 +19,9 @@ from .core import (
     codes,
     copy_source,
     looks_like_crash,
+    read_shard,
     reference_output,
+    tensor_names,
     tree,
 )
 from .headers import HEADER_CASES
@@ -27,8 +29,10 @@ from .source_tree import _index_edit, _write
 
 
 def _output_victim(out: Path) -> str:
-    """The second shard of a converted output: the one the verify faults are planted in."""
-    return sorted(p.name for p in out.glob("model-*.safetensors"))[1]
+    """The shard of a converted output the verify faults are planted in: the first after the
+    first that holds at least two tensors (the header faults edit a second entry)."""
+    names = sorted(p.name for p in out.glob("model-*.safetensors"))
+    return next(n for n in names[1:] if len(tensor_names(read_shard(out / n)[0])) >= 2)
 
 
 def verify_hostile_cases(template: Path, work: Path) -> list[Case]:
