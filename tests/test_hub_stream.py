@@ -343,27 +343,67 @@ def _completed(hub: FakeHub) -> set[str]:
     return {d.file for d in hub.downloads() if d.range is None and d.sent == sizes[d.file]}
 
 
+class _StoredWatch:
+    """Source shards the client stored in the HF cache at some point during a run (its
+    snapshot link appeared). A download the server finished sending may still be dropped by
+    the client when the run stops; only a stored one was "fully downloaded"."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.snapshots = _repo_cache(tmp) / "snapshots"
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.scan()
+            time.sleep(0.002)
+
+    def scan(self) -> None:
+        for shard in SHARDS:
+            if any(os.path.lexists(d / shard) for d in _dirs(self.snapshots)):
+                self.seen.add(shard)
+
+    def __enter__(self) -> _StoredWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.scan()
+
+
+def _dirs(root: Path) -> list[Path]:
+    try:
+        return [p for p in root.iterdir() if p.is_dir()]
+    except OSError:
+        return []
+
+
 def test_failed_download_midway_then_resume_completes_without_refetching(hub, reference, tmp_path):
     out = tmp_path / "out"
     hub.fail_download.add(SHARDS[3])  # HTTP 500 for every download of shard 4
-    r = _convert(
-        hub,
-        tmp_path,
-        out,
-        "--delete-source-shards",
-        "--max-source-window",
-        "3",
-        "--workers",
-        "1",
-        "--json",
-    )
+    with _StoredWatch(tmp_path) as stored:
+        r = _convert(
+            hub,
+            tmp_path,
+            out,
+            "--delete-source-shards",
+            "--max-source-window",
+            "3",
+            "--workers",
+            "1",
+            "--json",
+        )
     assert r.returncode == 1
     [problem] = _problems(r)
     assert (problem["code"], problem["file"]) == ("hub-error", SHARDS[3])
     assert r.json["hint"]  # says how to resume
     assert not (out / "model.safetensors.index.json").exists()
-    first = _completed(hub)
+    first = stored.seen
     assert first and SHARDS[3] not in first
+    assert first <= _completed(hub)  # the watch saw only what the Hub served whole
     hub.log.clear()
     hub.fail_download.clear()
     r = _convert(hub, tmp_path, out, "--delete-source-shards", "--max-source-window", "3", "--json")
