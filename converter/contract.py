@@ -19,6 +19,7 @@ import functools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
+from itertools import repeat
 from typing import Any, NamedTuple
 
 from .errors import Code, Problem, problem
@@ -467,6 +468,11 @@ def expert_name(prefix: str, expert: int, proj: str, suffix: str) -> str:
     return f"{prefix}experts.{expert}.{proj}.{suffix}"
 
 
+def is_expert_name(name: str) -> bool:
+    """Whether `split_expert_name` splits it, without building the parts (~500k names)."""
+    return ".experts." in name or name.startswith("experts.")
+
+
 def split_expert_name(name: str) -> tuple[str, str] | None:
     """(prefix, tail) for a name with an `experts` path component followed by more, else None.
 
@@ -545,7 +551,43 @@ _SERVED_SUFFIXES = ("weight", "weight_scale")
 
 def served_keys(name: str) -> tuple[str, ...]:
     """The model parameter(s) a checkpoint tensor name loads into under SGLang's mapping
-    (a converted w31: its up and gate halves)."""
+    (a converted w31: its up and gate halves).
+
+    A routed expert's name is its layer's head, `.experts.`, and a plain tail: the mapping
+    acts on the two apart, and the real model's ~500k names share a few hundred heads and a
+    few thousand tails, so both are cached (`_served_keys_whole` is the rule itself; a test
+    holds the two equal)."""
+    head, mark, tail = name.partition(".experts.")
+    if mark:
+        mapped_head, tails = _served_head(head), _served_expert_tails(tail)
+        if mapped_head is not None and tails is not None:
+            return tuple(f"{mapped_head}.experts.{t}" for t in tails)
+    return _served_keys_whole(name)
+
+
+# What, in a head or a tail, lets the mapping act across the `.experts.` between them.
+_HEAD_UNSAFE = ("vision_tower", "mm_projector", ".w31.")
+_TAIL_UNSAFE = ("experts.", "block_sparse_moe", "vision_tower", "mm_projector", "language_model")
+
+
+@functools.lru_cache(maxsize=4096)
+def _served_head(head: str) -> str | None:
+    if any(u in head for u in _HEAD_UNSAFE) or head.endswith("language_model"):
+        return None
+    if _SERVED_PREFIX[0].startswith(head + "."):  # the prefix would reach past the head
+        return None
+    (key,) = _served_keys_whole(head)
+    return key
+
+
+@functools.lru_cache(maxsize=65536)
+def _served_expert_tails(tail: str) -> tuple[str, ...] | None:
+    if any(u in tail for u in _TAIL_UNSAFE):
+        return None
+    return _served_tails(tail.replace("weight_packed", "weight"))
+
+
+def _served_keys_whole(name: str) -> tuple[str, ...]:
     key = name
     old, new = _SERVED_SUBSTR
     if old in key:
@@ -575,7 +617,55 @@ def _served_tails(tail: str) -> tuple[str, ...]:
 
 def name_collisions(names: Iterable[str]) -> list[tuple[str, str, str]]:
     """(first name, second name, parameter) for every name that reaches a parameter an
-    earlier name (in sorted order) already reaches: each pair once."""
+    earlier name (in sorted order) already reaches: each pair once.
+
+    Most checkpoints have none: `_may_collide` rules that out from the names' heads and
+    tails (the real model's ~500k names in a fraction of the rule's time); only where it
+    cannot does `_collisions_in_order`, the rule itself, run (a test holds the two equal)."""
+    unique = set(names)
+    return _collisions_in_order(unique) if _may_collide(unique) else []
+
+
+def _may_collide(names: set[str]) -> bool:
+    """False only where no two names reach one parameter; True may be a false alarm.
+
+    A routed expert's parameter is its mapped head, `.experts.`, and a mapped tail. Where
+    the heads present map one-to-one and the tails present reach disjoint parameters, no
+    two experts meet; the few other names are then checked against them key by key. The
+    heads and tails are a few thousand distinct strings, split from the names in C calls."""
+    experts = [n for n in names if ".experts." in n]
+    others = names.difference(experts)
+    if experts:
+        heads, _, tails = zip(*map(str.partition, experts, repeat(".experts.")), strict=True)
+        heads, tails = set(heads), set(tails)
+    else:
+        heads, tails = set(), set()
+    mapped_heads = {_served_head(h) for h in heads}
+    if None in mapped_heads or len(mapped_heads) != len(heads):
+        return True
+    if any(f"{h}.experts.".find(".experts.") != len(h) for h in mapped_heads):
+        return True  # a key that would not split back at its head: the rule decides
+    mapped_tails: set[str] = set()
+    count = 0
+    for tail in tails:
+        keys = _served_expert_tails(tail)
+        if keys is None:
+            return True
+        count += len(keys)
+        mapped_tails.update(keys)
+    if len(mapped_tails) != count:
+        return True
+    seen: set[str] = set()
+    for name in others:
+        for key in served_keys(name):
+            head, mark, tail = key.partition(".experts.")
+            if key in seen or (mark and head in mapped_heads and tail in mapped_tails):
+                return True
+            seen.add(key)
+    return False
+
+
+def _collisions_in_order(names: Iterable[str]) -> list[tuple[str, str, str]]:
     owner: dict[str, str] = {}
     found: list[tuple[str, str, str]] = []
     for name in sorted(names):

@@ -194,13 +194,18 @@ def prepare(opts: ConvertOptions) -> tuple[Source, Manifest, Plan]:
 def gc_paused() -> Iterator[None]:
     """The cyclic GC off for a while, as it was afterwards. A plan of the real model is ~2M
     small objects, none in a cycle: with the GC on, every collection rescans them all (it
-    costs ~40% of planning), and the first one after planning would still pay once."""
+    costs ~40% of planning). Afterwards they would all be young, and the next collection
+    would scan them once more: frozen then unfrozen, they join the oldest generation without
+    a scan (unless the process froze objects itself: unfreezing would thaw its own)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 

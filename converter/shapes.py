@@ -320,7 +320,7 @@ def shape_problems(rule: ShapeRule, tensors: Iterable[tuple[str, str, Shape]]) -
     it: named as the file spells it. Routed experts are the contract's (`expert-shape`)."""
     problems = []
     for file, name, shape in tensors:
-        if contract.split_expert_name(name) is not None:
+        if contract.is_expert_name(name):
             continue
         judged = rule.judge(name)
         if judged is not None and tuple(shape) not in judged[1]:

@@ -12,7 +12,7 @@ expected one needs no per-expert bookkeeping.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -20,7 +20,7 @@ from . import contract
 from .console import id_ranges
 from .errors import Code, Problem, problem
 from .manifest import Dims, Expectation, ExpertSpec, Manifest, expect
-from .safetensors_format import TensorInfo
+from .safetensors_format import ShardHeader, TensorInfo
 from .shapes import LAYER_PREFIX, PREFIX_ALIAS, SUBSTRING_ALIAS, shape_problems
 from .source import Source
 
@@ -85,7 +85,7 @@ def validate_source(source: Source, manifest: Manifest) -> tuple[ExpertTable, li
     table, tensor_problems = check_expert_tensors(expected, source_tensors(source))
     tensor_problems += check_inventory(expected, source_tensors(source))
     tensor_problems += check_shapes(expected, source_tensors(source))
-    tensor_problems += check_name_collisions(source_tensors(source))
+    tensor_problems += check_name_collisions(source.headers)
     return table, problems + tensor_problems
 
 
@@ -96,11 +96,15 @@ def check_shapes(expected: Expectation, tensors: Iterable[tuple[str, TensorInfo]
     return shape_problems(expected.shapes, ((f, i.name, i.shape) for f, i in tensors))
 
 
-def check_name_collisions(tensors: Iterable[tuple[str, TensorInfo]]) -> list[Problem]:
+def check_name_collisions(headers: Mapping[str, ShardHeader]) -> list[Problem]:
     """No two names that SGLang's name mapping folds into one model parameter: the one it
     loads last would win, and re-sharding changes which one that is."""
-    files = {info.name: file for file, info in tensors}
-    return contract.collision_problems(files, files.get)
+    names = set().union(*(h.tensors for h in headers.values()))
+
+    def file_of(name: str) -> str | None:  # asked only of a collision's names
+        return next((f for f, h in headers.items() if name in h.tensors), None)
+
+    return contract.collision_problems(names, file_of)
 
 
 class _Verdict(NamedTuple):
@@ -295,10 +299,10 @@ def check_inventory(
         return []
     required = expected.required
     found: dict[str, tuple[str, TensorInfo]] = {}
-    spelling = _Spelling()
+    names: list[str] = []  # for the spelling of missing names, worked out only if any are
     for file, info in tensors:
         name = info.name
-        spelling.see(name)
+        names.append(name)
         if ".experts." in name:  # routed experts are the contract's, checked elsewhere
             continue
         for spelled, canonical in inventory.aliases:
@@ -307,9 +311,12 @@ def check_inventory(
             found[name] = (file, info)
     problems = []
     missing: dict[str, list[int]] = {}
+    spelling: _Spelling | None = None
     for name, place in required.items():
         hit = found.get(name)
         if hit is None:
+            if spelling is None:
+                spelling = _Spelling.of(names)
             pattern, index = _pattern(spelling.respell(name))
             missing.setdefault(pattern, []).append(index)
         elif hit[1].dtype not in inventory.dtypes:
@@ -342,6 +349,13 @@ class _Spelling:
     def __init__(self) -> None:
         self.short: dict[str, bool] = {}  # layer index -> spelled `language_model.layers.`
         self.moe: dict[str, bool] = {}  # layer index -> its FFN spelled `block_sparse_moe`
+
+    @classmethod
+    def of(cls, names: Iterable[str]) -> _Spelling:
+        spelling = cls()
+        for name in names:
+            spelling.see(name)
+        return spelling
 
     def see(self, name: str) -> None:
         short = name.startswith(PREFIX_ALIAS[0])
