@@ -32,29 +32,13 @@ export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1  # sgl_kernel 0.4.6: the one torch
 export PYTHONPATH=$SITE:$PKG:$REPO${PYTHONPATH:+:$PYTHONPATH}
 kimi_convert() { python3 -m kimi_w31 "$@"; }
 
+# shellcheck source=gpu/stack.sh
+. "$(dirname "$0")/stack.sh"
+
 setup() {
-    mkdir -p "$SITE" "$OUTD"
-    local want
-    want=$(ls -l .whl .fi .fi/prebuilt | md5sum | cut -c1-16)  # reinstall when inputs change
-    if [ "$(cat "$SITE/.installed" 2>/dev/null)" != "$want" ]; then
-        rm -rf "$SITE" && mkdir -p "$SITE" || return 1
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$SITE" .whl/*.whl .fi/apache_tvm_ffi-*cp312*.whl || return 1
-        tar -xJf .whl/sglang-0.5.23-trim.tar.xz -C "$SITE" || return 1
-        tar -xJf .whl/sgl_kernel-0.4.6-slim.tar.xz -C "$SITE" || return 1
-        tar -xJf .fi/flashinfer-0.7.2.post1-sm90moe.tar.xz -C "$SITE" || return 1
-        xz -dc .fi/prebuilt/fused_moe_90_kimi_w31_w4a8_humming.so.xz > "$WORK/w4a8.so" || return 1
-        echo "$want" > "$SITE/.installed"
-    fi
-    # The installed layout of pyproject.toml, with the plugin's entry point (as
-    # gpu/sglang_h200.sh lays it out), so SGLang's load_plugins() finds it.
-    rm -rf "$PKG" "$REPO" && mkdir -p "$PKG/kimi_w31-0.1.0.dist-info" "$REPO" || return 1
-    cp -r kimi_w31 "$PKG"/ && cp -r gpu "$REPO"/ || return 1
-    for d in converter adapter manifests; do cp -r "$d" "$PKG/kimi_w31/$d" || return 1; done
-    printf 'Metadata-Version: 2.1\nName: kimi-w31\nVersion: 0.1.0\n' \
-        > "$PKG/kimi_w31-0.1.0.dist-info/METADATA"
-    printf '[sglang.srt.plugins]\nkimi_w31 = kimi_w31.adapter.sglang.plugin:register\n' \
-        > "$PKG/kimi_w31-0.1.0.dist-info/entry_points.txt"
+    install_stack || return 1
+    xz -dc .fi/prebuilt/fused_moe_90_kimi_w31_w4a8_humming.so.xz > "$WORK/w4a8.so" || return 1
+    lay_out_project
 }
 
 # Each layout's rank as a checkpoint of its own experts: EP16 rank 0 holds 56 experts at
