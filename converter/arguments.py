@@ -61,7 +61,9 @@ def _too_long_to_make(path: Path, argument: str) -> tuple[Problem, str] | None:
     """A path not there whose names or length its filesystem could never hold: lookup
     stops at the first missing folder, so the names after it are measured here."""
     name_max, path_max = _limits(fsio.nearest_existing(path))
-    absolute = os.path.abspath(path)
+    # Not `abspath`: it drops "name/.." lexically, while the OS (or `mkdir -p`) meets the
+    # name on the way.
+    absolute = os.path.join(os.getcwd(), path)
     longest = max((len(os.fsencode(p)) for p in Path(absolute).parts), default=0)
     if longest > name_max or len(os.fsencode(absolute)) >= path_max:
         return _problem(path, argument, errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))

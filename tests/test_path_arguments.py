@@ -145,3 +145,10 @@ def test_the_fault_table_rows_are_clean(tmp_path):
     rows = fl.argument_cases(fl.make_source(tmp_path / "template"), tmp_path / "work")
     assert len(rows) >= 4 * 9
     assert not fl.bad_rows(rows, {fl.CLEAN}), fl.bad_rows(rows, {fl.CLEAN})
+
+
+def test_a_name_too_long_before_dotdot_is_still_refused(tmp_path):
+    """`name/..` is not collapsed away: creating the path meets the name first."""
+    found = path_problem(tmp_path / "missing" / ("x" * 256) / "..", "OUT_DIR")
+    assert found is not None and found.code is Code.PATH_UNUSABLE
+    assert path_problem(tmp_path / "missing" / ("x" * 20) / "..", "OUT_DIR") is None
