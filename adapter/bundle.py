@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..converter.errors import Code, Problem, problem
+from ..converter.hashing import sha256_file  # noqa: F401  (the bundle's name for it)
 
 FORMAT = "kimi-w31-kernels/2"  # 2: platform tags (CPU, C library, Python ABI), recipe keys
 MANIFEST = "manifest.json"
@@ -472,14 +473,6 @@ def open_library(folder: int, root: Path, module: Module) -> Library:
             ]
         )
     return Library(where, fd, digest)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 SourceHash = str | Callable[[], str] | None

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..converter.errors import plural
+from ..converter.text import id_ranges
 
 # Loader projections: w1 gate, w3 up (both halves of a converted w31), w2 down.
 PROJECTIONS = ("w1", "w3", "w2")
@@ -27,22 +28,6 @@ def kind_of(weight_name: str) -> str | None:
     if weight_name.endswith(("weight", "weight_packed")):
         return PACKED
     return None
-
-
-def id_ranges(ids: Iterable[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
-    out: list[str] = []
-    run: list[int] = []
-    for i in sorted(set(ids)):
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [i]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ", ".join(out)
 
 
 @dataclass
@@ -93,7 +78,7 @@ def missing_parts(ledger: ExpertLedger, converted: bool) -> dict[str, list[int]]
 def describe_missing(ledger: ExpertLedger, converted: bool) -> list[str]:
     """One line per missing checkpoint part: 'w31.weight_packed: experts 0-3, 9'."""
     return [
-        f"{part}: expert{'s' if len(ids) > 1 else ''} {id_ranges(ids)}"
+        f"{part}: expert{'s' if len(ids) > 1 else ''} {id_ranges(ids, limit=None)}"
         for part, ids in missing_parts(ledger, converted).items()
     ]
 
@@ -109,7 +94,7 @@ def incomplete_report(
         return None
     text = [f"{plural(len(bad), 'MoE layer')} did not receive every part of every local expert:"]
     for lg, lines in bad[:max_layers]:
-        local = id_ranges(lg.global_ids)
+        local = id_ranges(lg.global_ids, limit=None)
         text.append(f"  {lg.where} (local experts {local}):")
         text.extend(f"    {line}" for line in lines)
     if len(bad) > max_layers:

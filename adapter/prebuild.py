@@ -10,7 +10,7 @@ first MoE call of every cold server rank compiles one. `prebuild` compiles them 
   stack they are bound to) that serving nodes load through `KIMI_W31_KERNELS` with no
   compiler and no build.
 
-    from kimi_w31.adapter.prebuild import prebuild
+    from .prebuild import prebuild
     result = prebuild(lambda p: print(f"{p.module} {p.done}/{p.total}"), arch="sm90", out=d)
 
 Importing this module needs neither torch nor FlashInfer; calling `prebuild` needs both
@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from ..converter.hashing import sha256_file
 
 Arch = Literal["sm90", "sm120"]
 Stage = Literal["cached", "compile", "done"]
@@ -253,7 +255,6 @@ PUBLISH_WAIT_S = 300.0
 def _stage_library(source: Path, stage: Path, file: str) -> tuple[str, int]:
     """Copy a built library into the private staging folder (mode 0644: the bundle's rules),
     flushed to disk; (sha256, size) of the copy, read back from it."""
-    import hashlib
 
     dest = stage / file
     with source.open("rb") as src, open(dest, "xb") as dst:
@@ -261,11 +262,7 @@ def _stage_library(source: Path, stage: Path, file: str) -> tuple[str, int]:
         dst.flush()
         os.fchmod(dst.fileno(), 0o644)
         os.fsync(dst.fileno())
-    h = hashlib.sha256()
-    with dest.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest(), dest.stat().st_size
+    return sha256_file(dest), dest.stat().st_size
 
 
 @contextmanager
@@ -275,7 +272,7 @@ def publish_lock(out: Path, wait_s: float = PUBLISH_WAIT_S, poll_s: float = 0.05
     the project's dependencies, and that lock already handles a dead holder, a link or FIFO
     planted in its place, and NFS (O_EXCL plus flock)."""
     from ..converter.errors import Code, problem
-    from ..converter.lock import OutputLock
+    from ..converter.output.lock import OutputLock
     from . import bundle as B
 
     lock = OutputLock(out / PUBLISH_LOCK)

@@ -694,7 +694,6 @@ def collision_problems(names: Iterable[str], file_of: Callable[[str], str | None
 # num_hidden_layers on are never built: `load_weights` skips their tensors. The
 # num_nextn_predict_layers layers declared there (MTP) are stored but not served; their
 # experts, where a checkpoint has them, are converted like any MoE layer's.
-MOE_RULE_DEFAULTS = {"first_k_dense_replace": 0, "moe_layer_freq": 1}
 # Fields the rule reads, with the least value each may take.
 MOE_RULE_FIELDS = {
     "num_hidden_layers": 1,

@@ -21,8 +21,8 @@ from pathlib import Path
 from .. import __version__
 from . import faults, fsio
 from .errors import Code, Fatal, Problem, fatal
-from .estimate import Estimate, estimate
 from .execute import Executor
+from .execute.estimate import Estimate, estimate
 from .execute.local import LocalExecutor
 from .execute.shard import (
     Outcome,
@@ -33,12 +33,12 @@ from .execute.shard import (
     SourceFiles,
     why_not_kept,
 )
-from .final import final_files
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
-from .outdir import OutputDir
+from .output.directory import OutputDir
+from .output.final import final_files
+from .output.records import FinalFiles, Mode, ShardRecord, space_refusal
+from .output.session import Session
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
-from .records import FinalFiles, Mode, ShardRecord, space_refusal
-from .session import Session
 from .source import Origin, Source, read_source, source_id
 from .source.local import LocalOrigin
 from .validate import validate_source

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from . import contract
-from .console import id_ranges
 from .errors import Code, Problem, problem
 from .manifest import Dims, Expectation, ExpertSpec, Manifest, expect
 from .safetensors_format import ShardHeader, TensorInfo
 from .shapes import LAYER_PREFIX, PREFIX_ALIAS, SUBSTRING_ALIAS, shape_problems
 from .source import Source
+from .text import id_ranges
 
 
 class Fusion(NamedTuple):

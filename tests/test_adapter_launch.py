@@ -224,7 +224,8 @@ def test_importing_the_converter_and_launch_never_imports_sglang():
     import sys
 
     code = (
-        "import sys, kimi_w31.converter, kimi_w31.converter.cli, kimi_w31.adapter.sglang.launch, "
+        "import sys, kimi_w31.converter, kimi_w31.converter.cli.convert, "
+        "kimi_w31.adapter.sglang.launch, "
         "kimi_w31.adapter.sglang.plugin, kimi_w31.adapter.sglang.hooks; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('sglang', 'flashinfer')]; "
         "assert not bad, bad"

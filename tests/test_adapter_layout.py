@@ -138,10 +138,8 @@ def test_a_converted_synthetic_checkpoint_passes_the_adapters_checks(converted: 
     config = json.loads((converted / "config.json").read_text())
     assert load_layout(config) == W31Layout(1, 4.0, 25.0, 32)
     assert unwrap_quantization_config(copy.deepcopy(config)) == 1
-    _, is_converted = launch.check_checkpoint(
-        converted, unconverted=False, tp=1, ep=1, backend="marlin"
-    )
-    assert is_converted
+    plan = launch.plan_serve(converted, tp=1, ep=1, backend="marlin", gpu_memory=141 * 10**9)
+    assert "--model-path" in plan.argv and str(converted) in plan.argv
 
 
 def test_the_plugin_refuses_a_wrapper_without_a_block():

@@ -383,7 +383,7 @@ def test_two_precisions_at_once_both_land_in_the_manifest(tmp_path) -> None:
 
 def test_a_publish_waits_for_the_lock_then_refuses(tmp_path) -> None:
     from kimi_w31.converter.errors import Code
-    from kimi_w31.converter.lock import OutputLock
+    from kimi_w31.converter.output.lock import OutputLock
 
     out = tmp_path / "kernels"
     out.mkdir()

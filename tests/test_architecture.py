@@ -148,7 +148,7 @@ def test_imports_inside_a_package_are_relative():
 def test_the_graph_is_read_at_all():
     # A parser that saw nothing would pass the tests above: it must see known edges.
     assert "kimi_w31.converter.contract" in GRAPH["kimi_w31.adapter.layout"]
-    assert "kimi_w31.converter.outdir" in GRAPH["kimi_w31.converter.execute.shard"]
+    assert "kimi_w31.converter.output.directory" in GRAPH["kimi_w31.converter.execute.shard"]
     # ...and the engine rule must see an engine's imports where they are.
     assert "kimi_w31.adapter.flashinfer_moe" in GRAPH["kimi_w31.adapter.sglang.moe_method"]
     sglang_bound = MODULES["kimi_w31.adapter.sglang.moe_method"]

@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kimi_w31.converter import contract, reference
-from kimi_w31.converter.cli import convert_cmd, synth
+from kimi_w31.converter.cli.convert import convert_cmd, synth
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.hashing import TENSOR_HASH
 from kimi_w31.converter.manifest import load_manifest
-from kimi_w31.converter.outdir import CHECKSUMS_FORMAT
+from kimi_w31.converter.output.directory import CHECKSUMS_FORMAT
 from kimi_w31.converter.pipeline import ConvertOptions, convert
 from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, cli_spec, synth_checkpoint
 from safetensors import safe_open
@@ -775,7 +775,7 @@ def test_decode_vectors_are_the_spec_decoded_by_hand():
 
 
 def test_decode_vectors_are_the_code_s_known_answers():
-    from kimi_w31.converter import known_answers
+    from kimi_w31.converter.reference import known_answers
 
     vectors = example_json("decode-vectors")
     assert len(vectors) == len(known_answers.DECODE)
@@ -852,7 +852,7 @@ def test_expert_vector_catches_a_wrong_reading(variant):
 
 
 def test_expert_vector_is_the_code_s_known_answer():
-    from kimi_w31.converter import known_answers
+    from kimi_w31.converter.reference import known_answers
 
     doc, code = example_json("expert-vector"), known_answers.EXPERT
     assert set(doc) == set(code)

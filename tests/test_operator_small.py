@@ -58,6 +58,6 @@ def test_synth_that_cannot_write_gets_a_coded_error(tmp_path, monkeypatch, err, 
     got = run_cli(["synth", tmp_path / "x"], inprocess=True)
     assert got.returncode == 1 and got.exception is None
     assert "KIMI_W31_DEBUG" not in got.stderr  # not the catch-all for bugs
-    from kimi_w31.converter.cli import _os_refusal
+    from kimi_w31.converter.cli.synth import _os_refusal
 
     assert _os_refusal(OSError(err, "x", "f"), tmp_path).codes == [code]

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from kimi_w31.converter import fsio
 from kimi_w31.converter.contract import not_part_of_checkpoint
 from kimi_w31.converter.errors import Code, Fatal
-from kimi_w31.converter.lock import OutputLock
-from kimi_w31.converter.outdir import STATE_DIR, OutputDir
-from kimi_w31.converter.records import Mode, SourceId
+from kimi_w31.converter.output.directory import STATE_DIR, OutputDir
+from kimi_w31.converter.output.lock import OutputLock
+from kimi_w31.converter.output.records import Mode, SourceId
 
 FP = "f" * 64
 SRC = SourceId("src", "/somewhere/src")
@@ -257,7 +257,7 @@ def test_the_survey_does_not_fail_where_the_lock_cannot_be_looked_at(tmp_path, m
     free=st.integers(0, 4 * 10**12),
 )
 def test_the_space_refusal_counts_only_the_shards_not_finished(tmp_path_factory, sizes, done, free):
-    from kimi_w31.converter.records import Ledger, ShardRecord
+    from kimi_w31.converter.output.records import Ledger, ShardRecord
 
     out = OutputDir(tmp_path_factory.mktemp("out"))
     names = {f"s{i}": n for i, n in enumerate(sizes)}

@@ -12,11 +12,11 @@ from cli_helpers import run_cli
 from hub_server import FakeHub
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kimi_w31.converter import console
-from kimi_w31.converter.cli import ProgressReporter
+from kimi_w31.converter.cli import console
+from kimi_w31.converter.cli.convert import ProgressReporter
 from kimi_w31.converter.errors import EXIT_CODES, Code
 from kimi_w31.converter.execute.shard import Outcome, ShardOutcome
-from kimi_w31.converter.records import ShardRecord
+from kimi_w31.converter.output.records import ShardRecord
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 LINE = re.compile(

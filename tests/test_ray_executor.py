@@ -12,7 +12,7 @@ import os
 
 import pytest
 from cli_helpers import run_cli
-from kimi_w31.converter.outdir import OutputDir
+from kimi_w31.converter.output.directory import OutputDir
 
 # Ray binds to the machine's address unless told that this is a one-node, loopback setup.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -247,14 +247,14 @@ WRONG_DECODERS = {
 
 
 def test_the_reference_passes_its_self_test() -> None:
-    from kimi_w31.converter import known_answers
+    from kimi_w31.converter.reference import known_answers
 
     assert known_answers.self_test() == []
 
 
 @pytest.mark.parametrize("wrong", sorted(WRONG_DECODERS))
 def test_a_wrong_decoder_fails_the_self_test(monkeypatch, wrong) -> None:
-    from kimi_w31.converter import known_answers
+    from kimi_w31.converter.reference import known_answers
 
     monkeypatch.setattr(ref, *WRONG_DECODERS[wrong])
     assert known_answers.self_test(), wrong

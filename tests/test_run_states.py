@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import ENTRY, json_problems, run_cli, start_cli
 from kimi_w31.converter.errors import EXIT_CODES, Code
-from kimi_w31.converter.outdir import STATE_DIR, OutputDir
+from kimi_w31.converter.output.directory import STATE_DIR, OutputDir
 
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000", "--workers", "1"]
 INDEX = "model.safetensors.index.json"
@@ -160,7 +160,7 @@ def test_an_unreadable_source_file_is_named(source_copy, tmp_path, make, code):
 def test_another_os_error_names_the_file_and_keeps_its_promise(tmp_path):
     import errno
 
-    from kimi_w31.converter.outdir import OutputDir
+    from kimi_w31.converter.output.directory import OutputDir
 
     out = OutputDir(tmp_path / "out")
     out.claim("f" * 64, force=False)

@@ -20,7 +20,7 @@ from kimi_w31.adapter.sglang.launch import ServeError, ServePlan, plan_serve, se
 from kimi_w31.adapter.sglang.smoke import SmokeError, smoke
 from kimi_w31.converter import contract
 from kimi_w31.converter.errors import Code
-from kimi_w31.converter.outdir import STATE_DIR
+from kimi_w31.converter.output.directory import STATE_DIR
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 EXPERTS = 896

@@ -9,8 +9,8 @@ import pytest
 from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter import console
-from kimi_w31.converter.estimate import estimate
+from kimi_w31.converter.cli import console
+from kimi_w31.converter.execute.estimate import estimate
 
 ANY = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000"]
 

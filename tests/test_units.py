@@ -366,7 +366,7 @@ def test_importing_the_converter_never_imports_sglang_flashinfer_torch_or_the_ad
     import sys
 
     code = (
-        "import sys, kimi_w31.converter.cli, kimi_w31.converter.pipeline, "
+        "import sys, kimi_w31.converter.cli.convert, kimi_w31.converter.pipeline, "
         "kimi_w31.converter.audit\n"
         "print(sorted({m for m in sys.modules if m.split('.')[0] in ('sglang', 'flashinfer', "
         "'torch') or m.startswith('kimi_w31.adapter')}))"

@@ -15,10 +15,10 @@ import shutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kimi_w31.converter import records, verified
 from kimi_w31.converter.audit import verify
 from kimi_w31.converter.errors import Code
-from kimi_w31.converter.outdir import STATE_DIR
+from kimi_w31.converter.output import records, verified
+from kimi_w31.converter.output.directory import STATE_DIR
 from kimi_w31.converter.pipeline import ConvertOptions, convert
 
 

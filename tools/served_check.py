@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 from kimi_w31.adapter.served import structure_refusal, verified_refusal  # noqa: E402
-from kimi_w31.converter import verified  # noqa: E402
+from kimi_w31.converter.output import verified  # noqa: E402
 from replica import write_converted_replica, write_source_replica  # noqa: E402
 
 

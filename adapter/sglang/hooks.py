@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ...converter import verified
 from ...converter.errors import Code
+from ...converter.output import verified
 from .. import flashinfer_moe as fm
 from ..completeness import PROJECTIONS, ExpertLedger, incomplete_report, kind_of, missing_parts
 from ..layout import (

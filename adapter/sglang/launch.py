@@ -23,10 +23,10 @@ from typing import Any
 import click
 
 from ...converter import contract
-from ...converter.arguments import PathArg
-from ...converter.console import guard_paths, human, parse_size, progress_option
+from ...converter.cli.arguments import PathArg
+from ...converter.cli.console import guard_paths, human, parse_size, progress_option
 from ...converter.errors import EXIT_PROBLEMS, EXIT_USAGE, Code, plural
-from ...converter.outdir import STATE_DIR
+from ...converter.output.directory import STATE_DIR
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
 
@@ -321,19 +321,6 @@ def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str, moe_dp: int = 1) 
             "(Kimi-K3: tp/ep in 1, 2, 3, 4, 6, 8, 12, 24), or --backend marlin.",
             "moe-tp-alignment",
         )
-
-
-def check_checkpoint(
-    root: Path, *, unconverted: bool, tp: int, ep: int, backend: str = BACKEND
-) -> tuple[dict, bool]:
-    """(config, converted?) after the config-level and MoE-TP checks; raises ServeError."""
-    cfg, converted = read_config(root)
-    _require_converted_or_opt_in(root, cfg, converted=converted, unconverted=unconverted)
-    check_config(root, cfg, converted=converted)
-    moe_tp_size(tp, ep)
-    check_expert_split(cfg, ep=ep)
-    check_moe_tp(cfg, tp=tp, ep=ep, backend=backend)
-    return cfg, converted
 
 
 def _require_converted_or_opt_in(root: Path, cfg: dict, *, converted: bool, unconverted: bool):
@@ -889,7 +876,7 @@ def run_prebuild(
     plan_only: bool = False,
 ) -> None:
     """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
-    from ...converter import console
+    from ...converter.cli import console
     from ..bundle import BundleError
     from ..prebuild import PrebuildError, prebuild, require_torch
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import verified
 from ..errors import Code, fatal
 from ..manifest import Manifest, load_manifest
+from ..output import verified
 from .against_source import check_against_source, locate_source
 from .checksums import check_checksums
 from .report import Check, VerifyReport

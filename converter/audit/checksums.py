@@ -19,10 +19,11 @@ import threading
 from dataclasses import dataclass
 
 from .. import contract
-from ..console import Progress, human
+from ..cli.console import Progress
 from ..errors import Code, Problem, problem
 from ..hashing import CHUNK_SIZE, Crc32, ScaleScan, ShortRead, hash_ranges, shard_header_sha256
 from ..safetensors_format import ShardHeader, library_problem
+from ..text import human
 from .files import is_regular, load_checksums
 from .report import VerifyReport
 from .streams import open_regular, run_jobs, sha256_of

@@ -17,9 +17,9 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from .. import console
-from ..arguments import PathArg
-from ..console import err, out, run_guarded
+from ..cli import console
+from ..cli.arguments import PathArg
+from ..cli.console import err, out, run_guarded
 from ..errors import Code, fatal, plural
 from . import verify as run_verify
 from .report import VerifyReport

@@ -21,10 +21,10 @@ from itertools import chain, compress, groupby, repeat
 from operator import add, eq, ge, getitem, itemgetter, or_
 
 from .. import contract
-from ..console import id_ranges
 from ..errors import Code, Problem, problem
 from ..manifest import Dims, Manifest
 from ..safetensors_format import ShardHeader, TensorInfo
+from ..text import id_ranges
 
 # The tensors of one converted expert, as "proj.suffix" (the manifest's keys).
 ROLES = tuple(f"{p}.{s}" for p in (contract.FUSED, contract.DOWN) for s in contract.SUFFIXES)

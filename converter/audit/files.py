@@ -17,7 +17,7 @@ from .. import contract, fsio
 from ..contract import CHECKSUMS_NAME
 from ..errors import Code, Problem, problem
 from ..hashing import TENSOR_HASH
-from ..outdir import CHECKSUMS_FORMAT
+from ..output.directory import CHECKSUMS_FORMAT
 
 
 def list_files(root: Path) -> tuple[list[str], list[Problem], list[str]]:

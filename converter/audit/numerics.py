@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import contract, known_answers
+from .. import contract
 from .. import reference as ref
-from ..console import Progress
+from ..cli.console import Progress
 from ..errors import Code, Problem, problem
+from ..reference import known_answers
 from ..source import Source
 from .report import VerifyReport
 from .structure import Output

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import contract
-from ..console import Progress
+from ..cli.console import Progress
 from ..errors import Code, Problem, problem
 from ..hashing import CHUNK_SIZE, ShortRead
 from ..safetensors_format import ShardHeader, TensorInfo

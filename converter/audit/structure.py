@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import contract
 from ..errors import Code, Fatal, Problem, problem
 from ..manifest import Dims, Manifest, load_manifest, resolve_dims
-from ..outdir import STATE_DIR
+from ..output.directory import STATE_DIR
 from ..safetensors_format import ShardHeader
 from ..shapes import shape_problems, shape_rule
 from ..source import (

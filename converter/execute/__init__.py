@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from ..estimate import Estimate
+from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard, Plan
-from ..records import Ledger, PartialDownloads
 from ..source import SourceReader
+from .estimate import Estimate
 from .shard import ShardContext, ShardOutcome, SourceFiles
 
 OnDone = Callable[[ShardOutcome], None]

@@ -29,11 +29,11 @@ from pathlib import Path
 
 from .. import fsio
 from ..errors import Code, Size, fatal, human_size
-from ..estimate import Estimate
+from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard, Plan
-from ..records import Ledger, PartialDownloads
 from ..source import SourceReader
 from . import DownloadProgress, Executor, OnDone
+from .estimate import Estimate
 from .remote import Remote, StreamedSources
 from .shard import Outcome, ShardContext, ShardOutcome, why_not_kept
 from .stream import DiskEstimate, Stream, Tally, Window, estimate, fewest_slots
@@ -73,7 +73,7 @@ class HubExecutor(Executor):
 
     # -- what the CLI shows: the dry run's rows, the --json block --------------------------
     def plan_rows(self, plan: Plan) -> list[tuple[str, str]]:
-        from ..console import human
+        from ..text import human
 
         sources = self._sources
         if sources is None:  # told no source: nothing to say (the protocol's default)

@@ -11,8 +11,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ..hashing import Interrupted
+from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard
-from ..records import Ledger, PartialDownloads
 from . import Executor, OnDone
 from .shard import ShardContext, ShardOutcome, commit, settle
 

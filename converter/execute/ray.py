@@ -22,8 +22,8 @@ from pathlib import Path
 
 from ..errors import Code, Fatal, fatal
 from ..hashing import Interrupted
+from ..output.records import Ledger, ShardRecord
 from ..plan import OutputShard
-from ..records import Ledger, ShardRecord
 from . import Executor, OnDone
 from .shard import (
     Outcome,
@@ -58,7 +58,7 @@ def shard_task(
     version: str,
 ) -> dict:
     """Runs on a Ray worker: settle one shard. Returns plain data, never raises."""
-    from kimi_w31 import __version__
+    from ... import __version__
 
     try:
         if version != __version__:  # the plan fingerprint is only valid for one tool version
@@ -129,7 +129,7 @@ class RayExecutor(Executor):
         """Submit every shard; record results as they come. Ray places one task per free CPU
         across the cluster (`--workers` does not apply)."""
         ray = import_ray()
-        from kimi_w31 import __version__
+        from ... import __version__
 
         started_here = not ray.is_initialized()
         if started_here:

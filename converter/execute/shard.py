@@ -31,9 +31,9 @@ from ..hashing import (
     sha256_bytes,
     source_header_sha256,
 )
-from ..outdir import SPACE_ERRNOS
+from ..output.directory import SPACE_ERRNOS
+from ..output.records import Ledger, ShardRecord
 from ..plan import OutputShard, OutputTensor, Piece
-from ..records import Ledger, ShardRecord
 from ..source.hub_cache import content_id
 from .streaming import RangeHasher, copy_range, write_all
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ..hashing import Interrupted
+from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard
-from ..records import Ledger, PartialDownloads
 from . import DownloadProgress, OnDone
 from .remote import Partials, StreamedSources
 from .shard import Outcome, ShardContext, ShardOutcome, commit, write

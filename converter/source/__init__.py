@@ -25,7 +25,7 @@ from typing import Protocol
 from .. import fsio
 from ..contract import CONFIG_NAME, INDEX_NAME
 from ..errors import Code, Fatal, Problem, fatal, problem
-from ..records import SourceId
+from ..output.records import SourceId
 from ..safetensors_format import ShardHeader
 from .hub_cache import snapshot_of
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 from cli_helpers import json_problems, run_cli
-from kimi_w31.converter.arguments import PathArg
+from kimi_w31.converter.cli.arguments import PathArg
 from kimi_w31.converter.errors import EXIT_USAGE, Code
 
 from .core import CLEAN, CRASH, WRONG, Case, looks_like_crash

@@ -121,7 +121,7 @@ def lock_race_cases(template: Path, work: Path) -> list[Case]:
     import socket
 
     from kimi_w31.converter.errors import Fatal
-    from kimi_w31.converter.lock import OutputLock
+    from kimi_w31.converter.output.lock import OutputLock
 
     rows = []
     work.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from cli_helpers import run_cli
-from kimi_w31.converter.outdir import OutputDir
+from kimi_w31.converter.output.directory import OutputDir
 from kimi_w31.converter.pipeline import ConvertOptions, prepare
 
 from .core import (

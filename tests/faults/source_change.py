@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cli_helpers import json_problems, run_cli, start_cli
 from kimi_w31.converter.errors import Code
-from kimi_w31.converter.outdir import OutputDir
+from kimi_w31.converter.output.directory import OutputDir
 
 from .core import (
     CLEAN,

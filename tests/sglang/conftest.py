@@ -35,7 +35,7 @@ def _unverified_checkpoints_load(monkeypatch) -> None:
     """The synthetic checkpoints here are never run through `verify`: the load-time check
     against its record is opted out of, as an operator would, except where a test of that
     check removes the opt-out (test_served_checks.py)."""
-    from kimi_w31.converter.verified import SKIP_ENV
+    from kimi_w31.converter.output.verified import SKIP_ENV
 
     monkeypatch.setenv(SKIP_ENV, "1")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 
-from .. import __version__
-from . import contract
-from .hashing import sha256_bytes, sha256_identified
-from .manifest import Manifest
-from .plan import Plan
+from ... import __version__
+from .. import contract
+from ..hashing import sha256_bytes, sha256_identified
+from ..manifest import Manifest
+from ..plan import Plan
+from ..source import Source
 from .records import FinalFile, FinalFiles
-from .source import Source
 
 
 def final_files(

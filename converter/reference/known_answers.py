@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import reference as ref
+from .. import reference as ref
 
 # The spec's relative tolerance for the expert output (rounding of transcendental functions
 # and of summation order; the decoded weights and the first GEMM are exact).

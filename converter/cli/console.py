@@ -17,15 +17,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.markup import escape
 
-from .arguments import resolve_params
-from .errors import (
+from ..errors import (
     EXIT_BUG,
     EXIT_CODES,
     EXIT_INTERRUPTED,
@@ -34,10 +33,11 @@ from .errors import (
     Fatal,
     Problem,
     count_codes,
-    human_size,
     plural,
     root_problems,
 )
+from ..text import duration, human, id_ranges  # noqa: F401  (the CLI's names for them)
+from .arguments import resolve_params
 
 err = Console(stderr=True, soft_wrap=True, highlight=False)  # no hard wraps: greppable
 out = Console(soft_wrap=True, highlight=False)
@@ -72,25 +72,6 @@ def parse_size(text: str) -> int:
     return value
 
 
-human = human_size  # the one rule for sizes people read (errors.py: messages use it too)
-
-
-def id_ranges(ids: Iterable[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5" (the first ten runs)."""
-    ids = sorted(ids)
-    if not ids:
-        return "(none)"
-    runs, start, prev = [], ids[0], ids[0]
-    for i in [*ids[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ", ".join(runs[:10]) + (" ..." if len(runs) > 10 else "")
-
-
 def progress_option(fn: Callable) -> Callable:
     """The `--progress` option every long-running command takes."""
     return click.option(
@@ -103,12 +84,6 @@ def progress_option(fn: Callable) -> Callable:
         "bar on a terminal, lines otherwise, none with --json when stderr is stdout's file. "
         "Always on stderr: --json on stdout stays clean.",
     )(fn)
-
-
-def duration(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rest = divmod(seconds, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
 def problems_json(problems: list[Problem], **extra: object) -> dict:

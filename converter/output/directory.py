@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from . import contract, faults, fsio
-from .contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
-from .errors import Code, Fatal, fatal, plural, problem
-from .hashing import CHUNK_SIZE, sha256_file, shard_header_sha256
+from .. import contract, faults, fsio
+from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
+from ..errors import Code, Fatal, fatal, plural, problem
+from ..hashing import CHUNK_SIZE, sha256_file, shard_header_sha256
 from .lock import LockRefused, OutputLock
 from .records import FinalFile, Ledger, Mode, PartialDownloads, ShardRecord, SourceId
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from .contract import CHECKSUMS_NAME
-from .hashing import TENSOR_HASH, sha256_bytes
-from .outdir import CHECKSUMS_FORMAT, OutputDir
+from ..contract import CHECKSUMS_NAME
+from ..hashing import TENSOR_HASH, sha256_bytes
+from .directory import CHECKSUMS_FORMAT, OutputDir
 from .records import FinalFile, FinalFiles, Ledger, Mode, ShardRecord, SourceId
 
 

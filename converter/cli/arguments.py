@@ -19,8 +19,8 @@ from pathlib import Path
 
 import click
 
-from . import fsio
-from .errors import Code, Fatal, Problem, message, problem
+from .. import fsio
+from ..errors import Code, Fatal, Problem, message, problem
 
 # What lets a command judge a path that is there or not itself: not the lookup's problem.
 _COMMAND_JUDGES = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM}

@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import contract, fsio
-from .errors import Code, Fatal, Problem, fatal, message, problem
-from .outdir import STATE_DIR
+from .. import contract, fsio
+from ..errors import Code, Fatal, Problem, fatal, message, problem
+from .directory import STATE_DIR
 from .records import FileIdentity, file_identity
 
 RECORD_NAME = "verified.json"

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from . import fsio
-from .errors import Code, Fatal, fatal
+from .. import fsio
+from ..errors import Code, Fatal, fatal
 
 _OWNER_MAX = 64 * 1024  # a lock we wrote names its owner in a few dozen bytes
 # Never through a link, never blocking on a FIFO planted in the lock's place.

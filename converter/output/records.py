@@ -19,8 +19,8 @@ from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
 
-from . import faults, fsio
-from .errors import Code, Fatal, Size, fatal
+from .. import faults, fsio
+from ..errors import Code, Fatal, Size, fatal
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The converter's command line: commands, rendering, path arguments."""
