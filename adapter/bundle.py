@@ -113,7 +113,7 @@ class Module:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class BundleManifest:
     stack: Stack
     modules: tuple[Module, ...]
     kimi_w31: str
@@ -127,7 +127,7 @@ class Manifest:
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, where: str = MANIFEST) -> Manifest:
+    def from_json(cls, text: str, where: str = MANIFEST) -> BundleManifest:
         """Parse a manifest; raises BundleError(KERNEL_BUNDLE_INVALID) on anything off."""
         try:
             data = json.loads(text)
@@ -241,7 +241,9 @@ def _field_matches(name: str, built: str, running: str) -> bool:
     return built == running
 
 
-def stack_problems(manifest: Manifest, running: Stack, where: str = MANIFEST) -> list[Problem]:
+def stack_problems(
+    manifest: BundleManifest, running: Stack, where: str = MANIFEST
+) -> list[Problem]:
     """One problem per stack field that differs (each with its own code)."""
     return [
         problem(
@@ -379,7 +381,7 @@ def _read_bounded(fd: int, what: str, where: Path, sink: Callable[[bytes], None]
         sink(block)
 
 
-def read_manifest(folder: int, root: Path) -> Manifest:
+def read_manifest(folder: int, root: Path) -> BundleManifest:
     """The manifest of the bundle open on `folder` (read bounded, from one descriptor)."""
     where = root / MANIFEST
     try:
@@ -406,7 +408,7 @@ def read_manifest(folder: int, root: Path) -> Manifest:
         raise BundleError(
             [problem(Code.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc)]
         ) from None
-    return Manifest.from_json(text, str(where))
+    return BundleManifest.from_json(text, str(where))
 
 
 @dataclass
@@ -478,7 +480,7 @@ def open_library(folder: int, root: Path, module: Module) -> Library:
 SourceHash = str | Callable[[], str] | None
 
 
-def preflight(root: Path, running: Stack) -> Manifest:
+def preflight(root: Path, running: Stack) -> BundleManifest:
     """What a process can check before any weight loads: the bundle is there, safe to read,
     and built for this stack (fields of `running` left empty are not compared). Raises
     BundleError with every reason."""
@@ -499,7 +501,7 @@ def check(
     running: Stack,
     source_hash: SourceHash,
     recipe_key: str | None = None,
-) -> tuple[Manifest, Library]:
+) -> tuple[BundleManifest, Library]:
     """The library of `variant` in the bundle at `root`, opened and hashed, if it may be
     loaded here; raises BundleError with every reason it may not.
 
@@ -546,7 +548,7 @@ def check(
         os.close(folder)
 
 
-def write(root: Path, manifest: Manifest) -> Path:
+def write(root: Path, manifest: BundleManifest) -> Path:
     """Write the manifest last, atomically: a bundle without one is never loaded."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{MANIFEST}.tmp"

@@ -21,7 +21,7 @@ include path). Two files are derived from FlashInfer's sources because they name
 runner type (the explicit-instantiation file and the binding's runner constructor).
 
 The generated grouped-GEMM files are split: each holds eight explicit instantiations, and
-one (M256) unit alone took 876 s. `split_generated` cuts a file into parts of bounded
+one (M256) unit alone took 876 s. `partition_generated` cuts a file into parts of bounded
 estimated cost (several instantiations per `.cu`, see `part_path`), and `Recipe.sources`
 lists the costliest units first, because ninja starts edges in manifest order on a cold
 build. Every derived file is written to the plugin's own cache (`derived_root`), never into
@@ -375,7 +375,7 @@ def _layout(text: str) -> tuple[str, list[re.Match[str]], str] | None:
     return head, found, tail
 
 
-def split_generated(text: str, max_weight: float = DEFAULT_MAX_PART_WEIGHT) -> list[Part]:
+def partition_generated(text: str, max_weight: float = DEFAULT_MAX_PART_WEIGHT) -> list[Part]:
     """Cut one generated kernel file into the fewest parts of estimated cost at most
     `max_weight` each (UNIT_OVERHEAD included; a single heavier instantiation is a part of
     its own), in file order; each part keeps the file's head (includes, namespace openings)
@@ -657,7 +657,7 @@ def build_units(
             unbuilt += left
             if not kept:
                 continue
-            parts = split_generated(kept, max_weight if split else float("inf"))
+            parts = partition_generated(kept, max_weight if split else float("inf"))
             if len(parts) == 1 and kept == text:
                 units.append(Unit(path, parts[0].weight))
             else:

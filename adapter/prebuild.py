@@ -50,7 +50,7 @@ GIB_PER_JOB = 6.0
 
 
 @dataclass(frozen=True)
-class Progress:
+class BuildProgress:
     """One progress report: `done` of `total` translation units of `module` compiled."""
 
     stage: Stage
@@ -82,7 +82,7 @@ class PrebuildResult:
     notes: list[str] = field(default_factory=list)
 
 
-ProgressCallback = Callable[[Progress], None]
+ProgressCallback = Callable[[BuildProgress], None]
 
 
 class PrebuildError(RuntimeError):
@@ -228,13 +228,13 @@ def _build(spec: Any, jobs: int, report: ProgressCallback, poll_s: float) -> flo
     total = len(spec.sources)
     t0 = time.monotonic()
     worker = threading.Thread(target=build, name="kimi-w31-prebuild", daemon=True)
-    report(Progress("compile", min(_objects(spec.build_dir), total), total, 0.0, spec.name))
+    report(BuildProgress("compile", min(_objects(spec.build_dir), total), total, 0.0, spec.name))
     try:
         worker.start()
         while worker.is_alive():
             worker.join(poll_s)
             done = min(_objects(spec.build_dir), total)
-            report(Progress("compile", done, total, time.monotonic() - t0, spec.name))
+            report(BuildProgress("compile", done, total, time.monotonic() - t0, spec.name))
     finally:
         if previous is None:
             os.environ.pop("MAX_JOBS", None)
@@ -360,7 +360,7 @@ def _bundle(out: Path, arch: Arch, results: list[ModuleResult], jobs: int) -> Pa
             for variant, module in staged.items():
                 os.replace(stage / module.file, out / module.file)
                 modules[variant] = module
-            manifest = B.Manifest(
+            manifest = B.BundleManifest(
                 stack=stack,
                 modules=tuple(modules[k] for k in sorted(modules)),
                 kimi_w31=__version__,
@@ -417,7 +417,7 @@ def prebuild(
     `variants`: kernels.VARIANTS keys (default: the architecture's default serving path,
     SM90 W4A16). `out`: also write a bundle there. `jobs`: parallel nvcc processes (default
     `default_jobs()`). `plan_only`: compute the recipes and hashes, build nothing.
-    `progress_cb` gets `Progress` reports from the calling thread. Idempotent: a module
+    `progress_cb` gets `BuildProgress` reports from the calling thread. Idempotent: a module
     already in FlashInfer's cache is not rebuilt (`built=False`). Raises `PrebuildError`.
     """
     t_start = time.monotonic()
@@ -474,11 +474,11 @@ def prebuild(
             check_toolkit()  # before nvcc's own error, 5 s into the build
         if plan_only or spec.is_compiled:
             if not plan_only:
-                report(Progress("cached", total, total, 0.0, spec.name))
+                report(BuildProgress("cached", total, total, 0.0, spec.name))
             results.append(ModuleResult(key, spec.name, library, False, total, 0.0, digest, rkey))
             continue
         seconds = _build(spec, n_jobs, report, poll_s)
-        report(Progress("done", total, total, seconds, spec.name))
+        report(BuildProgress("done", total, total, seconds, spec.name))
         results.append(ModuleResult(key, spec.name, library, True, total, seconds, digest, rkey))
     manifest = None
     if out is not None and not plan_only:

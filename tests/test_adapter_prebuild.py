@@ -101,7 +101,7 @@ def fake_toolkit(home, nvcc: bool = True, curand: bool = True):
 
 
 def test_builds_the_default_module_once_with_progress(fake_flashinfer) -> None:
-    seen: list[pb.Progress] = []
+    seen: list[pb.BuildProgress] = []
     result = pb.prebuild(seen.append, arch="sm90", jobs=3, poll_s=0.01)
     spec = fake_flashinfer["w4a16"]
     (m,) = result.modules
@@ -113,7 +113,7 @@ def test_builds_the_default_module_once_with_progress(fake_flashinfer) -> None:
     assert dones == sorted(dones) and all(p.total == 6 and p.module == spec.name for p in seen)
     # MAX_JOBS reaches FlashInfer's ninja for the build only
     assert spec.max_jobs_seen == "3" and "MAX_JOBS" not in os.environ
-    again: list[pb.Progress] = []
+    again: list[pb.BuildProgress] = []
     cached = pb.prebuild(again.append, arch="sm90")
     assert not cached.modules[0].built and spec.builds == 1
     assert [p.stage for p in again] == ["cached"]
@@ -125,7 +125,7 @@ def test_several_precisions_and_a_bundle(fake_flashinfer, tmp_path) -> None:
     result = pb.prebuild(arch="sm90", variants=["w4a16", "w4a8"], out=out, jobs=2, poll_s=0.01)
     assert [m.variant for m in result.modules] == ["w4a16", "w4a8"]
     assert result.bundle == out / B.MANIFEST
-    manifest = B.Manifest.from_json(result.bundle.read_text())
+    manifest = B.BundleManifest.from_json(result.bundle.read_text())
     assert manifest.stack == STACK and manifest.build["jobs"] == 2
     for m in manifest.modules:
         lib = out / m.file
@@ -135,7 +135,7 @@ def test_several_precisions_and_a_bundle(fake_flashinfer, tmp_path) -> None:
         assert B.check(out, m.variant, STACK, m.source_hash)[1].path == lib
     # a later run for one precision keeps the other's entry
     pb.prebuild(arch="sm90", variants=["w4a8"], out=out)
-    again = B.Manifest.from_json(result.bundle.read_text())
+    again = B.BundleManifest.from_json(result.bundle.read_text())
     assert {m.variant for m in again.modules} == {"w4a16", "w4a8"}
 
 
@@ -269,7 +269,7 @@ def test_the_prebuild_command_shows_progress_and_maps_errors(monkeypatch, tmp_pa
     def fake(report, *, arch=None, variants=None, out=None, jobs=None, plan_only=False):
         calls.append((arch, variants, out, jobs, plan_only))
         for done in (0, 5, 10):
-            report(pb.Progress("compile", done, 10, float(done), "m"))
+            report(pb.BuildProgress("compile", done, 10, float(done), "m"))
         lib = tmp_path / "m.so"
         mod = pb.ModuleResult("w4a16", "m", lib, True, 10, 3.0, "ab" * 32)
         return pb.PrebuildResult(arch or "sm90", [mod], 4, None)
@@ -360,7 +360,7 @@ def test_two_builds_into_one_bundle_never_mix_bytes(tmp_path) -> None:
     out = tmp_path / "kernels"
     libs = _libraries(tmp_path, 2)
     _publishers(tmp_path, out, [("w4a16", lib) for lib in libs])
-    manifest = B.Manifest.from_json((out / B.MANIFEST).read_text())
+    manifest = B.BundleManifest.from_json((out / B.MANIFEST).read_text())
     (module,) = manifest.modules
     data = (out / module.file).read_bytes()
     assert data in (libs[0].read_bytes(), libs[1].read_bytes())
@@ -373,7 +373,7 @@ def test_two_precisions_at_once_both_land_in_the_manifest(tmp_path) -> None:
     out = tmp_path / "kernels"
     libs = _libraries(tmp_path, 2)
     _publishers(tmp_path, out, [("w4a16", libs[0]), ("w4a16-all", libs[1])])
-    manifest = B.Manifest.from_json((out / B.MANIFEST).read_text())
+    manifest = B.BundleManifest.from_json((out / B.MANIFEST).read_text())
     assert {m.variant for m in manifest.modules} == {"w4a16", "w4a16-all"}
     ordered = sorted(manifest.modules, key=lambda m: m.variant == "w4a16-all")
     for m, lib in zip(ordered, libs, strict=True):

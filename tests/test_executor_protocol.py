@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from kimi_w31.converter.execute import DownloadProgress, Executor
-from kimi_w31.converter.execute.hub import HubExecutor
+from kimi_w31.converter.execute.download import DownloadExecutor
 from kimi_w31.converter.execute.local import LocalExecutor
 from kimi_w31.converter.execute.ray import RayExecutor
 from kimi_w31.converter.execute.shard import SourceFiles
@@ -30,7 +30,7 @@ def test_nothing_probes_the_executor():
     assert found == []
 
 
-@pytest.mark.parametrize("cls", [LocalExecutor, HubExecutor, RayExecutor])
+@pytest.mark.parametrize("cls", [LocalExecutor, DownloadExecutor, RayExecutor])
 def test_every_executor_is_an_executor_with_every_member(cls):
     assert Executor in cls.__mro__  # inherits the defaults, not only the shape
     assert all(hasattr(cls, member) for member in MEMBERS)

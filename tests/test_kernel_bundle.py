@@ -51,7 +51,7 @@ def write_bundle(root: Path, stack: B.Stack = STACK, variants=("w4a16",), data=N
                 recipe_key=RECIPE_KEY,
             )
         )
-    B.write(root, B.Manifest(stack, tuple(modules), "0.1.0", "2026-12-01T00:00:00+00:00"))
+    B.write(root, B.BundleManifest(stack, tuple(modules), "0.1.0", "2026-12-01T00:00:00+00:00"))
     return root
 
 
@@ -88,8 +88,8 @@ _text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_si
     build=st.dictionaries(_text, st.integers(), max_size=3),
 )
 def test_manifest_round_trip(stack, modules, build) -> None:
-    m = B.Manifest(stack, tuple(modules), "0.1.0", "2026-12-01T00:00:00+00:00", build)
-    assert B.Manifest.from_json(m.to_json()) == m
+    m = B.BundleManifest(stack, tuple(modules), "0.1.0", "2026-12-01T00:00:00+00:00", build)
+    assert B.BundleManifest.from_json(m.to_json()) == m
 
 
 @pytest.mark.parametrize(
@@ -217,7 +217,7 @@ def test_a_bundle_of_another_cpu_architecture_is_refused_by_the_running_tags(tmp
 
 @given(st.sets(st.sampled_from(sorted(FIELD_CODES))))
 def test_every_differing_field_is_named_once(names) -> None:
-    manifest = B.Manifest(STACK, (), "0.1.0", "")
+    manifest = B.BundleManifest(STACK, (), "0.1.0", "")
     running = dataclasses.replace(STACK, **{n: OTHER[n] for n in names})
     codes = [p.code for p in B.stack_problems(manifest, running)]
     assert sorted(codes) == sorted(FIELD_CODES[n] for n in names)
@@ -225,7 +225,7 @@ def test_every_differing_field_is_named_once(names) -> None:
 
 @given(st.sets(st.sampled_from(sorted(FIELD_CODES))))
 def test_a_field_this_process_cannot_know_yet_is_not_compared(names) -> None:
-    manifest = B.Manifest(STACK, (), "0.1.0", "")
+    manifest = B.BundleManifest(STACK, (), "0.1.0", "")
     running = dataclasses.replace(STACK, **dict.fromkeys(names, ""))
     assert B.stack_problems(manifest, running) == []
 
@@ -238,7 +238,7 @@ def test_a_library_runs_on_its_c_library_and_later_versions_only(built, running)
     def tag(t):
         return f"{t[0]} {t[1]}.{t[2]}"
 
-    manifest = B.Manifest(dataclasses.replace(STACK, libc=tag(built)), (), "0.1.0", "")
+    manifest = B.BundleManifest(dataclasses.replace(STACK, libc=tag(built)), (), "0.1.0", "")
     codes = [
         p.code for p in B.stack_problems(manifest, dataclasses.replace(STACK, libc=tag(running)))
     ]

@@ -61,7 +61,7 @@ def _first_fit(weights, cap):
 )
 def test_split_keeps_every_instantiation_once_in_order(shapes, max_weight) -> None:
     insts = [instance(m, n, k, i) for i, (m, n, k) in enumerate(shapes)]
-    parts = K.split_generated(generated(insts), max_weight)
+    parts = K.partition_generated(generated(insts), max_weight)
     got = [x for p in parts for x in _INST.findall(p.text)]
     assert got == [x.rstrip("\n") for x in insts]  # nothing lost, nothing doubled, same order
     assert sum(p.instances for p in parts) == len(insts)
@@ -98,7 +98,7 @@ def test_weight_grows_with_the_tile_volume() -> None:
     ],
 )
 def test_an_unknown_layout_stays_whole(text) -> None:
-    parts = K.split_generated(text, 1.0)
+    parts = K.partition_generated(text, 1.0)
     assert len(parts) == 1 and parts[0].text == text
 
 

@@ -20,7 +20,7 @@ from hub_server import FakeHub
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import CHECKSUMS_NAME, CONFIG_NAME
-from kimi_w31.converter.execute.hub import HubExecutor
+from kimi_w31.converter.execute.download import DownloadExecutor
 from kimi_w31.converter.execute.remote import Remote
 from kimi_w31.converter.execute.stream import Window, download_order, estimate, fewest_slots
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare, source_id
@@ -179,7 +179,7 @@ def test_a_new_origin_needs_only_the_remote_protocol(small_source, converted, tm
     origin = FolderOrigin(storage)
     snapshot = origin.resolve(str(small_source), None).reader
     assert isinstance(snapshot, Remote)  # the protocol is all the executor asks for
-    executor = HubExecutor(window=3, delete_source_shards=True)
+    executor = DownloadExecutor(window=3, delete_source_shards=True)
     result = convert(
         ConvertOptions(
             str(small_source),
@@ -203,7 +203,7 @@ def test_a_new_origin_needs_only_the_remote_protocol(small_source, converted, tm
 
 def test_the_streaming_executor_refuses_a_source_read_from_disk(small_source):
     with pytest.raises(TypeError):
-        HubExecutor().open_sources(small_source, [], {}, LocalOrigin())
+        DownloadExecutor().open_sources(small_source, [], {}, LocalOrigin())
 
 
 # -- resolve returns a value ----------------------------------------------------------------------

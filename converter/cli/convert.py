@@ -213,13 +213,13 @@ def _origin_and_executor(
         import_ray()  # say so before anything else happens
         opts.executor = RayExecutor(address=ray_address)
     elif download:
-        from ..execute.hub import DEFAULT_WINDOW, HubExecutor
+        from ..execute.download import DEFAULT_WINDOW, DownloadExecutor
         from ..source.hub import HubOrigin
 
         opts.origin = HubOrigin(
             download_dir=download_dir.expanduser().resolve() if download_dir else None
         )
-        opts.executor = HubExecutor(
+        opts.executor = DownloadExecutor(
             window=max_source_window or DEFAULT_WINDOW,
             delete_source_shards=delete_source_shards,
             workers=workers or default_workers(),

@@ -35,7 +35,7 @@ from ..output.directory import SPACE_ERRNOS
 from ..output.records import Ledger, ShardRecord
 from ..plan import OutputShard, OutputTensor, Piece
 from ..source.hub_cache import content_id
-from .streaming import RangeHasher, copy_range, write_all
+from .byte_ranges import RangeHasher, copy_range, write_all
 
 
 class SourceChanged(Exception):

@@ -6,7 +6,7 @@ downloaded, and each shard's safetensors header is read with HTTP range requests
 large download. The header bytes are the very bytes a local read would see, so the plan
 (and its fingerprint) is identical to the plan of a local copy of the same repo.
 
-Shards themselves are fetched later, when the Hub executor (`execute/hub.py`) schedules
+Shards themselves are fetched later, when the download executor (`execute/download.py`) schedules
 them, through `huggingface_hub` (its resumable, size-checked downloads, into its cache or
 `--download-dir`). The revision is pinned to one commit at the start.
 

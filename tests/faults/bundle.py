@@ -40,7 +40,7 @@ def make_bundle(root: Path, stack: B.Stack = STACK) -> Path:
     lib.write_bytes(b"\x7fELF" + b"w4a16" * 200)
     lib.chmod(0o644)
     module = B.Module("w4a16", lib.stem, LIB, B.sha256_file(lib), lib.stat().st_size, "h", 1)
-    B.write(root, B.Manifest(stack, (module,), "0.1.0", ""))
+    B.write(root, B.BundleManifest(stack, (module,), "0.1.0", ""))
     return root
 
 
@@ -56,8 +56,8 @@ def _other_stack(field: str, value: str) -> Callable[[Path], None]:
     return mutate
 
 
-def _manifest(root: Path) -> B.Manifest:
-    return B.Manifest.from_json((root / B.MANIFEST).read_text())
+def _manifest(root: Path) -> B.BundleManifest:
+    return B.BundleManifest.from_json((root / B.MANIFEST).read_text())
 
 
 def _stack(root: Path, field: str, value: str) -> B.Stack:

@@ -1,4 +1,4 @@
-"""The streaming executor (`--download`): shards written as their source files arrive.
+"""The download executor (`--download`): shards written as their source files arrive.
 
 It asks of the origin only what `Remote` declares (sizes, content ids, fetch, delete, where
 downloads go and how its partial downloads are named): the Hub is one such origin
@@ -42,7 +42,7 @@ DEFAULT_WINDOW = 4
 
 
 @dataclass
-class HubExecutor(Executor):
+class DownloadExecutor(Executor):
     """Streams shards from a `Remote` (the Hub's, with `--download`) through a bounded window.
 
     The pipeline tells it, in this order, the source (`open_sources`) and the claimed output
