@@ -50,6 +50,9 @@ CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CHECKSUMS_NAME = "kimi_w31.checksums.json"
+CHECKSUMS_FORMAT = 1  # the checksums file's "format_version"
+# The output's state folder (records of the run; never published as part of the model).
+STATE_DIR = ".kimi_w31"
 
 
 def get(cfg: Any, key: str, default: Any = None) -> Any:

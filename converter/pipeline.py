@@ -2,7 +2,7 @@
 
 One pass down. Everything up to the plan reads headers only and writes nothing, so every
 problem with the source is reported before the first byte of output exists. The output
-directory (`outdir.py`) is claimed, every shard is kept after proof or written
+directory (`output/`) is claimed, every shard is kept after proof or written
 (`execute/`), then the other files, the checksums and the config are made what they must
 be and the index is written last: a directory with an index is a complete conversion.
 """

@@ -11,7 +11,7 @@ go through `KimiK3LinearForCausalLM.load_weights` (hooked by the plugin) and
 published 1.0 unless `--routed-scaling-factor`) and `FusedMoE.forward`.
 The router logits are given (Kimi-K3's gate is a plain fp32 linear in front of this).
 
-The reference is `converter/reference.py` on the SOURCE checkpoint's w1/w3/w2 with an
+The reference is `converter/reference/` on the SOURCE checkpoint's w1/w3/w2 with an
 independent numpy router (gpu/sglang_cases.py).
 
     python -m gpu.sglang_layer single --source SRC --converted CONV --out OUT

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kimi_w31.converter.output.directory import STATE_DIR
+from kimi_w31.converter.contract import STATE_DIR
 from kimi_w31.converter.pipeline import ConvertOptions, convert
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 

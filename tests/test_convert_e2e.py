@@ -8,9 +8,8 @@ import os
 import numpy as np
 import pytest
 from cli_helpers import run_cli
-from kimi_w31.converter.contract import unwrap_config
+from kimi_w31.converter.contract import STATE_DIR, unwrap_config
 from kimi_w31.converter.output import verified
-from kimi_w31.converter.output.directory import STATE_DIR
 from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec
 from safetensors import safe_open
 

@@ -20,9 +20,10 @@ import pytest
 from cli_helpers import run_cli
 from kimi_w31.converter.audit import verify
 from kimi_w31.converter.audit.command import verify as command
+from kimi_w31.converter.contract import STATE_DIR
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.output import verified
-from kimi_w31.converter.output.directory import STATE_DIR, OutputDir
+from kimi_w31.converter.output.directory import OutputDir
 from verify_mutations import CONFIG, INDEX, Model, edit_json, read_shard, rerecord
 
 

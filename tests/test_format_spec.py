@@ -29,11 +29,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kimi_w31.converter import contract, reference
-from kimi_w31.converter.cli.convert import convert_cmd, synth
+from kimi_w31.converter.cli.convert import convert_cmd
+from kimi_w31.converter.cli.synth import synth
+from kimi_w31.converter.contract import CHECKSUMS_FORMAT
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.hashing import TENSOR_HASH
 from kimi_w31.converter.manifest import load_manifest
-from kimi_w31.converter.output.directory import CHECKSUMS_FORMAT
 from kimi_w31.converter.pipeline import ConvertOptions, convert
 from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, cli_spec, synth_checkpoint
 from safetensors import safe_open
@@ -703,8 +704,8 @@ def test_spec_has_every_marked_block_once():
 # -- section 11: known-answer vectors ------------------------------------------------------------
 #
 # A decoder written here from the spec's words alone (sections 3 and 4.2), in fp64 Python,
-# never from converter/reference.py: the spec's vectors must be what it computes, and what
-# the code's known answers (converter/known_answers.py) hold.
+# never from converter/reference/: the spec's vectors must be what it computes, and what
+# the code's known answers (converter/reference/known_answers.py) hold.
 
 
 def _spec_value(v) -> float:

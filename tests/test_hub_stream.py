@@ -29,9 +29,10 @@ from hub_server import FakeHub
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.cli.console import human
+from kimi_w31.converter.contract import STATE_DIR
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.execute.stream import download_order, estimate
-from kimi_w31.converter.output.directory import STATE_DIR, OutputDir
+from kimi_w31.converter.output.directory import OutputDir
 from kimi_w31.converter.output.records import PartialDownloads
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare
 from kimi_w31.converter.source.hub import remove_partial

@@ -1,4 +1,4 @@
-"""Unit tests of the numerical reference (converter/reference.py), numpy only."""
+"""Unit tests of the numerical reference (converter/reference/), numpy only."""
 
 from __future__ import annotations
 

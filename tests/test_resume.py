@@ -13,8 +13,9 @@ import shutil
 
 import pytest
 from cli_helpers import run_cli
+from kimi_w31.converter.contract import STATE_DIR
 from kimi_w31.converter.execute import shard as shard_mod
-from kimi_w31.converter.output.directory import STATE_DIR, OutputDir
+from kimi_w31.converter.output.directory import OutputDir
 from kimi_w31.converter.pipeline import ConvertOptions, convert
 
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000", "--workers", "1"]

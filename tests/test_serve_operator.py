@@ -19,8 +19,8 @@ from kimi_w31.adapter.sglang import launch
 from kimi_w31.adapter.sglang.launch import ServeError, ServePlan, plan_serve, serve
 from kimi_w31.adapter.sglang.smoke import SmokeError, smoke
 from kimi_w31.converter import contract
+from kimi_w31.converter.contract import STATE_DIR
 from kimi_w31.converter.errors import Code
-from kimi_w31.converter.output.directory import STATE_DIR
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 EXPERTS = 896

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.audit import verify
+from kimi_w31.converter.contract import STATE_DIR
 from kimi_w31.converter.errors import Code
 from kimi_w31.converter.output import records, verified
-from kimi_w31.converter.output.directory import STATE_DIR
 from kimi_w31.converter.pipeline import ConvertOptions, convert
 
 
@@ -226,8 +226,11 @@ def test_one_function_reads_identities_for_verify_and_the_server():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    sides = [root / "converter" / "verified.py", *(root / "converter" / "audit").glob("*.py")]
+    sides = [
+        root / "converter" / "output" / "verified.py",
+        *(root / "converter" / "audit").glob("*.py"),
+    ]
     sides += list((root / "adapter").rglob("*.py"))
     readers = [p.name for p in sides if any(f in p.read_text() for f in ("st_ino", "st_dev"))]
     assert readers == []
-    assert "file_identity" in (root / "converter" / "verified.py").read_text()
+    assert "file_identity" in (root / "converter" / "output" / "verified.py").read_text()

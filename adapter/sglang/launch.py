@@ -25,8 +25,8 @@ import click
 from ...converter import contract
 from ...converter.cli.arguments import PathArg
 from ...converter.cli.console import guard_paths, human, parse_size, progress_option
+from ...converter.contract import STATE_DIR
 from ...converter.errors import EXIT_PROBLEMS, EXIT_USAGE, Code, plural
-from ...converter.output.directory import STATE_DIR
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
 

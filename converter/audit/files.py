@@ -14,10 +14,9 @@ import stat
 from pathlib import Path
 
 from .. import contract, fsio
-from ..contract import CHECKSUMS_NAME
+from ..contract import CHECKSUMS_FORMAT, CHECKSUMS_NAME
 from ..errors import Code, Problem, problem
 from ..hashing import TENSOR_HASH
-from ..output.directory import CHECKSUMS_FORMAT
 
 
 def list_files(root: Path) -> tuple[list[str], list[Problem], list[str]]:

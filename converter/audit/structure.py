@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import contract
+from ..contract import STATE_DIR
 from ..errors import Code, Fatal, Problem, problem
 from ..manifest import Dims, Manifest, load_manifest, resolve_dims
-from ..output.directory import STATE_DIR
 from ..safetensors_format import ShardHeader
 from ..shapes import shape_problems, shape_rule
 from ..source import (

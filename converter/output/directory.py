@@ -32,16 +32,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from .. import contract, faults, fsio
-from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME
+from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, STATE_DIR
 from ..errors import Code, Fatal, fatal, plural, problem
 from ..hashing import CHUNK_SIZE, sha256_file, shard_header_sha256
+from ..source import SourceId
 from .lock import LockRefused, OutputLock
-from .records import FinalFile, Ledger, Mode, PartialDownloads, ShardRecord, SourceId
+from .records import FinalFile, Ledger, Mode, PartialDownloads, ShardRecord
 
-STATE_DIR = ".kimi_w31"
 _LOCK, _LEDGER, _JOURNAL, _TMP = "lock", "ledger.jsonl", "journal.jsonl", "tmp"
 _PARTIALS = "partials.jsonl"  # partial downloads a Hub run started (outside this directory)
-CHECKSUMS_FORMAT = 1
 _FAULT_LABELS = {
     CHECKSUMS_NAME: "finalize.checksums",
     CONFIG_NAME: "finalize.config",

@@ -9,7 +9,6 @@ finished shard).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import threading
@@ -21,26 +20,6 @@ from typing import NamedTuple
 
 from .. import faults, fsio
 from ..errors import Code, Fatal, Size, fatal
-
-
-@dataclass(frozen=True)
-class SourceId:
-    """Which source an output is the conversion of.
-
-    `key` says where the source was read from (its real path, or a Hub repo and commit): it is
-    machine-local, so only the state folder keeps it as it is; the published checksums file
-    keeps `digest`, a hash of it. `name` (a repo id, or the source directory's own name) is
-    what the published config records and what a refusal shows.
-    """
-
-    name: str
-    key: str
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(
-            b"kimi-w31 source\0" + self.key.encode("utf-8", "replace")
-        ).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -109,7 +88,7 @@ class Mode(Enum):
 
 class Ledger:
     """Append-only, fsynced record of finished shards; line 1 names the plan fingerprint and
-    where the source was read from (`SourceId.key`)."""
+    where the source was read from (`source.SourceId.key`)."""
 
     def __init__(self, path: Path, fingerprint: str, source: str = "") -> None:
         self.path = path

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from ..contract import CHECKSUMS_NAME
+from ..contract import CHECKSUMS_FORMAT, CHECKSUMS_NAME
 from ..hashing import TENSOR_HASH, sha256_bytes
-from .directory import CHECKSUMS_FORMAT, OutputDir
-from .records import FinalFile, FinalFiles, Ledger, Mode, ShardRecord, SourceId
+from ..source import SourceId
+from .directory import OutputDir
+from .records import FinalFile, FinalFiles, Ledger, Mode, ShardRecord
 
 
 class Session:

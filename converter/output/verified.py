@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import contract, fsio
+from ..contract import STATE_DIR
 from ..errors import Code, Fatal, Problem, fatal, message, problem
-from .directory import STATE_DIR
 from .records import FileIdentity, file_identity
 
 RECORD_NAME = "verified.json"

@@ -12,6 +12,7 @@ never blocking).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -25,9 +26,28 @@ from typing import Protocol
 from .. import fsio
 from ..contract import CONFIG_NAME, INDEX_NAME
 from ..errors import Code, Fatal, Problem, fatal, problem
-from ..output.records import SourceId
 from ..safetensors_format import ShardHeader
 from .hub_cache import snapshot_of
+
+
+@dataclass(frozen=True)
+class SourceId:
+    """Which source an output is the conversion of.
+
+    `key` says where the source was read from (its real path, or a Hub repo and commit): it is
+    machine-local, so only the state folder keeps it as it is; the published checksums file
+    keeps `digest`, a hash of it. `name` (a repo id, or the source directory's own name) is
+    what the published config records and what a refusal shows.
+    """
+
+    name: str
+    key: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(
+            b"kimi-w31 source\0" + self.key.encode("utf-8", "replace")
+        ).hexdigest()
 
 
 class SourceReader(Protocol):

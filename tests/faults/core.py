@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cli_helpers import json_problems, run_cli
+from kimi_w31.converter.contract import STATE_DIR
 from kimi_w31.converter.errors import Code
-from kimi_w31.converter.output.directory import STATE_DIR
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 CLEAN = "clean error"
