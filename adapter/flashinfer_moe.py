@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import torch
 
+from .arch import Arch, arch_name, is_served
+
 SITU_BETA = 4.0
 SITU_LINEAR_BETA = 25.0
 GROUP_SIZE = 32
@@ -33,7 +35,6 @@ GROUP_SIZE = 32
 # real dims (K 3584, N 3072 / tp) satisfy this, so no padding path exists here: refuse instead.
 ALIGNMENT = 128
 
-Arch = Literal["sm90", "sm120"]
 Activation = Literal["situ", "swiglu"]
 
 _SITU_KWARGS = ("situ_beta", "situ_linear_beta")
@@ -443,10 +444,9 @@ def prepare_weights(
 def arch_of(device: torch.device | int | None = None) -> Arch:
     """Map the CUDA device's compute capability to the supported arch, or raise."""
     major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) == (9, 0):
-        return "sm90"
-    if major == 12:
-        return "sm120"
+    arch = arch_name(major, minor)
+    if is_served(arch):
+        return arch  # type: ignore[return-value]  # one of ARCHES
     raise ValueError(
         f"compute capability {major}.{minor}: the adapter's SiTU CUTLASS MoE covers SM90 and "
         "SM120 only (SM100 uses SGLang's own trtllm-gen path)"

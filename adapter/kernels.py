@@ -44,9 +44,10 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-Arch = Literal["sm90", "sm120"]
+from .arch import CUDA_ARCH_LIST, Arch, arch_name
+
 ENV_BUNDLE = "KIMI_W31_KERNELS"
 
 BINDING = "flashinfer_cutlass_fused_moe_binding.cu"
@@ -875,7 +876,7 @@ ENV_FULL_CHECK = "KIMI_W31_KERNELS_FULL_CHECK"
 # The variables FlashInfer's JIT spec reads for a module's compiler flags.
 _FLAG_ENV = ("FLASHINFER_JIT_DEBUG", "FLASHINFER_JIT_VERBOSE", "FLASHINFER_JIT_LINEINFO")
 _ARCH_LIST_ENV = "FLASHINFER_CUDA_ARCH_LIST"
-_DEFAULT_ARCH_LIST = {"sm90": "9.0a", "sm120": "12.0"}  # prebuild's, and what the GPU picks
+_DEFAULT_ARCH_LIST = CUDA_ARCH_LIST  # prebuild's, and what the GPU picks
 
 
 def _flashinfer_files() -> str | None:
@@ -959,7 +960,4 @@ def _gpu_arch_if_up() -> str:
 
     if not torch.cuda.is_initialized():
         return ""
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) == (9, 0):
-        return "sm90"
-    return "sm120" if major == 12 else f"sm{major}{minor}"
+    return arch_name(*torch.cuda.get_device_capability())

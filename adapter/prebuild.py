@@ -36,14 +36,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..converter.hashing import sha256_file
+from .arch import ARCHES, CUDA_ARCH_LIST, Arch
 
-Arch = Literal["sm90", "sm120"]
 Stage = Literal["cached", "compile", "done"]
-ARCHES = ("sm90", "sm120")
 
 # The FLASHINFER_CUDA_ARCH_LIST entry that makes FlashInfer on a machine without that GPU
 # target it and pick the cache directory a server on that GPU will look in (e.g. 90a).
-_CUDA_ARCH = {"sm90": "9.0a", "sm120": "12.0"}
+_CUDA_ARCH = CUDA_ARCH_LIST
 # Host memory one nvcc of these CUTLASS units may take (measured up to 9.4 GiB for an
 # unsplit M256 unit; the split units stay well below).
 GIB_PER_JOB = 6.0

@@ -34,6 +34,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kimi_w31.adapter.kernels import cooperative_tile  # FlashInfer's rule, one home
+
 EXPERTS, K, N, TOP_K = 896, 3584, 3072, 16
 
 # FlashInfer 0.7.2 `get_candidate_tiles_sm90` (grouped, weight-only), in order.
@@ -55,21 +57,12 @@ SMALL_K = [
 ]
 
 
-def _coop(m: int, n: int, k: int) -> bool:
-    """`sm90_supports_coop`: the schedule the candidate list gives a tile."""
-    if m == 128 and n in (16, 32, 64):
-        return k in (128, 256, 512)
-    if m == 128 and n in (128, 256) or m == 256 and n == 128:
-        return k in (128, 256)
-    return m == 256 and n == 256 and k == 128
-
-
 def candidate_configs(humming: bool, finalize: bool) -> list[dict[str, Any]]:
     """One GEMM's tactic list, in FlashInfer's order."""
     base = [
         {
             "tile": f"{m}x{n}x{k}",
-            "schedule": "cooperative" if _coop(m, n, k) else "pingpong",
+            "schedule": "cooperative" if cooperative_tile(m, n, k) else "pingpong",
             "cluster": c,
             "finalize": False,
         }

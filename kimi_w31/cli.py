@@ -21,7 +21,7 @@ from . import __version__
 # name -> "module:attribute" of the click command
 COMMANDS = {
     "convert": "kimi_w31.converter.cli.convert:convert_cmd",
-    "verify": "kimi_w31.converter.audit.command:verify",
+    "verify": "kimi_w31.converter.cli.verify:verify",
     "synth": "kimi_w31.converter.cli.synth:synth",
     "serve": "kimi_w31.adapter.sglang.launch:serve",
     "prebuild": "kimi_w31.adapter.sglang.launch:prebuild_command",

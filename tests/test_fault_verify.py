@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli
 from kimi_w31.converter.audit import verify
-from kimi_w31.converter.audit.command import verify as command
+from kimi_w31.converter.cli.verify import verify as command
 from kimi_w31.converter.contract import STATE_DIR
 from kimi_w31.converter.errors import Code, Fatal
 from kimi_w31.converter.output import verified

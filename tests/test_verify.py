@@ -18,8 +18,8 @@ import pytest
 from cli_helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kimi_w31.converter.audit import command as verify_command
 from kimi_w31.converter.audit import verify
+from kimi_w31.converter.cli import verify as verify_command
 from kimi_w31.converter.errors import Code, Fatal
 from verify_mutations import (
     CHECKSUMS,
@@ -588,7 +588,7 @@ def test_verify_imports_neither_planner_nor_executor():
 
 def test_importing_verify_loads_neither_planner_nor_executor_nor_torch():
     code = (
-        "import sys, kimi_w31.converter.audit.command, kimi_w31.converter.audit.numerics\n"
+        "import sys, kimi_w31.converter.cli.verify, kimi_w31.converter.audit.numerics\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
         "m.split('.')[:3] in [['kimi_w31', 'converter', x] for x in "
         f"{sorted(FORBIDDEN)!r}]))"

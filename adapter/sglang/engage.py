@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ..arch import ARCHES
 from ..layout import OPT_IN_ENV
 
-ADAPTER_ARCHS = ("sm90", "sm120")
+ADAPTER_ARCHS = ARCHES
 BACKEND = "flashinfer_mxfp4"
 
 

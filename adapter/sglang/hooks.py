@@ -15,6 +15,7 @@ from typing import Any
 from ...converter.errors import Code
 from ...converter.output import verified
 from .. import flashinfer_moe as fm
+from ..arch import is_served
 from ..completeness import PROJECTIONS, ExpertLedger, incomplete_report, kind_of, missing_parts
 from ..layout import (
     LayoutError,
@@ -358,7 +359,7 @@ def after_check_server_args(result: Any, server_args: Any, *args: Any, **kw: Any
     """Before any worker spawns: a SiTU CUTLASS setup needs a FlashInfer that has it."""
     if getattr(server_args, "moe_runner_backend", None) != "flashinfer_mxfp4":
         return result
-    if _arch() not in ("sm90", "sm120"):
+    if not is_served(_arch()):
         return result
     from sglang.srt.arg_groups.model_override_base import model_config_of
 

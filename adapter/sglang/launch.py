@@ -27,6 +27,7 @@ from ...converter.cli.arguments import PathArg
 from ...converter.cli.console import guard_paths, human, parse_size, progress_option
 from ...converter.contract import STATE_DIR
 from ...converter.errors import EXIT_PROBLEMS, EXIT_USAGE, Code, plural
+from ..arch import ARCHES
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
 
@@ -930,7 +931,7 @@ def run_prebuild(
 @click.command("prebuild")
 @click.option(
     "--arch",
-    type=click.Choice(["sm90", "sm120"]),
+    type=click.Choice(list(ARCHES)),
     default=None,
     help="Build for this GPU architecture [default: the visible GPU's]; a build machine "
     "needs no GPU.",

@@ -29,6 +29,7 @@ from ..manifest import Manifest, load_manifest
 from ..output import verified
 from .against_source import check_against_source, locate_source
 from .checksums import check_checksums
+from .meter import MeterFactory, silent
 from .report import Check, VerifyReport
 from .structure import check_structure
 
@@ -44,7 +45,7 @@ def verify(
     sample: int | None = 8,
     seed: int = 0,
     workers: int = 2,
-    progress_mode: str = "none",
+    meter: MeterFactory = silent,
 ) -> VerifyReport:
     """Run the levels asked for; every finding is in the report, never raised.
 
@@ -65,9 +66,7 @@ def verify(
         locate_source(source, root)
     report = VerifyReport(str(root), levels=_levels(checksums, source, numerics))
     before = _identities(root) if verified.REQUIRED_LEVEL in report.levels else None
-    _run_levels(
-        root, explicit, report, checksums, source, numerics, sample, seed, workers, progress_mode
-    )
+    _run_levels(root, explicit, report, checksums, source, numerics, sample, seed, workers, meter)
     report.record = verified.settle(root, report.levels, report.ok, before)
     return report
 
@@ -90,14 +89,14 @@ def _run_levels(
     sample: int | None,
     seed: int,
     workers: int,
-    progress_mode: str,
+    meter: MeterFactory,
 ) -> None:
     out = check_structure(root, explicit, report)
     if out is None:
         return
     if checksums or source:
         if checksums or out.files_recorded:
-            check_checksums(out, workers, progress_mode, report)
+            check_checksums(out, workers, meter, report)
         else:
             report.skip(
                 "checksums",
@@ -106,11 +105,11 @@ def _run_levels(
                 "skipped: no checksums file (--source proves the data without it)",
             )
     if source:
-        src = check_against_source(out, source, workers, progress_mode, report)
+        src = check_against_source(out, source, workers, meter, report)
         if numerics and src is not None:
             from .numerics import check_numerics  # numpy and the reference: only here
 
-            check_numerics(out, src, sample, seed, progress_mode, report)
+            check_numerics(out, src, sample, seed, meter, report)
 
 
 def _levels(checksums: bool, source: str | None, numerics: bool) -> list[str]:

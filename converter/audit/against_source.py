@@ -26,6 +26,7 @@ from ..manifest import resolve_dims
 from ..safetensors_format import ShardHeader
 from ..source import Source, read_source
 from ..source.local import LocalOrigin, resolve_local
+from .meter import MeterFactory
 from .report import VerifyReport
 from .served import served_headers
 from .source_bytes import compare_with_source
@@ -36,7 +37,7 @@ INDEX = "model.safetensors.index.json"
 
 
 def check_against_source(
-    out: Output, spec: str, workers: int, progress_mode: str, report: VerifyReport
+    out: Output, spec: str, workers: int, meter: MeterFactory, report: VerifyReport
 ) -> Source | None:
     """Every source check; the source read (for --numerics), or None if it is unreadable."""
     source = _read(out, spec, report)
@@ -46,9 +47,7 @@ def check_against_source(
     served, served_problems = served_headers(source.root)
     changed = _check_block(out, source, served, report)
     _check_config(out, source, report)
-    compare_with_source(
-        out, source, (served, served_problems), changed, workers, progress_mode, report
-    )
+    compare_with_source(out, source, (served, served_problems), changed, workers, meter, report)
     return source
 
 

@@ -19,12 +19,12 @@ import threading
 from dataclasses import dataclass
 
 from .. import contract
-from ..cli.console import Progress
 from ..errors import Code, Problem, problem
 from ..hashing import CHUNK_SIZE, Crc32, ScaleScan, ShortRead, hash_ranges, shard_header_sha256
 from ..safetensors_format import ShardHeader, library_problem
 from ..text import human
 from .files import is_regular, load_checksums
+from .meter import MeterFactory
 from .report import VerifyReport
 from .streams import open_regular, run_jobs, sha256_of
 from .structure import Output
@@ -40,7 +40,7 @@ class _FileCheck:
     size: int  # bytes this check reads (for the progress total)
 
 
-def check_checksums(out: Output, workers: int, progress_mode: str, report: VerifyReport) -> None:
+def check_checksums(out: Output, workers: int, meter: MeterFactory, report: VerifyReport) -> None:
     title = f"checksums ({contract.CHECKSUMS_NAME})"
     table, problems = load_checksums(out.root)
     if table is None:
@@ -49,7 +49,7 @@ def check_checksums(out: Output, workers: int, progress_mode: str, report: Verif
     checks, unrecorded = _checks(out, table)
     problems += unrecorded
     total = sum(j.size for j in checks)
-    with Progress(progress_mode, "verify --checksums", total) as progress:
+    with meter("verify --checksums", total, "bytes") as progress:
         problems += run_jobs(
             lambda check, stop: _run(out, check, stop, progress.advance), checks, workers
         )

@@ -24,10 +24,10 @@ import numpy as np
 
 from .. import contract
 from .. import reference as ref
-from ..cli.console import Progress
 from ..errors import Code, Problem, problem
 from ..reference import known_answers
 from ..source import Source
+from .meter import MeterFactory
 from .report import VerifyReport
 from .structure import Output
 
@@ -50,7 +50,7 @@ def check_numerics(
     source: Source,
     sample: int | None,
     seed: int,
-    progress_mode: str,
+    meter: MeterFactory,
     report: VerifyReport,
 ) -> None:
     title = "numerics: source vs converted semantics"
@@ -69,7 +69,7 @@ def check_numerics(
     out_files, src_files = out.tensor_files(), _source_tensor_files(source)
     rng = np.random.default_rng(seed)
     worst = 0.0
-    with Progress(progress_mode, "verify --numerics", len(chosen), unit="experts") as progress:
+    with meter("verify --numerics", len(chosen), "experts") as progress:
         for i, (prefix, expert) in enumerate(chosen, start=1):
             progress.note(expert=f"{i} of {len(chosen)} ({prefix}experts.{expert})")
             err, found = _compare_expert(

@@ -13,13 +13,13 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import contract
-from ..cli.console import Progress
 from ..errors import Code, Problem, problem
 from ..hashing import CHUNK_SIZE, ShortRead
 from ..safetensors_format import ShardHeader, TensorInfo
 from ..source import Source
 from .derive import Expected, expected_tensors
 from .files import is_regular
+from .meter import MeterFactory
 from .report import VerifyReport
 from .streams import Buffers, OpenFiles, compare_ranges, run_jobs
 from .structure import Output
@@ -42,7 +42,7 @@ def compare_with_source(
     served: tuple[dict[str, ShardHeader], list[Problem]],
     changed: set[str],
     workers: int,
-    progress_mode: str,
+    meter: MeterFactory,
     report: VerifyReport,
 ) -> None:
     """Two checks: every tensor, then every other file. `served`: the header of every source
@@ -55,7 +55,7 @@ def compare_with_source(
     files, file_problems = _match_files(out, source)
     total = sum(comparison.nbytes for comparison in comparisons) + sum(size for _, size in files)
     compared = sum(len(j.tensors) for j in comparisons)
-    with Progress(progress_mode, "verify --source", total) as progress:
+    with meter("verify --source", total, "bytes") as progress:
         problems += run_jobs(
             lambda comparison, stop: _compare_shard(
                 out, source, changed, comparison, stop, progress.advance

@@ -17,12 +17,12 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from ..cli import console
-from ..cli.arguments import PathArg
-from ..cli.console import err, out, run_guarded
+from ..audit import verify as run_verify
+from ..audit.report import VerifyReport
 from ..errors import Code, fatal, plural
-from . import verify as run_verify
-from .report import VerifyReport
+from . import console
+from .arguments import PathArg
+from .console import err, out, run_guarded
 
 INTERRUPTED = "verification stopped; nothing was changed"
 SHOWN_PER_CHECK = 20  # problems printed per failed check (--json has up to 1000)
@@ -150,7 +150,7 @@ def verify(
             sample=None if all_experts else (sample or DEFAULT_SAMPLE),
             seed=seed or 0,
             workers=workers,
-            progress_mode=mode,
+            meter=lambda label, total, unit: console.Progress(mode, label, total, unit=unit),
         )
         if as_json:
             out.print_json(json.dumps(report.as_dict()))
