@@ -8,13 +8,16 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.adapter import completeness as c
+from kimi_w31.converter.text import id_ranges
 
 PAIRS = [(p, k) for p in c.PROJECTIONS for k in (c.PACKED, c.SCALE)]
 
 
 def _parse_ranges(text: str) -> set[int]:
     out: set[int] = set()
-    for part in filter(None, text.split(", ")):
+    for part in filter(None, text.removesuffix(" ...").split(", ")):
+        if part == "(none)":
+            continue
         lo, _, hi = part.partition("-")
         out.update(range(int(lo), int(hi or lo) + 1))
     return out
@@ -22,12 +25,22 @@ def _parse_ranges(text: str) -> set[int]:
 
 @given(st.sets(st.integers(0, 2000), max_size=60))
 def test_id_ranges_round_trip_and_are_maximal(ids) -> None:
-    text = c.id_ranges(ids)
+    """The one id_ranges (converter/text.py), as the refusals here use it: every id."""
+    text = id_ranges(ids, limit=None)
     assert _parse_ranges(text) == ids
-    runs = [p for p in text.split(", ") if p]
+    runs = [p for p in text.split(", ") if p and p != "(none)"]
     bounds = [tuple(map(int, p.split("-"))) if "-" in p else (int(p), int(p)) for p in runs]
     # sorted, disjoint, and never two runs that touch (they would be one range)
     assert all(a[1] + 1 < b[0] for a, b in itertools.pairwise(bounds))
+
+
+@given(st.sets(st.integers(0, 2000), max_size=60), st.integers(1, 12))
+def test_id_ranges_with_a_limit_shows_the_first_runs_and_says_when_it_cut(ids, limit) -> None:
+    whole = id_ranges(ids, limit=None).split(", ")
+    text = id_ranges(ids, limit=limit)
+    cut = len(whole) > limit
+    assert text.endswith(" ...") == cut
+    assert text.removesuffix(" ...").split(", ") == whole[:limit]
 
 
 @st.composite

@@ -59,7 +59,8 @@ def render(report: dict) -> str:
         "# What installing costs",
         "",
         f"Measured {report['date']} by `python tools/install_cost.py` on {report['machine']}: "
-        "each install into a new virtualenv, pip's cache off (every wheel downloaded).",
+        "each install into a new virtualenv, pip's cache off (every wheel fetched from the "
+        "package index pip is set up for).",
         "",
         "| install | size | time | resolved |",
         "|---|---|---|---|",
