@@ -230,10 +230,8 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
             sizes = {s.name: s.file_size for s in plan.shards}
             # Judged again under the lock; from here the lock is released however the
             # block is left (`Session`).
-            claimed, ledger = out.claim(
-                plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed
-            )
-            with Session(out, claimed, ledger, identity, list(sizes)) as run:
+            run = out.claim(plan.fingerprint, opts.force, identity, sizes, opts.executor.claimed)
+            with run:
                 _run(opts, run, plan, sources, final, reporter, result)
         else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
             context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)
@@ -287,7 +285,7 @@ def _run(
     result: ConvertResult,
 ) -> None:
     result.mode = run.mode
-    for warning in run.warnings:
+    for warning in run.output.warnings:
         result.warnings.append(warning)
         reporter.warn(warning)
     scale_problems: list[Problem] = []
@@ -299,12 +297,14 @@ def _run(
         reporter.shard_done(outcome)
 
     events = ShardEvents(
-        on_bytes=reporter.advance, on_scale_nan=scale_problems.append, before_write=run.begin_writes
+        on_bytes=reporter.advance,
+        on_scale_nan=scale_problems.append,
+        before_write=run.output.begin_writes,
     )
     context = ShardContext(
         sources,
-        run.root,
-        run.tmp,
+        run.output.root,
+        run.output.tmp,
         events=events,
         check_scales=opts.check_scales,
         rehash=opts.rehash,
@@ -334,6 +334,6 @@ def _run(
             rule="read",
             file=exc.file,
             change=exc.detail,
-            hint=run.resume_hint("make sure nothing writes to the source"),
+            hint=run.output.resume_hint("make sure nothing writes to the source"),
         ) from None
     result.seconds = time.perf_counter() - started

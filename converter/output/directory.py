@@ -38,6 +38,7 @@ from ..hashing import CHUNK_SIZE, sha256_file, shard_header_sha256
 from ..source import SourceId
 from .lock import LockRefused, OutputLock
 from .records import FinalFile, Ledger, Mode, PartialDownloads, ShardRecord
+from .session import Session
 
 _LOCK, _LEDGER, _JOURNAL, _TMP = "lock", "ledger.jsonl", "journal.jsonl", "tmp"
 _PARTIALS = "partials.jsonl"  # partial downloads a Hub run started (outside this directory)
@@ -308,14 +309,15 @@ class OutputDir:
         source: SourceId | None = None,
         shards: Mapping[str, int] | None = None,
         prepare: Callable[[PartialDownloads], None] | None = None,
-    ) -> tuple[Mode, Ledger]:
+    ) -> Session:
         """Take the lock, make the directory this run's (or refuse), let `prepare` (the
         executor) free what it may, then check there is room for the `shards` (name -> size,
-        in plan order) not finished yet. Returns the run's mode and the ledger its shards are
-        committed to (a `session.Session` holds them). A failure here abandons the claim
-        (`give_up`)."""
+        in plan order) not finished yet. Returns the run's `Session` (its mode, the ledger
+        its shards are committed to): use it in a `with` block. A failure here abandons the
+        claim (`give_up`)."""
+        source = source or SourceId("", "")
         try:
-            mode, ledger, downloads = self._claim(fingerprint, force, source or SourceId("", ""))
+            mode, ledger, downloads = self._claim(fingerprint, force, source)
             if prepare is not None:
                 prepare(downloads)
             refusal = ledger.space_refusal(self.root, shards or {}, fsio.free_bytes(self.root))
@@ -323,7 +325,7 @@ class OutputDir:
                 raise refusal
         except BaseException as exc:
             self.give_up(exc)
-        return mode, ledger
+        return Session(self, mode, ledger, source, list(shards or {}))
 
     def _claim(
         self, fingerprint: str, force: bool, source: SourceId

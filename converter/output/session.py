@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..contract import CHECKSUMS_FORMAT, CHECKSUMS_NAME
 from ..hashing import TENSOR_HASH, sha256_bytes
 from ..source import SourceId
-from .directory import OutputDir
 from .records import FinalFile, FinalFiles, Ledger, Mode, ShardRecord
+
+if TYPE_CHECKING:  # the directory makes a session (`OutputDir.claim`)
+    from .directory import OutputDir
 
 
 class Session:
-    """One run's hold on its output directory, from a claim (`OutputDir.claim`) to the end of
-    a `with` block: what the claim found, the ledger the shards are committed to, and the
-    finalization. Leaving releases the lock on every path: after `finalize` it also
-    removes the state folder; after a failure it words the error while the state it
-    describes still holds, then removes only the folders this run made."""
+    """One run's hold on its output directory, from a claim (`OutputDir.claim` returns it) to
+    the end of a `with` block: what the claim found, the ledger the shards are committed to,
+    and the finalization; the directory itself is `output`. Leaving releases the lock on
+    every path: after `finalize` it also removes the state folder; after a failure it words
+    the error while the state it describes still holds, then removes only the folders this
+    run made."""
 
     def __init__(
         self,
@@ -31,17 +35,11 @@ class Session:
         source: SourceId,
         shards: list[str],
     ) -> None:
-        self.output = out  # what an executor records its partial downloads in
+        self.output = out  # its root, temporaries, warnings, steps and hints
         self.mode = mode
         self.ledger = ledger  # finished shards, of this run or an earlier one
         self.source = source
         self.shards = shards  # in plan order: the checksums file lists them so
-        self.warnings = out.warnings  # what the claim found worth saying (a stale lock)
-        self.root = out.root
-        self.tmp = out.tmp  # the temporaries, renamed into place when complete
-        # Bound methods, not wrappers: `begin_writes` is on the shard path.
-        self.begin_writes = out.begin_writes  # before the first change: the index goes
-        self.resume_hint = out.resume_hint
         self.finished = False
 
     def finalize(self, files: FinalFiles, before_index: Callable[[], None] | None = None) -> int:
