@@ -37,6 +37,7 @@ import numpy as np
 from . import cases as C
 from . import sglang_cases as S
 from . import sglang_layer as L
+from .graph_timing import graph_replay_ms
 
 SINGLE_MS = (1, 8, 32, 128)
 DIST_MS = (8, 128)
@@ -114,32 +115,6 @@ def S_compare(out: Any, want: np.ndarray) -> dict[str, float]:  # noqa: N802
     if got.shape != want.shape:
         raise ValueError(f"shape mismatch {got.shape} vs {want.shape}")
     return ref.compare(got, want)
-
-
-def _graph_replay_ms(fn: Callable[[], Any], iters: int = 50) -> float:
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 # --------------------------------------------------------------------------------------
@@ -322,8 +297,8 @@ class Single:
                 out, _ = L.forward(layer, inp.x, logits, bias)
                 latent.copy_(out)
 
-            base, with_copy = _graph_replay_ms(moe_only), _graph_replay_ms(moe_and_copy)
-            base2 = _graph_replay_ms(moe_only)  # the same thing twice: the noise floor
+            base, with_copy = graph_replay_ms(moe_only), graph_replay_ms(moe_and_copy)
+            base2 = graph_replay_ms(moe_only)  # the same thing twice: the noise floor
             rows.append(
                 {
                     "m": m,
@@ -458,9 +433,9 @@ class Single:
                     "m": m,
                     "fused_kernel_hit": hit,
                     "same_routing": same,
-                    "plain_ms": _graph_replay_ms(plain),
-                    "staged_ms": _graph_replay_ms(staged),
-                    "plain_repeat_ms": _graph_replay_ms(plain),
+                    "plain_ms": graph_replay_ms(plain),
+                    "staged_ms": graph_replay_ms(staged),
+                    "plain_repeat_ms": graph_replay_ms(plain),
                 }
                 rows.append(row)
                 self.log(f"route+quant M={m}: {row}")
@@ -582,7 +557,7 @@ def single_w4a8(args: argparse.Namespace, log: Callable[[str], None]) -> dict[st
         if L.DEVICE == "cuda":  # the CPU dry run has no graphs
             call()
             eager = static["out"].clone()
-            _graph_replay_ms(call, iters=1)  # captures `call` in a graph and replays it
+            graph_replay_ms(call, iters=1)  # captures `call` in a graph and replays it
             checks["eager_vs_graph_bitwise"] = C.bitwise_equal([eager, static["out"]])
         bad = L.build_layer(cfg, idx)
         L.load_weights(bad, cfg, L.swap_w31_halves(conv))

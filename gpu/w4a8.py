@@ -319,13 +319,13 @@ def timing(
     log: Callable[[str], None],
     ms: tuple[int, ...] = TIMING_MS,
 ) -> list[dict[str, Any]]:
-    from .sglang_run import _graph_replay_ms
+    from .graph_timing import graph_replay_ms
 
     rows = []
     for m in ms:
         row: dict[str, Any] = {"m": m}
         for act in acts:
-            row[f"{act}_graph_ms"] = _graph_replay_ms(run(m, act), iters=30)
+            row[f"{act}_graph_ms"] = graph_replay_ms(run(m, act), iters=30)
         log(f"timing M={m}: {row}")
         rows.append(row)
     return rows

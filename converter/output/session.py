@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import NoReturn, Protocol
 
 from ..contract import CHECKSUMS_FORMAT, CHECKSUMS_NAME
 from ..hashing import TENSOR_HASH, sha256_bytes
 from ..source import SourceId
 from .records import FinalFile, FinalFiles, Ledger, Mode, ShardRecord
 
-if TYPE_CHECKING:  # the directory makes a session (`OutputDir.claim`)
-    from .directory import OutputDir
+
+class Directory(Protocol):
+    """What a session asks of the directory it holds (`directory.OutputDir`, which makes
+    sessions in `claim`: the session does not import it)."""
+
+    root: Path
+    tmp: Path  # the temporaries, renamed into place when complete
+    warnings: list[str]  # what the claim found worth saying (a stale lock)
+
+    def begin_writes(self) -> None: ...  # before the first change: the index goes
+    def resume_hint(self, first: str) -> str: ...
+    def finalize(self, files: list[FinalFile], before_index: Callable[[], None] | None) -> int: ...
+    def release(self, finished: bool) -> None: ...
+    def give_up(self, exc: BaseException) -> NoReturn: ...
 
 
 class Session:
@@ -29,7 +42,7 @@ class Session:
 
     def __init__(
         self,
-        out: OutputDir,
+        out: Directory,
         mode: Mode,
         ledger: Ledger,
         source: SourceId,
