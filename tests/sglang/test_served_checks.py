@@ -111,7 +111,7 @@ def _rewrite(shard: Path, change: Callable[[dict], None]) -> None:
 
 
 def _w31(layer: int, expert: int, suffix: str = "weight_packed") -> str:
-    return f"language_model.model.layers.{layer}.mlp.experts.{expert}.w31.{suffix}"
+    return f"language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.w31.{suffix}"
 
 
 def _nan_scale(path: Path) -> None:
