@@ -1,10 +1,10 @@
 """How the commands talk to people: errors, sizes, progress, exit codes.
 
-Exit codes come from one table, `errors.EXIT_CODES`: a reason code exits the same in every
-command and in `--json` (0 success, 1 invalid input or a failed check, 2 usage error, 130
-interrupted (Ctrl-C), 143 terminated (SIGTERM)). Progress goes to stderr as a live bar on a
-terminal and as a plain line at a steady interval anywhere else (`nohup`, CI, `| tee`, a
-scheduler's log), so a log shows where a multi-hour job is.
+Exit codes come from each reason's record (`errors.reason(code).exit`): a reason exits the
+same in every command and in `--json` (0 success, 1 invalid input or a failed check, 2 usage
+error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)). Progress goes to stderr as a
+live bar on a terminal and as a plain line at a steady interval anywhere else (`nohup`, CI,
+`| tee`, a scheduler's log), so a log shows where a multi-hour job is.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from rich.markup import escape
 from .arguments import resolve_params
 from .errors import (
     EXIT_BUG,
-    EXIT_CODES,
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
     Code,
@@ -36,6 +35,7 @@ from .errors import (
     count_codes,
     human_size,
     plural,
+    reason,
     root_problems,
 )
 
@@ -72,7 +72,7 @@ def parse_size(text: str) -> int:
     return value
 
 
-human = human_size  # the one rule for sizes people read (errors.py: messages use it too)
+human = human_size  # the one rule for sizes people read (errors: messages use it too)
 
 
 def id_ranges(ids: Iterable[int]) -> str:
@@ -182,7 +182,7 @@ def run_guarded(
         sys.exit(exc.exit_code)
     except click.UsageError as exc:
         exc.show()
-        sys.exit(EXIT_CODES[Code.USAGE])
+        sys.exit(reason(Code.USAGE).exit)
     except KeyboardInterrupt as exc:
         code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
         what = "terminated (SIGTERM)" if code == EXIT_TERMINATED else "interrupted"
