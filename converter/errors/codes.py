@@ -17,6 +17,7 @@ from . import (
     reasons_model,
     reasons_output,
     reasons_request,
+    reasons_serve,
     reasons_source,
 )
 from .reason import Reason
@@ -30,6 +31,7 @@ AREAS = (
     reasons_output,
     reasons_checkpoint,
     reasons_bundle,
+    reasons_serve,
 )
 
 

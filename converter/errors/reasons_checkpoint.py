@@ -24,7 +24,18 @@ REASONS = (
             ),
         },
     ),
-    Reason("block-missing", "config has no 'kimi_w31' block: not a converted checkpoint"),
+    Reason(
+        "block-missing",
+        rules={
+            "absent": Message("config has no 'kimi_w31' block: not a converted checkpoint"),
+            # the adapter's reading (serve, and every config SGLang loads)
+            "wrapped": Message(
+                "quantization_config is wrapped as 'kimi_w31' but there is no 'kimi_w31' "
+                "block: the checkpoint is half converted or was edited",
+                hint="convert it again from the source",
+            ),
+        },
+    ),
     Reason(
         "block-field",
         rules={
