@@ -48,7 +48,7 @@ class ServeError(click.ClickException):
         self.error = error
         lines = [f"[{p.code.value}] {p.render()}" for p in error.roots]
         text = lines[0] if len(lines) == 1 else "\n".join(f"  - {line}" for line in lines)
-        super().__init__(text + (f"\n{error.hint}" if error.hint else ""))
+        super().__init__(text + (f"\nhint: {error.hint}" if error.hint else ""))
         self.reason = error.roots[0].code.value
 
     @property
