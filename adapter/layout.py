@@ -14,6 +14,7 @@ from typing import Any
 
 from ..converter import contract
 from ..converter.contract import BLOCK_KEY, WRAPPER_METHOD, find_block, text_config
+from ..converter.errors import Fatal
 
 # Serve an unconverted Kimi-K3 checkpoint with the adapter's SiTU method (see README).
 OPT_IN_ENV = "KIMI_W31_SERVE_UNCONVERTED"
@@ -27,6 +28,12 @@ class LayoutError(ValueError):
     def __init__(self, message: str, codes: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.codes = codes
+
+    @classmethod
+    def of(cls, error: Fatal) -> LayoutError:
+        """The refusal `error` (worded by its reasons' records) as a LayoutError."""
+        text = "; ".join(f"[{p.code.value}] {p.render()}" for p in error.roots)
+        return cls(text + (f"; {error.hint}" if error.hint else ""), tuple(error.codes))
 
 
 @dataclass(frozen=True)

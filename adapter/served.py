@@ -4,7 +4,7 @@ Two rules, each one place, both over what stands on disk (stat calls and shard h
 seconds for hundreds of shards, never a tensor byte):
 
 - a converted checkpoint is served only as it was verified: a passing `verify --checksums`
-  where it stands, no file changed since (`converter.verified`). Operators may opt out with
+  where it stands, no file changed since (`converter.output.verified`). Operators may opt out with
   `KIMI_W31_SKIP_VERIFIED_CHECK=1` (logged loudly in every process);
 - the tensors a loader would read are each where the index puts them and in one shard only
   (else the copy read last wins), every routed-expert tensor has the shape its parameter

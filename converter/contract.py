@@ -347,7 +347,7 @@ def check_block(cfg: Any) -> list[Problem]:
     block = find_block(cfg)
 
     if block is None:
-        return [problem(Code.BLOCK_MISSING, file=CONFIG_NAME)]
+        return [problem(Code.BLOCK_MISSING, rule="absent", file=CONFIG_NAME)]
     if not isinstance(block, Mapping):
         kind = type(block).__name__
         return [problem(Code.BLOCK_FIELD, rule="not-object", file=CONFIG_NAME, kind=kind)]

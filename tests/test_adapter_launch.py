@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kimi_w31.adapter.sglang import launch
 from kimi_w31.adapter.sglang.launch import ServeError, check_stack, plan_serve, serve
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.errors import Code, reason
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 SOURCE = make_config(SynthSpec(k=3584, n=3072, experts=896))
@@ -196,6 +196,43 @@ def test_cli_refuses_on_failed_checks(tmp_path, monkeypatch):
     result = run_cli([str(ckpt(tmp_path)), "--print"], inprocess=True, command=serve)
     assert result.returncode != 0
     assert "sglang is not installed" in result.output and "verify: index" in result.output
+    assert Code.STACK_UNREADY.value in result.output
+
+
+def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monkeypatch):
+    """A table over the refusals serve words through its records (reasons_serve.py)."""
+    from kimi_w31.adapter import kernels, prebuild
+
+    def refused(call) -> ServeError:
+        with pytest.raises(ServeError) as err:
+            call()
+        assert err.value.exit_code == err.value.error.exit_code
+        return err.value
+
+    def no_torch(*a, **k):
+        raise ImportError("no torch")
+
+    def no_build(*a, **k):
+        raise prebuild.PrebuildError("no torch here", "no-torch")
+
+    monkeypatch.setattr(kernels, "preflight_bundle", no_torch)
+    monkeypatch.setattr(prebuild, "require_torch", no_build)
+    roots = {name: tmp_path / name for name in ("plain", "silu")}
+    for root in roots.values():
+        root.mkdir()
+    cases = {
+        Code.NOT_CONVERTED: lambda: plan_serve(ckpt(roots["plain"], converted=False)),
+        Code.NOT_SITU: lambda: plan_serve(
+            ckpt(roots["silu"], converted=False, hidden_act="silu"), unconverted=True
+        ),
+        Code.KERNEL_BUNDLE_UNCHECKED: lambda: launch.kernel_bundle_env(tmp_path),
+        Code.PREBUILD_FAILED: lambda: launch.run_prebuild(None, "lines"),
+        Code.BAD_FLAG: lambda: launch.text_only_override("[1]"),
+    }
+    for code, call in cases.items():
+        err = refused(call)
+        assert err.reason == code.value and f"[{code.value}]" in err.message
+        assert err.exit_code == reason(code).exit
 
 
 def test_cli_runs_the_real_structure_verify(tmp_path, monkeypatch):
@@ -356,7 +393,7 @@ def test_a_real_size_replica_needs_two_h200_nodes(tmp_path, tp, ep, fits):
         return
     with pytest.raises(ServeError) as err:
         plan_serve(root, tp=tp, ep=ep, gpu_memory=H200)
-    assert err.value.reason == "capacity"
+    assert err.value.reason == Code.CAPACITY.value
 
 
 @given(
@@ -382,7 +419,7 @@ def test_capacity_refuses_exactly_when_an_even_split_does_not_fit(
         plan_serve(root, extra, tp=tp, ep=math.gcd(tp, 896), gpu_memory=per_gpu, python="py")
         refused = False
     except ServeError as exc:
-        assert exc.reason == "capacity"
+        assert exc.reason == Code.CAPACITY.value
         refused = True
     assert refused == (not fits)
 
@@ -406,7 +443,7 @@ def test_capacity_reads_shard_sizes_without_total_size_and_the_gpus_where_presen
     # the smallest GPU decides; 1100 bytes over 2 GPUs of 500 bytes: refused
     with pytest.raises(ServeError) as err:
         plan_serve(root, tp=2, ep=2, detect=lambda: (500, "test"))
-    assert err.value.reason == "capacity"
+    assert err.value.reason == Code.CAPACITY.value
     plan_serve(root, tp=4, ep=4, detect=lambda: (500, "test"))
     plan_serve(root, tp=2, ep=2, detect=lambda: None)  # unknown memory: not checked
 
@@ -417,7 +454,7 @@ def test_capacity_counts_pipeline_stages_and_shows_nodes(tmp_path):
     plan_serve(root, extra, tp=2, ep=2, gpu_memory=500, python="py")  # 4 GPUs x 500
     with pytest.raises(ServeError) as err:
         plan_serve(root, ["--nnodes", "2"], tp=2, ep=2, gpu_memory=500)
-    assert err.value.reason == "capacity"
+    assert err.value.reason == Code.CAPACITY.value
 
 
 def test_gpu_memory_option_parses_sizes(tmp_path, monkeypatch):

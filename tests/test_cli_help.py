@@ -9,7 +9,7 @@ import re
 import click
 import pytest
 from cli_helpers import run_cli
-from kimi_w31.converter.errors import EXIT_CODES, Code
+from kimi_w31.converter.errors import Code, reason
 
 from kimi_w31.cli import main
 
@@ -76,7 +76,7 @@ def test_a_typo_of_a_command_is_refused_and_names_the_command(name, tmp_path, mo
     typos = sorted(t for t in _one_edit_typos(name) if len(t) >= 4)
     for typo in random.Random(name).sample(typos, 12):
         result = run_cli([typo, "out", "--checksums"], inprocess=True)
-        assert result.returncode == EXIT_CODES[Code.USAGE], (typo, result.output)
+        assert result.returncode == reason(Code.USAGE).exit, (typo, result.output)
         assert repr(name) in result.output, (typo, result.output)  # the command meant
         assert not (tmp_path / "out").exists()  # nothing converted, nothing written
 
@@ -88,14 +88,14 @@ def test_an_existing_directory_named_like_a_typo_is_a_source(tmp_path, monkeypat
     result = run_cli(["verfy", "out", "--json"], inprocess=True)
     doc = result.json  # convert read it: an empty directory has no config
     assert result.codes == [Code.FILE_MISSING.value]
-    assert result.returncode == doc["exit_code"] == EXIT_CODES[Code.FILE_MISSING]
+    assert result.returncode == doc["exit_code"] == reason(Code.FILE_MISSING).exit
 
 
 def test_a_word_unlike_any_command_is_convert_s_source(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = run_cli(["zzzzzz", "out", "--json"], inprocess=True)
     assert set(result.codes) == {Code.SOURCE_NOT_FOUND.value}
-    assert result.returncode == EXIT_CODES[Code.SOURCE_NOT_FOUND]
+    assert result.returncode == reason(Code.SOURCE_NOT_FOUND).exit
 
 
 def test_src_out_without_a_command_still_converts(small_source, tmp_path):

@@ -1,5 +1,5 @@
-"""Exit codes belong to reason codes: one table (`errors.EXIT_CODES`), the same in every
-command and in `--json`; no raise site chooses one."""
+"""Exit codes belong to reason codes: each reason's record says its own (`errors.reason`), the
+same in every command and in `--json`; no raise site chooses one."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli
 from kimi_w31.converter.errors import (
-    EXIT_CODES,
     EXIT_PROBLEMS,
     EXIT_USAGE,
     Code,
     Fatal,
     Problem,
+    reason,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,11 +22,25 @@ PACKAGES = ("converter", "adapter", "kimi_w31")
 ANY = ["--manifest", "kimi-k3-any"]
 
 
-def test_every_reason_code_has_its_exit_code():
-    """A new code must say how it exits: no silent default."""
-    missing = sorted(c.value for c in Code if c not in EXIT_CODES)
-    assert missing == [], f"codes without a line in errors.EXIT_CODES: {missing}"
-    assert set(EXIT_CODES.values()) <= {EXIT_PROBLEMS, EXIT_USAGE}
+# The reasons that exit as usage errors, as the README lists them: a record that changes its
+# exit code changes the interface, and this table with it.
+USAGE_REASONS = {
+    Code.USAGE,
+    Code.MANIFEST_NOT_FOUND,
+    Code.MANIFEST_INVALID,
+    Code.OUTPUT_INSIDE_SOURCE,
+    Code.WINDOW_TOO_SMALL,
+    Code.PATH_UNUSABLE,
+    Code.AMBIGUOUS_FLAG,
+    Code.BAD_FLAG,
+    Code.EXPERT_SPLIT,
+    Code.LANGUAGE_MODEL_ONLY,
+}
+
+
+def test_every_reason_exits_as_usage_or_as_a_problem():
+    assert {c for c in Code if reason(c).exit == EXIT_USAGE} == USAGE_REASONS
+    assert {reason(c).exit for c in Code if c not in USAGE_REASONS} == {EXIT_PROBLEMS}
 
 
 def test_no_raise_site_chooses_an_exit_code():
@@ -44,12 +58,12 @@ def test_no_raise_site_chooses_an_exit_code():
 
 @pytest.mark.parametrize("code", list(Code))
 def test_a_fatal_exits_as_its_reason_says(code):
-    assert Fatal([Problem(code, "x")]).exit_code == EXIT_CODES[code]
+    assert Fatal([Problem(code, "x")]).exit_code == reason(code).exit
 
 
 def test_a_usage_reason_wins_over_a_data_reason():
-    usage = [c for c in Code if EXIT_CODES[c] == EXIT_USAGE]
-    data = [c for c in Code if EXIT_CODES[c] == EXIT_PROBLEMS]
+    usage = [c for c in Code if reason(c).exit == EXIT_USAGE]
+    data = [c for c in Code if reason(c).exit == EXIT_PROBLEMS]
     for u, d in zip(usage, data, strict=False):
         assert Fatal([Problem(d, "x"), Problem(u, "y")]).exit_code == EXIT_USAGE
 
@@ -84,7 +98,7 @@ def test_the_same_reason_exits_the_same_in_every_command(small_source, tmp_path)
     for code, command, argv, has_json in _cases(small_source, tmp_path):
         result = run_cli([*argv, "--json"] if has_json else argv, inprocess=True)
         seen.setdefault(code, set()).add(result.returncode)
-        assert result.returncode == EXIT_CODES[code], (command, argv, result.output)
+        assert result.returncode == reason(code).exit, (command, argv, result.output)
         if has_json:
             doc = result.json
             assert doc["exit_code"] == result.returncode, (command, doc)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.cli import console
 from kimi_w31.converter.cli.convert import ProgressReporter
-from kimi_w31.converter.errors import EXIT_CODES, Code
+from kimi_w31.converter.errors import Code, reason
 from kimi_w31.converter.execute.shard import Outcome, ShardOutcome
 from kimi_w31.converter.output.records import ShardRecord
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
@@ -146,6 +146,6 @@ def test_a_window_refused_before_any_download_prints_no_progress(tmp_path):
             ],
             env=env,
         )
-    assert proc.returncode == EXIT_CODES[Code.WINDOW_TOO_SMALL], proc.stderr
+    assert proc.returncode == reason(Code.WINDOW_TOO_SMALL).exit, proc.stderr
     assert Code.WINDOW_TOO_SMALL.value not in proc.stdout  # text mode: on stderr
     assert not [x for x in proc.stderr.splitlines() if x.startswith(("convert:", "download:"))]

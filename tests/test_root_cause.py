@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter.errors import (
     CONSEQUENCES,
-    EXIT_CODES,
     Code,
     Fatal,
     Problem,
+    reason,
     root_problems,
     suppressed_codes,
 )
@@ -69,7 +69,7 @@ def test_roots_explain_everything_and_are_never_empty(ps):
     assert not suppressed_codes(root_codes) & root_codes - {p.code for p in hidden}
     fatal = Fatal(ps) if ps else None
     if fatal is not None:  # the exit code is the causes', from the one table
-        assert fatal.exit_code == max(EXIT_CODES[c] for c in root_codes)
+        assert fatal.exit_code == max(reason(c).exit for c in root_codes)
 
 
 facts = st.one_of(st.none(), st.text(min_size=1, max_size=8))
@@ -101,7 +101,7 @@ def test_a_wrong_layer_rule_field_is_one_cause(field, value, small_source, tmp_p
     assert codes == [Code.CONFIG_FIELD.value], doc  # one field, one line (not one per reader)
     # Every layer with experts would be "not a MoE layer", and "no experts" would follow.
     assert doc["suppressed"] >= 1 and Code.LAYER_UNEXPECTED.value in doc["suppressed_codes"]
-    assert code == doc["exit_code"] == EXIT_CODES[Code.CONFIG_FIELD]
+    assert code == doc["exit_code"] == reason(Code.CONFIG_FIELD).exit
     text = _text([src, tmp_path / "out2", *ANY])
     assert "expected None" not in text and Code.LAYER_UNEXPECTED.value in text  # counted
     assert not (tmp_path / "out").exists()
@@ -112,7 +112,7 @@ def test_converting_a_converted_output_is_one_cause(converted, tmp_path):
     assert codes == [Code.ALREADY_MARKED.value]
     assert doc["suppressed"] == sum(doc["suppressed_codes"].values()) > 0
     assert set(doc["suppressed_codes"]) <= {c.value for c in CONSEQUENCES[Code.ALREADY_MARKED]}
-    assert code == doc["exit_code"] == EXIT_CODES[Code.ALREADY_MARKED]
+    assert code == doc["exit_code"] == reason(Code.ALREADY_MARKED).exit
 
 
 @pytest.mark.parametrize("level", [[], ["--checksums"]])
@@ -122,7 +122,7 @@ def test_verifying_an_unconverted_source_is_one_cause(level, small_source):
     assert doc["suppressed"] > 0
     assert set(doc["suppressed_codes"]) <= {c.value for c in CONSEQUENCES[Code.BLOCK_MISSING]}
     assert listed == [Code.BLOCK_MISSING.value]
-    assert code == doc["exit_code"] == EXIT_CODES[Code.BLOCK_MISSING]
+    assert code == doc["exit_code"] == reason(Code.BLOCK_MISSING).exit
 
 
 def test_independent_causes_are_all_listed(source_copy, tmp_path):

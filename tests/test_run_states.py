@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import ENTRY, json_problems, run_cli, start_cli
 from kimi_w31.converter.contract import STATE_DIR
-from kimi_w31.converter.errors import EXIT_CODES, Code
+from kimi_w31.converter.errors import Code, reason
 from kimi_w31.converter.output.directory import OutputDir
 
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000", "--workers", "1"]
@@ -134,7 +134,7 @@ def test_synth_never_mixes_two_checkpoints(tmp_path, content):
         target / "old.txt"
     ).write_text("x")
     proc = run_cli(["synth", target])
-    assert proc.returncode == EXIT_CODES[Code.OUTPUT_NOT_EMPTY]  # as in convert
+    assert proc.returncode == reason(Code.OUTPUT_NOT_EMPTY).exit  # as in convert
     assert sorted(p.name for p in target.iterdir()) == (
         ["old.txt"] if content == "file" else ["sub"]
     )

@@ -3,8 +3,8 @@
 A line counts when it lies inside a call that builds a `Problem` (`Problem(...)`, `problem`,
 `fatal`, `fail`, `usage`) or a call of a local wrapper of one (a function whose one
 statement returns, raises or appends a constructor's result), or inside such a wrapper's
-definition. `converter/errors.py` (where the messages
-live) is counted on its own line.
+definition. `converter/errors/` (where the reasons' records and the mechanism live) is
+counted on its own lines, per module.
 
     python tools/problem_lines.py [ROOT]
 """
@@ -60,13 +60,14 @@ def problem_lines(path: Path) -> set[int]:
 
 
 def main(root: Path) -> None:
+    errors = root / "converter" / "errors"
     for package in PACKAGES:
-        files = sorted(p for p in (root / package).rglob("*.py") if p.name != "errors.py")
+        files = sorted(p for p in (root / package).rglob("*.py") if errors not in p.parents)
         spent = sum(len(problem_lines(p)) for p in files)
         total = sum(len(p.read_text().splitlines()) for p in files)
         print(f"{package}/: {spent} lines constructing problems, {total} lines in all")
-    errors = root / "converter" / "errors.py"
-    print(f"converter/errors.py: {len(errors.read_text().splitlines())} lines")
+    for p in sorted(errors.glob("*.py")):
+        print(f"converter/errors/{p.name}: {len(p.read_text().splitlines())} lines")
 
 
 if __name__ == "__main__":

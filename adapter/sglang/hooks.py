@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ...converter.errors import Code
+from ...converter.errors import Code, fatal
 from ...converter.output import verified
 from .. import flashinfer_moe as fm
 from ..arch import is_served
@@ -78,12 +78,7 @@ def after_get_config(result: Any, *args: Any, **kwargs: Any) -> Any:
     """
     if result is not None and not isinstance(result, (str, bytes)):
         if unwrap_quantization_config(result) and find_block(result) is None:
-            raise LayoutError(
-                "quantization_config is wrapped as 'kimi_w31' but config.json has no "
-                "'kimi_w31' block: the checkpoint is half converted or was edited; convert it "
-                "again from the source",
-                (Code.BLOCK_MISSING.value,),
-            )
+            raise LayoutError.of(fatal(Code.BLOCK_MISSING, rule="wrapped", file="config.json"))
         load_layout(result)
     return result
 

@@ -26,7 +26,7 @@ from ...converter import contract
 from ...converter.cli.arguments import PathArg
 from ...converter.cli.console import guard_paths, human, parse_size, progress_option
 from ...converter.contract import STATE_DIR
-from ...converter.errors import EXIT_PROBLEMS, EXIT_USAGE, Code, plural
+from ...converter.errors import Code, Fatal, fatal, plural
 from ..arch import ARCHES
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
@@ -39,23 +39,22 @@ ALIGNMENT = 128
 INDEX_NAME = "model.safetensors.index.json"
 
 
-# Reasons that mean the command line asks for what cannot be run as asked: exit 2, as
-# `--help` documents for usage errors (every other reason is a failed check: exit 1).
-USAGE_REASONS = frozenset({"bad-flag", "ambiguous-flag", "expert-split", "language-model-only"})
-
-
 class ServeError(click.ClickException):
-    """A reason not to start the server; the message says what to do instead. `reason` is a
-    stable name for tests and tools (the message text is for people)."""
+    """A reason not to start the server: the converter's `Fatal` (problems with reason codes,
+    worded by their records, converter/errors/reasons_serve.py), raised through click.
+    `reason` is the first cause's code, stable for tests and tools; the exit code is the one
+    its record gives (usage reasons 2, the rest 1), as in convert and verify."""
 
-    def __init__(self, message: str, reason: str = "check") -> None:
-        super().__init__(message)
-        self.reason = reason
+    def __init__(self, error: Fatal) -> None:
+        self.error = error
+        lines = [f"[{p.code.value}] {p.render()}" for p in error.roots]
+        text = lines[0] if len(lines) == 1 else "\n".join(f"  - {line}" for line in lines)
+        super().__init__(text + (f"\nhint: {error.hint}" if error.hint else ""))
+        self.reason = error.roots[0].code.value
 
     @property
     def exit_code(self) -> int:  # type: ignore[override]
-        """As the converter's table says: usage reasons exit as usage, the rest as checks."""
-        return EXIT_USAGE if self.reason in USAGE_REASONS else EXIT_PROBLEMS
+        return self.error.exit_code
 
 
 # The pip install line of the README: the package is installed from a clone, not an index.
@@ -175,11 +174,7 @@ def _dest_of(name: str) -> str | None:
     dests = {d for d, (names, _) in SGLANG_FLAGS.items() if any(n.startswith(name) for n in names)}
     if len(dests) > 1:
         options = sorted(n for d in dests for n in SGLANG_FLAGS[d][0] if n.startswith(name))
-        raise ServeError(
-            f"{name} after -- is ambiguous (it abbreviates {', '.join(options)}): write the "
-            "option in full",
-            "ambiguous-flag",
-        )
+        raise ServeError(fatal(Code.AMBIGUOUS_FLAG, name=name, options=", ".join(options)))
     return dests.pop() if dests else None
 
 
@@ -201,16 +196,19 @@ def sglang_flags(args: Sequence[str]) -> dict[str, Any]:
             continue
         if not eq:
             if i >= len(args) or (args[i].startswith("-") and not _is_number(args[i])):
-                raise ServeError(f"{arg} after -- has no value", "bad-flag")
+                raise ServeError(fatal(Code.BAD_FLAG, rule="no-value", flag=arg))
             value = args[i]
             i += 1
         kind = SGLANG_FLAGS[dest][1]
         try:
             found[dest] = kind(value)
         except ValueError:
+            if kind is int:
+                raise ServeError(
+                    fatal(Code.BAD_FLAG, rule="not-integer", flag=name, value=value)
+                ) from None
             raise ServeError(
-                f"{name} {value!r} after -- is not {'an integer' if kind is int else 'a number'}",
-                "bad-flag",
+                fatal(Code.BAD_FLAG, rule="not-number", flag=name, value=value)
             ) from None
     return found
 
@@ -227,11 +225,7 @@ def check_finished(root: Path) -> None:
     """An output the converter has started but not finished (its state folder, no index yet:
     the index is written last) is refused as that, before any file in it is judged."""
     if (root / STATE_DIR).is_dir() and not (root / INDEX_NAME).exists():
-        raise ServeError(
-            f"{root}: conversion incomplete (no {INDEX_NAME} yet; the converter writes it "
-            "last): rerun the conversion (the same kimi-convert command) to finish it",
-            Code.INCOMPLETE_OUTPUT.value,
-        )
+        raise ServeError(fatal(Code.INCOMPLETE_OUTPUT, rule="running", file=root, state=STATE_DIR))
 
 
 def read_config(root: Path) -> tuple[dict, bool]:
@@ -241,9 +235,11 @@ def read_config(root: Path) -> tuple[dict, bool]:
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as exc:
-        raise ServeError(f"{cfg_path}: cannot read the model config ({exc})", "config") from exc
+        raise ServeError(
+            fatal(Code.FILE_UNREADABLE, rule="read", file=cfg_path, error=exc)
+        ) from exc
     if not isinstance(cfg, dict):
-        raise ServeError(f"{cfg_path}: not a JSON object", "config")
+        raise ServeError(fatal(Code.JSON_INVALID, rule="config-not-object", file=cfg_path))
     return cfg, find_block(cfg) is not None
 
 
@@ -254,25 +250,12 @@ def check_config(root: Path, cfg: dict, *, converted: bool) -> None:
     if converted:
         problems = contract.check_block(cfg) + contract.check_wrapped(cfg)
         if problems:
-            raise ServeError(
-                f"{cfg_path}: not a usable converted checkpoint (a server without the adapter "
-                "must refuse it, and the adapter must agree with its block):\n  - "
-                + "\n  - ".join(f"[{p.code.value}] {p.render()}" for p in problems)
-                + "\nConvert it again from the source.",
-                problems[0].code.value,
-            )
+            raise ServeError(Fatal(problems))
     elif contract.marks(cfg):
-        raise ServeError(
-            f"{cfg_path}: [{Code.BLOCK_MISSING.value}] quantization_config is wrapped as "
-            f"'{contract.WRAPPER_METHOD}' but there is no '{contract.BLOCK_KEY}' block: the "
-            "checkpoint is half converted or was edited. Convert it again from the source.",
-            Code.BLOCK_MISSING.value,
-        )
+        raise ServeError(fatal(Code.BLOCK_MISSING, rule="wrapped", file=cfg_path))
     text = text_config(cfg)
     if text.get("hidden_act") != "situ":
-        raise ServeError(
-            f"{cfg_path}: hidden_act is {text.get('hidden_act')!r}, not 'situ'", "not-situ"
-        )
+        raise ServeError(fatal(Code.NOT_SITU, file=cfg_path, act=text.get("hidden_act")))
 
 
 def moe_tp_size(tp: int, ep: int, moe_dp: int = 1) -> int:
@@ -282,17 +265,13 @@ def moe_tp_size(tp: int, ep: int, moe_dp: int = 1) -> int:
     tests/sglang/test_serve_flags.py holds both to SGLang's code."""
     for name, value in (("tp", tp), ("ep", ep), ("moe-dp-size", moe_dp)):
         if value < 1:
-            raise ServeError(f"--{name} {value}: must be at least 1", "bad-flag")
+            raise ServeError(fatal(Code.BAD_FLAG, rule="at-least-one", name=name, value=value))
     if tp % ep:
-        raise ServeError(f"--tp {tp} / --ep {ep}: --ep must divide --tp", "bad-flag")
+        raise ServeError(fatal(Code.BAD_FLAG, rule="ep-divides-tp", tp=tp, ep=ep))
     # SGLang, with moe_dp > 1: tp % moe_dp == 0, ep * moe_dp <= tp, and ep * moe_dp == tp
     # when ep > 1.
     if moe_dp > 1 and (tp % moe_dp or ep * moe_dp > tp or (ep > 1 and ep * moe_dp != tp)):
-        raise ServeError(
-            f"--tp {tp} / --ep {ep} / --moe-dp-size {moe_dp}: SGLang needs --moe-dp-size "
-            "to divide --tp, and --ep x --moe-dp-size to equal --tp when --ep > 1",
-            "bad-flag",
-        )
+        raise ServeError(fatal(Code.BAD_FLAG, rule="moe-dp", tp=tp, ep=ep, moe_dp=moe_dp))
     return tp // ep // moe_dp
 
 
@@ -302,10 +281,13 @@ def check_expert_split(cfg: dict, *, ep: int) -> None:
     if isinstance(experts, int) and experts > 0 and experts % ep:
         fits = [d for d in range(1, experts + 1) if experts % d == 0 and d <= 64]
         raise ServeError(
-            f"--ep {ep}: the {experts} routed experts per layer do not split over {ep} "
-            f"expert-parallel ranks ({experts} / {ep} = {experts / ep:.2f}); --ep must divide "
-            f"{experts} (up to 64: {', '.join(map(str, fits))})",
-            "expert-split",
+            fatal(
+                Code.EXPERT_SPLIT,
+                ep=ep,
+                experts=experts,
+                ratio=experts / ep,
+                fits=", ".join(map(str, fits)),
+            )
         )
 
 
@@ -317,22 +299,14 @@ def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str, moe_dp: int = 1) 
     if backend == BACKEND and not aligned:
         over = f"tp/ep = {tp}/{ep}" + (f"/moe-dp {moe_dp}" if moe_dp > 1 else "")
         raise ServeError(
-            f"moe_intermediate_size {n} over moe-TP {moe_tp} ({over}) is not a multiple of "
-            f"{ALIGNMENT}: the CUTLASS SiTU method does not pad. Pick another --tp/--ep "
-            "(Kimi-K3: tp/ep in 1, 2, 3, 4, 6, 8, 12, 24), or --backend marlin.",
-            "moe-tp-alignment",
+            fatal(Code.MOE_TP_ALIGNMENT, n=n, moe_tp=moe_tp, over=over, alignment=ALIGNMENT)
         )
 
 
 def _require_converted_or_opt_in(root: Path, cfg: dict, *, converted: bool, unconverted: bool):
     # Not a check that --skip-checks skips: it decides what is served (and the opt-in).
     if not converted and not unconverted and not contract.marks(cfg):
-        raise ServeError(
-            f"{root} is not a converted checkpoint (no '{contract.BLOCK_KEY}' block in "
-            "config.json). Convert it with `kimi-convert SRC OUT`, or pass --unconverted to "
-            f"serve the original with the adapter's SiTU method ({OPT_IN_ENV}=1).",
-            "not-converted",
-        )
+        raise ServeError(fatal(Code.NOT_CONVERTED, file=root, env=OPT_IN_ENV))
 
 
 # --- capacity: can the GPUs hold the checkpoint? --------------------------------------------
@@ -511,14 +485,20 @@ def check_capacity(
             else "GPUs with more memory than what every GPU holds whole"
         )
         raise ServeError(
-            f"the GPUs cannot hold this checkpoint: {human(size)} ({source}){whole} over "
-            f"tp {tp} x pp {pp} = {plural(cap.gpus, 'GPU')} (on {plural(nnodes, 'node')}) is "
-            f"{human(cap.needed_per_gpu)} per GPU at the least, more than the {each} each GPU "
-            f"has ({how}). It needs {need} for the weights alone, "
-            "before KV cache and activations (Kimi-K3 on H200s: 16, two nodes; see the "
-            "README). Use more GPUs (a larger --tp, or -- --pp-size; across nodes with -- "
-            "--nnodes), or give --gpu-memory when this machine is not the one that serves.",
-            "capacity",
+            fatal(
+                Code.CAPACITY,
+                size=human(size),
+                source=source,
+                whole=whole,
+                tp=tp,
+                pp=pp,
+                gpus=plural(cap.gpus, "GPU"),
+                nodes=plural(nnodes, "node"),
+                needed=human(cap.needed_per_gpu),
+                each=each,
+                how=how,
+                need=need,
+            )
         )
     return cap
 
@@ -555,15 +535,10 @@ def plan_serve(
     moe_dp = given.get("moe_dp_size", 1)
     for name, value in (("pp", pp), ("nnodes", nnodes)):
         if value < 1:
-            raise ServeError(f"--{name} {value}: must be at least 1", "bad-flag")
+            raise ServeError(fatal(Code.BAD_FLAG, rule="at-least-one", name=name, value=value))
     moe_tp_size(tp, ep, moe_dp)  # a layout SGLang refuses: a usage error before anything
     if "--language-model-only" in switches:
-        raise ServeError(
-            "--language-model-only after --: SGLang 0.5.23 refuses it for Kimi-K3; pass "
-            "serve's --text-only (it sets --json-model-override-args "
-            f"'{json.dumps(TEXT_ONLY_OVERRIDE)}')",
-            "language-model-only",
-        )
+        raise ServeError(fatal(Code.LANGUAGE_MODEL_ONLY, override=json.dumps(TEXT_ONLY_OVERRIDE)))
     if checks:
         check_config(root, cfg, converted=converted)
         check_expert_split(cfg, ep=ep)
@@ -608,11 +583,9 @@ def text_only_override(theirs: str | None) -> list[str]:
         try:
             mine = json.loads(theirs)
         except ValueError:
-            raise ServeError(
-                f"--json-model-override-args {theirs!r} after -- is not JSON", "bad-flag"
-            ) from None
+            raise ServeError(fatal(Code.BAD_FLAG, rule="override-not-json", value=theirs)) from None
         if not isinstance(mine, dict):
-            raise ServeError("--json-model-override-args after -- is not a JSON object", "bad-flag")
+            raise ServeError(fatal(Code.BAD_FLAG, rule="override-not-object"))
         if "language_model_only" in mine:
             return []
         merged = {**mine, **merged}
@@ -764,12 +737,7 @@ def serve(
     bundle_env = kernel_bundle_env(kernels) if kernels is not None else {}
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
     if not print_only and not skip_checks and count_gpus() == 0:  # before any other check
-        raise ServeError(
-            "no NVIDIA GPU on this machine (nvidia-smi and the driver show none): run serve "
-            "on the serving nodes, or add --print (and --gpu-memory SIZE) to print their "
-            "launch command from here",
-            "no-gpu",
-        )
+        raise ServeError(fatal(Code.NO_GPU))
     plan = plan_serve(
         checkpoint,
         sglang_args,
@@ -795,7 +763,7 @@ def serve(
         if not plan.env:  # a converted checkpoint: prove its structure first
             problems += [f"verify: {p}" for p in verify_structure(checkpoint)]
         if problems:
-            raise ServeError("not starting the server:\n  - " + "\n  - ".join(problems))
+            raise ServeError(fatal(Code.STACK_UNREADY, problems="\n  - ".join(problems)))
     plan.env.update(bundle_env)  # after the checks: they read plan.env as "unconverted"
     if print_only:
         click.echo(plan.shell())
@@ -858,11 +826,10 @@ def kernel_bundle_env(kernels: Path) -> dict[str, str]:
     try:
         preflight_bundle(env)
     except BundleError as exc:
-        raise ServeError(f"--kernels {kernels}: {exc}", reason="kernel-bundle") from None
+        raise ServeError(Fatal(exc.problems)) from None
     except ImportError as exc:  # no torch here: the stack cannot be compared
         raise ServeError(
-            f"--kernels {kernels}: cannot read this machine's stack ({exc}); {INSTALL_HINT}",
-            reason="kernel-bundle",
+            fatal(Code.KERNEL_BUNDLE_UNCHECKED, kernels=kernels, error=exc, install=INSTALL_HINT)
         ) from None
     return env
 
@@ -884,7 +851,7 @@ def run_prebuild(
     try:
         require_torch()  # before the imports below, which need it
     except PrebuildError as exc:
-        raise ServeError(f"prebuild: {exc}", exc.reason) from None
+        raise ServeError(fatal(Code.PREBUILD_FAILED, error=exc)) from None
     from ..flashinfer_moe import SituUnsupportedError
 
     shown: dict[str, console.Progress] = {}
@@ -912,7 +879,7 @@ def run_prebuild(
             plan_only=plan_only,
         )
     except (PrebuildError, SituUnsupportedError, BundleError) as exc:
-        raise ServeError(f"prebuild: {exc}", getattr(exc, "reason", "prebuild")) from None
+        raise ServeError(fatal(Code.PREBUILD_FAILED, error=exc)) from None
     finally:
         for bar in shown.values():
             bar.stop()

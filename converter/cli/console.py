@@ -1,10 +1,10 @@
 """How the commands talk to people: errors, sizes, progress, exit codes.
 
-Exit codes come from one table, `errors.EXIT_CODES`: a reason code exits the same in every
-command and in `--json` (0 success, 1 invalid input or a failed check, 2 usage error, 130
-interrupted (Ctrl-C), 143 terminated (SIGTERM)). Progress goes to stderr as a live bar on a
-terminal and as a plain line at a steady interval anywhere else (`nohup`, CI, `| tee`, a
-scheduler's log), so a log shows where a multi-hour job is.
+Exit codes come from each reason's record (`errors.reason(code).exit`): a reason exits the
+same in every command and in `--json` (0 success, 1 invalid input or a failed check, 2 usage
+error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)). Progress goes to stderr as a
+live bar on a terminal and as a plain line at a steady interval anywhere else (`nohup`, CI,
+`| tee`, a scheduler's log), so a log shows where a multi-hour job is.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from rich.markup import escape
 
 from ..errors import (
     EXIT_BUG,
-    EXIT_CODES,
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
     Code,
@@ -34,6 +33,7 @@ from ..errors import (
     Problem,
     count_codes,
     plural,
+    reason,
     root_problems,
 )
 from ..text import duration, human, id_ranges  # noqa: F401  (the CLI's names for them)
@@ -157,7 +157,7 @@ def run_guarded(
         sys.exit(exc.exit_code)
     except click.UsageError as exc:
         exc.show()
-        sys.exit(EXIT_CODES[Code.USAGE])
+        sys.exit(reason(Code.USAGE).exit)
     except KeyboardInterrupt as exc:
         code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
         what = "terminated (SIGTERM)" if code == EXIT_TERMINATED else "interrupted"

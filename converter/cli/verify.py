@@ -2,9 +2,9 @@
 
 One line per check (ok / FAIL / skip with what it covered), then every problem with its
 code (a problem that follows from another one listed is counted, not repeated); `--json`
-prints the report with each problem's `code` and the exit code. Exit codes come from
-`errors.EXIT_CODES`, as in every command: 0 every check passed, 1 a check failed, 2 usage
-error, 130 interrupted, 143 terminated.
+prints the report with each problem's `code` and the exit code. Exit codes come from each
+reason's record (`errors.reason(code).exit`), as in every command: 0 every check passed, 1 a
+check failed, 2 usage error, 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations

@@ -1,0 +1,210 @@
+"""The config, and the routed experts and MoE layers it promises."""
+
+from __future__ import annotations
+
+from .reason import Message, Reason
+
+REASONS = (
+    # -- the config
+    Reason(
+        "no-quantization-config",
+        rules={
+            "source": Message("config has no quantization_config: this is not an MXFP4 checkpoint"),
+            "output": Message("config has no quantization_config"),
+        },
+    ),
+    Reason(
+        "already-marked",
+        "config already carries the kimi_w31 markers: this checkpoint is converted "
+        "already, or tampered with",
+        expected="no kimi_w31 block or wrapper",
+        found="{marks}",
+    ),
+    Reason(
+        "config-field",
+        rules={
+            "text-config": Message(
+                "text_config must be an object (SGLang builds the text model from it)",
+                found="{kind}",
+            ),
+            "top-level": Message(
+                "config field {key} at the top level of a {model_type} config: SGLang takes it "
+                "from text_config only and cannot load this config",
+                found="{value!r}",
+            ),
+            "integer": Message(
+                "config field {key} must be an integer >= {minimum}", found="{value}"
+            ),
+            "num-experts": Message(
+                "config field {key} must be an integer >= {minimum} (without it SGLang builds "
+                "no MoE layer)",
+                found="{value}",
+            ),
+            "positive": Message(
+                "config field {key} is missing or not a positive integer", found="{value}"
+            ),
+            "group": Message(
+                "{key} is not a multiple of the MXFP4 group size {group}", found="{value}"
+            ),
+        },
+    ),
+    Reason(
+        "pinned-mismatch",
+        "config field {key} does not match manifest {manifest}",
+        expected="{want!r}",
+        found="{value!r}",
+    ),
+    Reason(
+        "situ-mismatch",
+        rules={
+            "hidden-act": Message(
+                "config's hidden_act is not 'situ': the converted block would announce an "
+                "activation the model does not use",
+                expected="'situ'",
+                found="{act!r}",
+            ),
+            "not-numeric": Message(
+                "config has no numeric {key}", expected="{want!r}", found="{value!r}"
+            ),
+            "value": Message(
+                "{key} does not match manifest {manifest}", expected="{want!r}", found="{value!r}"
+            ),
+        },
+    ),
+    # one field said twice, two ways (alias, top level)
+    Reason(
+        "config-conflict",
+        rules={
+            "alias": Message(
+                "config fields {first} and {second} give one value two ways (SGLang reads "
+                "both, in different places)",
+                expected="{first} = {first_value!r}",
+                found="{second} = {second_value!r}",
+            ),
+            "top-level": Message(
+                "config field {key} at the top level disagrees with what SGLang's Kimi-K3 "
+                "model reads (text_config.{key}, or its default); it never reads the top-level "
+                "copy",
+                expected="{want!r}",
+                found="{value!r}",
+            ),
+        },
+    ),
+    # a size beyond what the checkpoint can hold
+    Reason(
+        "config-bound",
+        "config describes more routed experts than the checkpoint has tensors",
+        expected="{field} <= {bound}",
+        found="{value}",
+    ),
+    # -- routed experts and MoE layers
+    Reason(
+        "expert-name",
+        rules={
+            "source": Message(
+                "tensor under an 'experts' component that is not a routed-expert tensor of the "
+                "contract's grammar",
+                expected="{grammar}",
+                found="{tail!r}",
+            ),
+            "output": Message(
+                "tensor under an 'experts' component is not a routed-expert tensor of the "
+                "contract's grammar",
+                expected="experts.<id>.<w31|w2>.<weight_packed|weight_scale>",
+            ),
+        },
+    ),
+    Reason(
+        "expert-id-range",
+        rules={
+            "expert": Message("expert id out of range", expected="< {experts}", found="{expert}"),
+            "layer": Message(
+                "expert ids beyond the config's num_experts",
+                expected="ids 0..{last}",
+                found="ids {ids}",
+            ),
+        },
+    ),
+    Reason(
+        "expert-tensor-unexpected",
+        rules={
+            "source": Message("{why}", expected="{allowed}", found="{key}"),
+            "output": Message(
+                "w1/w3 expert tensor left in a converted checkpoint (it must be fused into w31)"
+            ),
+        },
+    ),
+    Reason("expert-dtype", "wrong dtype", expected="{want}", found="{dtype}"),
+    Reason("expert-shape", "wrong shape", expected="{want}", found="{shape}"),
+    Reason(
+        "expert-partner-missing",
+        rules={
+            "expert": Message("expert tensor is missing (its partners exist)"),
+            "plan": Message("w1/w3 half without its partner"),
+            "source-half": Message(
+                "the source lacks a half of this w31 (w3 = up, w1 = gate)",
+                expected="both halves in the source",
+                found="{missing}",
+            ),
+        },
+    ),
+    Reason(
+        "expert-outside-layer",
+        "routed experts outside a 'layers.<i>.' component: no layer would load them",
+    ),
+    Reason(
+        "layer-missing",
+        "{count} MoE layer(s) have no routed experts at all",
+        expected="experts in MoE layers {layers}",
+        found="none in layers {missing}",
+    ),
+    Reason(
+        "layer-incomplete",
+        "MoE layer is missing {count} of {experts} experts",
+        expected="ids 0..{last}",
+        found="missing {missing}",
+    ),
+    Reason(
+        "layer-unexpected",
+        "layer {layer} is not a MoE layer under the config's rule (num_hidden_layers, "
+        "first_k_dense_replace, moe_layer_freq) but has routed experts",
+    ),
+    Reason(
+        "layer-duplicated",
+        "layer {layer} has routed experts under two prefixes",
+        expected="only {prefix}experts.*",
+    ),
+    Reason(
+        "no-experts",
+        rules={
+            "source": Message(
+                "no routed-expert tensors found: not a Kimi-K3 MXFP4 checkpoint",
+                expected="experts.<id>.<w1|w2|w3>.<weight_packed|weight_scale> tensors in "
+                "every MoE layer",
+            ),
+            "output": Message(
+                "no routed-expert tensors under the contract's grammar: not a converted "
+                "Kimi-K3 MXFP4 checkpoint",
+                expected="experts.<id>.<w31|w2>.<weight_packed|weight_scale> in every MoE layer",
+            ),
+        },
+    ),
+    Reason(
+        "inventory-missing",
+        "tensor the model loads is missing{where}",
+        expected="present (manifest {manifest})",
+    ),
+    Reason(
+        "inventory-dtype",
+        "{place} tensor is not stored unquantized: the model loads it with an unquantized method",
+        expected="{dtypes}",
+        found="{dtype}",
+    ),
+    Reason(
+        "inventory-shape",
+        "{place} tensor has another shape than the config gives it: SGLang would copy it "
+        "into part of its parameter, or refuse it",
+        expected="{want}",
+        found="{shape}",
+    ),
+)
