@@ -102,3 +102,33 @@ def test_corrupted_shard_is_found_by_a_ray_task_and_redone(
     summary = r.json
     assert summary["shards_kept"] == 1 and list(summary["redone"]) == [done]
     assert _files(out) == _files(converted)
+
+
+def test_what_a_task_raises_reaches_the_driver_as_it_was_raised(ray_address, tmp_path):
+    """A worker's refusal pickles by its fields: the driver re-raises the same coded error
+    (here the version check: a node running another kimi-w31)."""
+    from kimi_w31.converter.errors import Code, Fatal
+    from kimi_w31.converter.execute.ray import shard_task
+    from kimi_w31.converter.plan import OutputShard
+
+    shard = OutputShard("model-00001-of-00001.safetensors", [])
+    task = ray.remote(shard_task)
+    ref = task.remote(shard, str(tmp_path), {}, {}, str(tmp_path), str(tmp_path), None,
+                      False, False, "0.0.0-other")  # fmt: skip
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        ray.get(ref)
+    cause = err.value.cause
+    assert isinstance(cause, Fatal) and [p.code for p in cause.problems] == [Code.USAGE]
+
+
+def test_the_errors_a_task_raises_pickle_by_their_fields():
+    import pickle
+
+    from kimi_w31.converter.errors import Code, Fatal, problem
+    from kimi_w31.converter.execute.shard import SourceChanged
+
+    exc = Fatal([problem(Code.USAGE, rule="workers", workers=0)], hint="h")
+    back = pickle.loads(pickle.dumps(exc))
+    assert (back.problems, back.hint, str(back)) == (exc.problems, exc.hint, str(exc))
+    changed = pickle.loads(pickle.dumps(SourceChanged("f", "why")))
+    assert (changed.file, changed.detail) == ("f", "why")

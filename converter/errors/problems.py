@@ -168,6 +168,11 @@ class Fatal(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.summary())
 
+    def __reduce__(self) -> tuple:
+        # Pickled by its fields (a Ray worker raises it to the driver): an Exception's own
+        # pickling would call Fatal(summary) and lose the problems.
+        return (type(self), (self.problems, self.hint))
+
     @property
     def roots(self) -> list[Problem]:
         return root_problems(self.problems)[0]

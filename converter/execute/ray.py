@@ -14,13 +14,12 @@ pickling through Ray, so a task reports what went wrong and the driver raises it
 
 from __future__ import annotations
 
-import errno
 import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import Code, Fatal, fatal
+from ..errors import Code, Problem, fatal
 from ..hashing import Interrupted
 from ..output.records import Ledger, ShardRecord
 from ..plan import OutputShard
@@ -52,18 +51,20 @@ def shard_task(
     headers: dict[str, str],
     out_dir: str,
     tmp_dir: str,
-    record: dict | None,
+    record: ShardRecord | None,
     check_scales: bool,
     rehash: bool,
     version: str,
-) -> dict:
-    """Runs on a Ray worker: settle one shard. Returns plain data, never raises."""
+) -> tuple[ShardOutcome, list[Problem]]:
+    """Runs on a Ray worker: settle one shard; returns its outcome and the NaN scales found.
+    What it raises (`Fatal`, `SourceChanged`, `OSError`) pickles by its fields and reaches
+    the driver as the cause of Ray's task error."""
     from ... import __version__
 
+    if version != __version__:  # the plan fingerprint is only valid for one tool version
+        raise fatal(Code.USAGE, rule="ray-version", driver=version, node=__version__)
+    sources = SourceFiles(Path(root), shard.input_files, header_sha256=headers)
     try:
-        if version != __version__:  # the plan fingerprint is only valid for one tool version
-            raise fatal(Code.USAGE, rule="ray-version", driver=version, node=__version__)
-        sources = SourceFiles(Path(root), shard.input_files, header_sha256=headers)
         for f in shard.input_files:  # the same file as the driver saw, or nothing
             if list(sources.identity[f]) != list(identity[f]):
                 raise SourceChanged(
@@ -71,7 +72,7 @@ def shard_task(
                     "differs on this node from the driver's view (is the "
                     "source on one shared filesystem at the same path?)",
                 )
-        nan: list = []
+        nan: list[Problem] = []
         context = ShardContext(
             sources,
             Path(out_dir),
@@ -80,42 +81,9 @@ def shard_task(
             check_scales=check_scales,
             rehash=rehash,
         )
-        try:
-            result = settle(shard, ShardRecord.from_json(record), context)
-        finally:
-            sources.close()
-        return {
-            "status": result.outcome.value,
-            "nan": nan,
-            "reason": result.redo_reason,
-            "record": result.record.to_json() if result.record else None,
-        }
-    except Fatal as exc:
-        return {
-            "status": "error",
-            "kind": "fatal",
-            "problems": exc.problems,
-            "hint": exc.hint,
-        }
-    except SourceChanged as exc:
-        return {"status": "error", "kind": "source", "file": exc.file, "detail": exc.detail}
-    except OSError as exc:
-        return {
-            "status": "error",
-            "kind": "os",
-            "errno": exc.errno,
-            "strerror": exc.strerror,
-            "filename": None if exc.filename is None else os.fsdecode(exc.filename),
-        }
-
-
-def _raise(result: dict) -> None:
-    kind = result["kind"]
-    if kind == "fatal":
-        raise Fatal(result["problems"], hint=result["hint"])
-    if kind == "source":
-        raise SourceChanged(result["file"], result["detail"])
-    raise OSError(result["errno"] or errno.EIO, result["strerror"], result["filename"])
+        return settle(shard, record, context), nan
+    finally:
+        sources.close()
 
 
 @dataclass
@@ -171,7 +139,7 @@ class RayExecutor(Executor):
                     headers,
                     str(context.out_dir),
                     str(run_tmp),
-                    record.to_json() if record else None,
+                    record,
                     context.check_scales,
                     context.rehash,
                     __version__,
@@ -183,20 +151,15 @@ class RayExecutor(Executor):
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
                 for ref in ready:
                     shard = pending.pop(ref)
-                    data = ray.get(ref)
-                    if data["status"] == "error":
-                        _raise(data)
-                    for problem in data["nan"]:
+                    try:
+                        result, nan = ray.get(ref)
+                    except ray.exceptions.RayTaskError as exc:
+                        # Ours (Fatal, SourceChanged, OSError) as the worker raised it.
+                        raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+                    for problem in nan:
                         if context.events.on_scale_nan:
                             context.events.on_scale_nan(problem)
-                    outcome = Outcome(data["status"])
-                    result = ShardOutcome(
-                        shard.name,
-                        outcome,
-                        ShardRecord.from_json(data["record"]),
-                        shard.file_size if outcome is Outcome.WRITTEN else 0,
-                        data["reason"],
-                    )
+                    outcome = result.outcome
                     commit(result, ledger)
                     if context.events.on_bytes and outcome is Outcome.WRITTEN:
                         context.events.on_bytes(shard.file_size)

@@ -44,6 +44,9 @@ class SourceChanged(Exception):
         self.file = file
         self.detail = detail
 
+    def __reduce__(self) -> tuple:  # pickled by its fields, as Fatal is
+        return (type(self), (self.file, self.detail))
+
 
 def file_identity(path: Path) -> list[int]:
     """What a source file is now, links followed (`fsio.identity`)."""
