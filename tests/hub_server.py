@@ -83,6 +83,9 @@ class FakeHub:
                     self.files[repo][str(p.relative_to(root))] = Served(p, len(data), etag, lfs)
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._busy = threading.Condition(self._lock)
+        self._in_flight: list[tuple[int, str]] = []  # (number, path) of requests being answered
+        self._numbered = 0  # requests received so far
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -92,10 +95,10 @@ class FakeHub:
                 pass
 
             def do_HEAD(self) -> None:
-                hub._handle(self, head=True)
+                hub._answer(self, head=True)
 
             def do_GET(self) -> None:
-                hub._handle(self, head=False)
+                hub._answer(self, head=False)
 
         class Server(ThreadingHTTPServer):
             def handle_error(self, request, client_address) -> None:
@@ -124,7 +127,35 @@ class FakeHub:
         with self._lock:
             return [r for r in self.log if r.is_download and (file is None or r.file == file)]
 
+    def mark(self) -> int:
+        """How many requests have been received: `wait_quiet(file, since=mark())` then waits
+        only for what came after (a request another test left hanging does not count)."""
+        with self._busy:
+            return self._numbered
+
+    def wait_quiet(self, file: str, since: int = 0, timeout: float = 30.0) -> bool:
+        """Until no request for `file` received after `since` is being answered (a body
+        still being sent to a client that hung up is logged only once the send fails)."""
+
+        def quiet() -> bool:
+            return not any(n >= since and p.endswith("/" + file) for n, p in self._in_flight)
+
+        with self._busy:
+            return self._busy.wait_for(quiet, timeout)
+
     # -- request handling ------------------------------------------------------------------
+    def _answer(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        with self._busy:
+            entry = (self._numbered, h.path.split("?", 1)[0])
+            self._numbered += 1
+            self._in_flight.append(entry)
+        try:
+            self._handle(h, head)
+        finally:
+            with self._busy:
+                self._in_flight.remove(entry)
+                self._busy.notify_all()
+
     def _record(self, r: Request) -> None:
         with self._lock:
             self.log.append(r)

@@ -265,6 +265,7 @@ def test_a_header_read_costs_what_was_asked_whatever_the_server_sends(
     repo = open_repo(REPO, None, endpoint=hub.endpoint, net=NetSettings(5.0, 0))
     hub.ignore_range, hub.pad_probes = ignore_range, pad
     hub.log.clear()
+    since = hub.mark()
     try:
         with pytest.MonkeyPatch.context() as m:
             m.setattr(hub_source_mod, "HEADER_PROBE", probe)
@@ -273,6 +274,7 @@ def test_a_header_read_costs_what_was_asked_whatever_the_server_sends(
         hub.ignore_range, hub.pad_probes = False, 0
     want = read_header(net_source / name, display_name=name)
     assert got == want
+    assert hub.wait_quiet(name, since)  # a probe is logged once its (padded) answer is over
     probes = [r for r in hub.log if r.file == name and r.method == "GET"]
     assert probes and all(r.sent <= SENT_BOUND for r in probes), [r.sent for r in probes]
 
