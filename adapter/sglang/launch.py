@@ -30,6 +30,7 @@ from ...converter.errors import Code, Fatal, fatal, plural
 from ..arch import ARCHES
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
+from ..refused import words
 
 SGLANG_PIN = "0.5.23"
 FLASHINFER_MIN = (0, 7, 0)
@@ -47,9 +48,7 @@ class ServeError(click.ClickException):
 
     def __init__(self, error: Fatal) -> None:
         self.error = error
-        lines = [f"[{p.code.value}] {p.render()}" for p in error.roots]
-        text = lines[0] if len(lines) == 1 else "\n".join(f"  - {line}" for line in lines)
-        super().__init__(text + (f"\nhint: {error.hint}" if error.hint else ""))
+        super().__init__(words(error))
         self.reason = error.roots[0].code.value
 
     @property
@@ -737,7 +736,7 @@ def serve(
     bundle_env = kernel_bundle_env(kernels) if kernels is not None else {}
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
     if not print_only and not skip_checks and count_gpus() == 0:  # before any other check
-        raise ServeError(fatal(Code.NO_GPU))
+        raise ServeError(fatal(Code.NO_GPU, rule="serve"))
     plan = plan_serve(
         checkpoint,
         sglang_args,
