@@ -143,7 +143,7 @@ def test_sm120_wrong_precision_and_unknown_arch(fake_flashinfer) -> None:
     assert pb.prebuild(arch="sm120", poll_s=0.01).modules[0].variant == "sm120"
     with pytest.raises(pb.PrebuildError, match="unknown arch") as err:
         pb.prebuild(arch="sm100")  # type: ignore[arg-type]
-    assert err.value.reason == "prebuild-arch" and err.value.exit_code == 2
+    assert err.value.reason == "prebuild-arch" and err.value.exit_code == 1
     with pytest.raises(pb.PrebuildError, match="not a sm120 module") as err:
         pb.prebuild(arch="sm120", variants=["w4a16"])
     assert err.value.reason == "prebuild-arch"

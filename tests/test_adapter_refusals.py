@@ -134,9 +134,9 @@ def test_a_refusal_keeps_every_problem_and_the_records_exit_code():
     error = Fatal(
         [
             *fatal(Code.BAD_STREAM, payload="x").problems,
-            *fatal(Code.OPT_IN_VALUE, env="E", value="v").problems,
+            *fatal(Code.BAD_FLAG, rule="no-value", flag="--tp").problems,
         ]
     )
     err = Refused(error)
-    assert err.codes == (Code.BAD_STREAM.value, Code.OPT_IN_VALUE.value)
-    assert err.exit_code == 2  # opt-in-value is a usage reason: it wins
+    assert err.codes == (Code.BAD_STREAM.value, Code.BAD_FLAG.value)
+    assert err.exit_code == 2  # bad-flag is a usage reason: it wins

@@ -5,7 +5,7 @@ catches them by type); their words and codes are these records."""
 
 from __future__ import annotations
 
-from .reason import EXIT_USAGE, Message, Reason
+from .reason import Message, Reason
 
 _SERVE_MARLIN = "or serve with --moe-runner-backend marlin."
 _MARLIN_INSTEAD = "serve with --moe-runner-backend marlin instead"
@@ -33,7 +33,6 @@ REASONS = (
                 "precision {precision} is not a {arch} module: expected {expected_keys}"
             ),
         },
-        exit=EXIT_USAGE,
     ),
     Reason(
         "prebuild-flashinfer-imported",
@@ -101,7 +100,6 @@ REASONS = (
                 hint="unset SGLANG_K3_AR_FUSION",
             ),
         },
-        exit=EXIT_USAGE,
     ),
     Reason(
         "w31-unsplittable",
@@ -124,7 +122,6 @@ REASONS = (
     Reason(
         "opt-in-value",
         "{env}={value!r}: expected 1/true/yes/on or 0/false/no/off",
-        exit=EXIT_USAGE,
     ),
     # -- the smoke request ------------------------------------------------------------------
     Reason("server-exited", "the server process exited before it was ready"),
