@@ -796,7 +796,7 @@ def _serve(
     as_json: bool,
     sglang_args: tuple[str, ...],
 ) -> None:
-    guard_paths()
+    guard_paths(as_json)
     # A bundle that does not match this stack is refused first: nothing else runs for it.
     bundle_env = kernel_bundle_env(kernels) if kernels is not None else {}
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
