@@ -26,7 +26,9 @@ from typing import Any, Literal
 
 import torch
 
+from ..converter.errors import Code, fatal
 from .arch import Arch, arch_name, is_served
+from .refused import Refused
 
 SITU_BETA = 4.0
 SITU_LINEAR_BETA = 25.0
@@ -38,25 +40,19 @@ ALIGNMENT = 128
 Activation = Literal["situ", "swiglu"]
 
 _SITU_KWARGS = ("situ_beta", "situ_linear_beta")
-_WAYS_OUT = (
-    "Upgrade flashinfer-python (>= 0.7.0 has CUTLASS SiTU), "
-    "or serve with --moe-runner-backend marlin."
-)
 
 
 _INSTALL = "pip install '.[sglang]'"
 logger = logging.getLogger("kimi_w31.adapter")
 
 
-class SituUnsupportedError(RuntimeError):
+class SituUnsupportedError(Refused, RuntimeError):
     """The installed FlashInfer cannot run the CUTLASS fused MoE with the SiTU activation."""
 
 
 def _broken(exc: BaseException) -> SituUnsupportedError:
     return SituUnsupportedError(
-        f"cannot import flashinfer.fused_moe ({exc!r}): the installed FlashInfer is broken "
-        f"or incomplete; reinstall it ({_INSTALL} from the repository clone), or serve with "
-        "--moe-runner-backend marlin."
+        fatal(Code.SITU_UNSUPPORTED, rule="broken", error=exc, install=_INSTALL)
     )
 
 
@@ -85,10 +81,7 @@ def check_situ_support() -> str:
         if (exc.name or "").split(".")[0] != "flashinfer":
             raise _broken(exc) from exc
         raise SituUnsupportedError(
-            "cannot import flashinfer: FlashInfer is not installed. Kimi-K3 SiTU on the "
-            "FlashInfer CUTLASS MoE needs flashinfer-python >= 0.7.0; install the serving "
-            f"extras from the repository clone: {_INSTALL}, or serve with "
-            "--moe-runner-backend marlin."
+            fatal(Code.SITU_UNSUPPORTED, rule="not-installed", install=_INSTALL)
         ) from exc
     except Exception as exc:  # installed but broken (missing CUDA libs, ...)
         raise _broken(exc) from exc
@@ -103,8 +96,9 @@ def check_situ_support() -> str:
     missing += [f"cutlass_fused_moe({name}=...)" for name in _SITU_KWARGS if name not in params]
     if missing:
         raise SituUnsupportedError(
-            f"flashinfer-python {version} cannot run Kimi-K3's SiTU activation in its CUTLASS "
-            f"fused MoE: missing {', '.join(missing)}. {_WAYS_OUT}"
+            fatal(
+                Code.SITU_UNSUPPORTED, rule="missing", version=version, missing=", ".join(missing)
+            )
         )
     return version
 
@@ -126,9 +120,9 @@ def check_humming_support() -> str:
         missing.append("cutlass_fused_moe(use_wfp4afp8_humming=...)")
     if missing:
         raise SituUnsupportedError(
-            f"flashinfer-python {version} cannot run SM90 W4A8 (--flashinfer-mxfp4-moe-precision "
-            f"fp8): missing {', '.join(missing)}. Use the default precision (W4A16), or "
-            "upgrade flashinfer-python (0.7.2.post1 has it)."
+            fatal(
+                Code.SITU_UNSUPPORTED, rule="humming", version=version, missing=", ".join(missing)
+            )
         )
     return version
 

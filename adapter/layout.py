@@ -14,7 +14,8 @@ from typing import Any
 
 from ..converter import contract
 from ..converter.contract import BLOCK_KEY, WRAPPER_METHOD, find_block, text_config
-from ..converter.errors import Fatal
+from ..converter.errors import Code, Fatal, fatal
+from .refused import Refused
 
 # Serve an unconverted Kimi-K3 checkpoint with the adapter's SiTU method (see README).
 OPT_IN_ENV = "KIMI_W31_SERVE_UNCONVERTED"
@@ -22,18 +23,15 @@ OPT_IN_ENV = "KIMI_W31_SERVE_UNCONVERTED"
 __all__ = ["BLOCK_KEY", "WRAPPER_METHOD", "find_block", "text_config"]
 
 
-class LayoutError(ValueError):
+class LayoutError(Refused, ValueError):
     """The checkpoint's `kimi_w31` block or its quantization wrapper is not usable."""
 
-    def __init__(self, message: str, codes: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.codes = codes
 
-    @classmethod
-    def of(cls, error: Fatal) -> LayoutError:
-        """The refusal `error` (worded by its reasons' records) as a LayoutError."""
-        text = "; ".join(f"[{p.code.value}] {p.render()}" for p in error.roots)
-        return cls(text + (f"; {error.hint}" if error.hint else ""), tuple(error.codes))
+# What to do about any invalid block, whichever field its problems name.
+BLOCK_HINT = (
+    "the checkpoint was edited after conversion, written by a newer converter, or converted "
+    "with the wrong manifest: convert it again from the source"
+)
 
 
 @dataclass(frozen=True)
@@ -57,13 +55,7 @@ def load_layout(cfg: Any) -> W31Layout | None:
         return None
     problems = contract.check_block(cfg)
     if problems:
-        raise LayoutError(
-            f"config.json '{BLOCK_KEY}' block is not valid:\n  - "
-            + "\n  - ".join(p.render() for p in problems)
-            + "\nThe checkpoint was edited after conversion, written by a newer converter, or "
-            "converted with the wrong manifest: convert it again from the source.",
-            tuple(p.code.value for p in problems),
-        )
+        raise LayoutError(Fatal(problems, hint=BLOCK_HINT))
     return W31Layout(
         format_version=int(block["format_version"]),
         situ_beta=float(block["situ_beta"]),
@@ -78,7 +70,7 @@ def unwrap_quantization_config(cfg: Any) -> int:
     try:
         return contract.unwrap_quantization_config(cfg)
     except contract.ContractError as exc:
-        raise LayoutError(str(exc), (exc.problem.code.value,)) from None
+        raise LayoutError(Fatal([exc.problem])) from None
 
 
 def unwrap_one(qc: Mapping) -> dict:
@@ -86,7 +78,7 @@ def unwrap_one(qc: Mapping) -> dict:
     try:
         return contract.unwrap_one(qc)
     except contract.ContractError as exc:
-        raise LayoutError(str(exc), (exc.problem.code.value,)) from None
+        raise LayoutError(Fatal([exc.problem])) from None
 
 
 def opt_in_unconverted(environ: Mapping[str, str] | None = None) -> bool:
@@ -96,4 +88,4 @@ def opt_in_unconverted(environ: Mapping[str, str] | None = None) -> bool:
         return False
     if value.strip().lower() in ("1", "true", "yes", "on"):
         return True
-    raise LayoutError(f"{OPT_IN_ENV}={value!r}: expected 1/true/yes/on or 0/false/no/off")
+    raise LayoutError(fatal(Code.OPT_IN_VALUE, env=OPT_IN_ENV, value=value))

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..converter.errors import Code, fatal
 from ..converter.hashing import sha256_file
 from .arch import ARCHES, CUDA_ARCH_LIST, Arch
+from .refused import Refused
 
 Stage = Literal["cached", "compile", "done"]
 
@@ -84,13 +86,9 @@ class PrebuildResult:
 ProgressCallback = Callable[[BuildProgress], None]
 
 
-class PrebuildError(RuntimeError):
+class PrebuildError(Refused, RuntimeError):
     """The modules cannot be built here (no FlashInfer, no nvcc, wrong arch, build failed).
     `reason` is stable (tests, tools); the message says what to install or pass."""
-
-    def __init__(self, message: str, reason: str = "build") -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 INSTALL_SERVING = (
@@ -130,13 +128,7 @@ def check_toolkit(home: Path | None = None) -> None:
     home = home or cuda_home()
     missing = toolkit_problems(home)
     if missing:
-        raise PrebuildError(
-            f"the CUDA toolkit at {home} lacks {' and '.join(missing)}: install the full CUDA "
-            "toolkit (nvcc and the cuRAND development headers, e.g. the distribution's "
-            "cuda-toolkit or libcurand-dev package) and set CUDA_HOME to it, or build on "
-            "a machine that has it (`prebuild --arch sm90 --out DIR` needs no GPU)",
-            "no-cuda-toolkit",
-        )
+        raise PrebuildError(fatal(Code.NO_CUDA_TOOLKIT, home=home, missing=" and ".join(missing)))
 
 
 def _meminfo_available() -> int | None:
@@ -174,7 +166,7 @@ def require_torch() -> None:
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
-        raise PrebuildError(f"prebuild needs torch and FlashInfer: {INSTALL_SERVING}", "no-torch")
+        raise PrebuildError(fatal(Code.NO_TORCH, install=INSTALL_SERVING))
 
 
 def _gpu_arch() -> Arch | None:
@@ -190,7 +182,7 @@ def _gpu_arch() -> Arch | None:
     try:
         return arch_of()
     except ValueError as exc:
-        raise PrebuildError(str(exc)) from exc
+        raise PrebuildError(fatal(Code.PREBUILD_ARCH, rule="unsupported-gpu", error=exc)) from exc
 
 
 def target_flashinfer(arch: Arch, gpu: Arch | None) -> None:
@@ -200,11 +192,7 @@ def target_flashinfer(arch: Arch, gpu: Arch | None) -> None:
     if gpu is not None or "FLASHINFER_CUDA_ARCH_LIST" in os.environ:
         return
     if "flashinfer" in sys.modules:
-        raise PrebuildError(
-            "flashinfer was imported in this process before prebuild, on a machine without a "
-            "GPU: its cache directory would not be the server's. Run prebuild in a fresh "
-            f"process, or set FLASHINFER_CUDA_ARCH_LIST={_CUDA_ARCH[arch]}"
-        )
+        raise PrebuildError(fatal(Code.PREBUILD_FLASHINFER_IMPORTED, arch_list=_CUDA_ARCH[arch]))
     os.environ["FLASHINFER_CUDA_ARCH_LIST"] = _CUDA_ARCH[arch]
 
 
@@ -240,7 +228,9 @@ def _build(spec: Any, jobs: int, report: ProgressCallback, poll_s: float) -> flo
         else:
             os.environ["MAX_JOBS"] = previous
     if errors:
-        raise PrebuildError(f"building {spec.name} failed: {errors[0]}") from errors[0]
+        raise PrebuildError(
+            fatal(Code.PREBUILD_BUILD, rule="compile", module=spec.name, error=errors[0])
+        ) from errors[0]
     return time.monotonic() - t0
 
 
@@ -391,7 +381,7 @@ def _check_out_or_refuse(out: Path) -> None:
     try:
         check_out(out)
     except OSError as exc:
-        raise PrebuildError(f"cannot make the bundle folder {out}: {exc}") from exc
+        raise PrebuildError(fatal(Code.PREBUILD_BUILD, rule="folder", out=out, error=exc)) from exc
 
 
 def _build_cuda(arch: Arch) -> str:
@@ -421,19 +411,14 @@ def prebuild(
     """
     t_start = time.monotonic()
     if arch is not None and arch not in ARCHES:
-        raise PrebuildError(f"unknown arch {arch!r}: expected one of {list(ARCHES)}")
+        raise PrebuildError(
+            fatal(Code.PREBUILD_ARCH, rule="unknown", arch=arch, arches=list(ARCHES))
+        )
     gpu = _gpu_arch()
     if arch is None and gpu is None:
-        raise PrebuildError(
-            "no CUDA GPU visible here: pass the serving GPU's architecture, --arch sm90 "
-            "(H100, H200) or --arch sm120 (RTX PRO 6000 class); building needs no GPU",
-            "no-gpu",
-        )
+        raise PrebuildError(fatal(Code.NO_GPU, rule="prebuild"))
     if arch is not None and gpu is not None and arch != gpu:
-        raise PrebuildError(
-            f"this machine's GPU is {gpu}, not {arch}: prebuild on the GPU you serve on, or "
-            "on a machine without a GPU"
-        )
+        raise PrebuildError(fatal(Code.PREBUILD_ARCH, rule="other-gpu", gpu=gpu, arch=arch))
     target: Arch = arch or gpu  # type: ignore[assignment]
     from . import kernels
 
@@ -442,8 +427,13 @@ def prebuild(
     wrong = [k for k in keys if k in kernels.VARIANTS and kernels.VARIANTS[k].arch != target]
     if unknown or wrong:
         raise PrebuildError(
-            f"precision {', '.join(unknown + wrong)} is not a {target} module: expected "
-            f"{[k for k, v in kernels.VARIANTS.items() if v.arch == target]}"
+            fatal(
+                Code.PREBUILD_ARCH,
+                rule="precision",
+                precision=", ".join(unknown + wrong),
+                arch=target,
+                expected_keys=[k for k, v in kernels.VARIANTS.items() if v.arch == target],
+            )
         )
     # Before anything imports FlashInfer (check_situ_support does).
     target_flashinfer(target, gpu)
@@ -466,7 +456,9 @@ def prebuild(
             digest = kernels.source_hash(rec, spec)
             rkey = kernels.recipe_key(kernels.VARIANTS[key], cuda) if cuda else None
         except (RuntimeError, ValueError, OSError) as exc:
-            raise PrebuildError(f"cannot compute the {key} module's recipe: {exc}") from exc
+            raise PrebuildError(
+                fatal(Code.PREBUILD_BUILD, rule="recipe", variant=key, error=exc)
+            ) from exc
         total = len(spec.sources)
         library = spec.get_library_path()
         if not plan_only and not spec.is_compiled:
@@ -484,5 +476,7 @@ def prebuild(
         try:
             manifest = _bundle(out, target, results, n_jobs)
         except OSError as exc:
-            raise PrebuildError(f"cannot write the bundle at {out}: {exc}") from exc
+            raise PrebuildError(
+                fatal(Code.PREBUILD_BUILD, rule="write", out=out, error=exc)
+            ) from exc
     return PrebuildResult(target, results, n_jobs, manifest, seconds=time.monotonic() - t_start)

@@ -14,12 +14,14 @@ from typing import Any
 import torch
 
 from ..converter import contract
+from ..converter.errors import Code, fatal
+from .refused import Refused
 
 # Names reach the text model after SGLang's renames: `weight_packed` may already be `weight`.
 LOADED_SUFFIXES = (*contract.SUFFIXES, "weight")
 
 
-class SplitError(ValueError):
+class SplitError(Refused, ValueError):
     """A `w31` tensor that cannot be a `[up; gate]` concatenation."""
 
 
@@ -53,11 +55,7 @@ def split_w31_items(
         prefix, tail = split
         parsed = contract.parse_expert_tail(tail, LOADED_SUFFIXES)
         if parsed is None and f".{contract.FUSED}." in f".{tail}":
-            raise SplitError(
-                f"{name}: a fused w31 tensor outside the checkpoint grammar "
-                "(experts.<id>.w31.<weight_packed|weight_scale>); the checkpoint was not "
-                "written by kimi-convert or was edited (run `kimi-convert verify`)"
-            )
+            raise SplitError(fatal(Code.W31_UNSPLITTABLE, rule="grammar", tensor=name))
         if parsed is None or parsed.proj == contract.DOWN:
             yield item
             continue
@@ -71,9 +69,7 @@ def split_w31_items(
             tensor = tensor[:, 0, :, 0]
         if tensor.ndim != 2 or tensor.shape[0] == 0 or tensor.shape[0] % 2:
             raise SplitError(
-                f"{name}: a w31 tensor must be 2-D with an even, non-zero row count "
-                f"([up; gate] = [2N, ...]), found shape {tuple(tensor.shape)}; the checkpoint "
-                "is damaged or was not written by kimi-convert (run `kimi-convert verify`)"
+                fatal(Code.W31_UNSPLITTABLE, rule="shape", tensor=name, shape=tuple(tensor.shape))
             )
         n = tensor.shape[0] // 2
         stats.w31_layers.add(prefix + "experts.")

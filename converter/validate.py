@@ -269,6 +269,7 @@ def _missing_in_layer(
             problems.append(
                 problem(
                     Code.LAYER_INCOMPLETE,
+                    rule="experts",
                     tensor=f"{prefix}experts.*",
                     count=len(missing),
                     experts=num_experts,

@@ -69,8 +69,9 @@ def test_dynamic_mxfp4_quantization_is_not_ours():
     ],
 )
 def test_unsupported_combinations_fail_with_a_way_out(override, fragment):
-    with pytest.raises(UnsupportedCombinationError, match=fragment):
+    with pytest.raises(UnsupportedCombinationError, match=fragment) as err:
         decide(facts(**override))
+    assert err.value.reason == "unsupported-combination" and err.value.exit_code == 1
 
 
 def test_sm90_w4a8_humming_is_served_by_the_adapter():

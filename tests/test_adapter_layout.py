@@ -127,8 +127,9 @@ def test_opt_in_values(value, expected):
 
 
 def test_opt_in_garbage_is_an_error():
-    with pytest.raises(LayoutError):
+    with pytest.raises(LayoutError) as err:
         opt_in_unconverted({OPT_IN_ENV: "please"})
+    assert err.value.codes == ("opt-in-value",) and err.value.exit_code == 1
 
 
 def test_a_converted_synthetic_checkpoint_passes_the_adapters_checks(converted: Path):

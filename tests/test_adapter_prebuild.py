@@ -141,18 +141,24 @@ def test_several_precisions_and_a_bundle(fake_flashinfer, tmp_path) -> None:
 
 def test_sm120_wrong_precision_and_unknown_arch(fake_flashinfer) -> None:
     assert pb.prebuild(arch="sm120", poll_s=0.01).modules[0].variant == "sm120"
-    with pytest.raises(pb.PrebuildError, match="unknown arch"):
+    with pytest.raises(pb.PrebuildError, match="unknown arch") as err:
         pb.prebuild(arch="sm100")  # type: ignore[arg-type]
-    with pytest.raises(pb.PrebuildError, match="not a sm120 module"):
+    assert err.value.reason == "prebuild-arch" and err.value.exit_code == 1
+    with pytest.raises(pb.PrebuildError, match="not a sm120 module") as err:
         pb.prebuild(arch="sm120", variants=["w4a16"])
-    with pytest.raises(pb.PrebuildError, match="not a sm90 module"):
+    assert err.value.reason == "prebuild-arch"
+    with pytest.raises(pb.PrebuildError, match="not a sm90 module") as err:
         pb.prebuild(arch="sm90", variants=["w4a32"])
+    assert err.value.reason == "prebuild-arch"
 
 
 def test_build_failure_is_reported(fake_flashinfer) -> None:
     fake_flashinfer["w4a16"].fail = True
-    with pytest.raises(pb.PrebuildError, match="fused_moe_90_kimi_w31_w4a16 failed: nvcc exited"):
+    with pytest.raises(
+        pb.PrebuildError, match="fused_moe_90_kimi_w31_w4a16 failed: nvcc exited"
+    ) as err:
         pb.prebuild(arch="sm90", poll_s=0.01)
+    assert err.value.reason == "prebuild-build" and err.value.exit_code == 1
     assert "MAX_JOBS" not in os.environ
 
 
@@ -188,8 +194,9 @@ def test_without_a_gpu_flashinfer_must_not_be_imported_first(fake_flashinfer, mo
     # FlashInfer picks its target and cache directory at import; without a GPU and without
     # the arch list, that directory would not be the one a server on the GPU reads.
     monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST")
-    with pytest.raises(pb.PrebuildError, match="fresh process"):
+    with pytest.raises(pb.PrebuildError, match="fresh process") as err:
         pb.prebuild(arch="sm90")
+    assert err.value.reason == "prebuild-flashinfer-imported"
     with pytest.raises(pb.PrebuildError, match="no CUDA GPU"):
         pb.prebuild()
 

@@ -54,8 +54,9 @@ def test_other_names_pass_through_untouched():
 
 @pytest.mark.parametrize("tail", ["w31.weight_shape", "w31.weight_packed\n"])
 def test_a_fused_name_outside_the_grammar_is_refused(tail):
-    with pytest.raises(SplitError, match=r"experts\.7\.w31"):
+    with pytest.raises(SplitError, match=r"experts\.7\.w31") as err:
         list(split_w31_items([(P + tail, torch.tensor([8, 8]))]))
+    assert err.value.codes == ("w31-unsplittable",)
 
 
 @pytest.mark.parametrize(

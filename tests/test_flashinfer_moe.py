@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.adapter import flashinfer_moe as fm
+from kimi_w31.converter.errors import Code
 
 E, K, N = 4, 256, 128
 
@@ -127,10 +128,11 @@ def test_enum_alone_is_not_enough(monkeypatch) -> None:
     _install_fake(monkeypatch, "0.6.18.post1", _cutlass_without_situ)
     with pytest.raises(fm.SituUnsupportedError) as err:
         fm.check_situ_support()
+    assert err.value.reason == "situ-unsupported"
     msg = str(err.value)
     assert "0.6.18.post1" in msg
     assert "situ_beta" in msg and "situ_linear_beta" in msg
-    assert "Upgrade flashinfer-python" in msg and "--moe-runner-backend marlin" in msg
+    assert "upgrade flashinfer-python" in msg and "--moe-runner-backend marlin" in msg
     assert "ActivationType.Situ" not in msg  # the enum is present; only the kwargs are missing
 
 
@@ -143,8 +145,9 @@ def test_missing_enum_is_reported(monkeypatch) -> None:
 def test_flashinfer_not_installed(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", None)
-    with pytest.raises(fm.SituUnsupportedError, match="cannot import.*marlin"):
+    with pytest.raises(fm.SituUnsupportedError, match="cannot import") as err:
         fm.check_situ_support()
+    assert err.value.codes == (Code.SITU_UNSUPPORTED.value,) and "marlin" in str(err.value)
 
 
 # --------------------------------------------------------------------------------------

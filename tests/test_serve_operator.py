@@ -192,6 +192,7 @@ class FakeSGLang(BaseHTTPRequestHandler):
     loading = 2
     events: list[str] = []
     seen: list[dict] = []
+    post_status = 200
 
     def log_message(self, *args) -> None:
         pass
@@ -206,7 +207,7 @@ class FakeSGLang(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append(body)
-        self.send_response(200)
+        self.send_response(self.post_status)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         for event in self.events:
@@ -259,6 +260,34 @@ def test_smoke_says_why_no_token_came(fake_server, monkeypatch, events, reason):
     with pytest.raises(SmokeError) as err:
         smoke(url, wait=60)
     assert err.value.reason == reason
+
+
+def test_smoke_names_an_http_refusal(fake_server, monkeypatch):
+    handler, url = fake_server
+    handler.post_status = 500
+    monkeypatch.setattr("kimi_w31.adapter.sglang.smoke.time.sleep", lambda s: None)
+    with pytest.raises(SmokeError) as err:
+        smoke(url, wait=60)
+    assert err.value.reason == "http-error"
+
+
+def test_smoke_names_a_server_it_cannot_reach_after_health(fake_server, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    handler, url = fake_server
+    real = urllib.request.urlopen
+
+    def urlopen(request, *args, **kwargs):  # /health answers; /generate cannot be reached
+        if getattr(request, "full_url", request).endswith("/generate"):
+            raise urllib.error.URLError("connection refused")
+        return real(request, *args, **kwargs)
+
+    monkeypatch.setattr("kimi_w31.adapter.sglang.smoke.time.sleep", lambda s: None)
+    monkeypatch.setattr("kimi_w31.adapter.sglang.smoke.urllib.request.urlopen", urlopen)
+    with pytest.raises(SmokeError) as err:
+        smoke(url, wait=60)
+    assert err.value.reason == Code.UNREACHABLE.value
 
 
 def test_smoke_gives_up_when_the_server_never_comes_up(monkeypatch):

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ...converter.errors import Code, fatal
 from ..arch import ARCHES
 from ..layout import OPT_IN_ENV
+from ..refused import Refused
 
 ADAPTER_ARCHS = ARCHES
 BACKEND = "flashinfer_mxfp4"
@@ -22,7 +24,7 @@ class Decision(Enum):
     ADAPTER = "adapter"  # the adapter's SiTU CUTLASS method
 
 
-class UnsupportedCombinationError(RuntimeError):
+class UnsupportedCombinationError(Refused, RuntimeError):
     """A configuration that would reach the adapter's method and that it does not handle."""
 
 
@@ -51,27 +53,23 @@ def decide(f: MoeFacts) -> Decision:
         return Decision.STOCK  # marlin, SM100 trtllm-gen, ...: SGLang's paths
     if not (f.converted or f.opt_in):
         return Decision.STOCK  # unconverted and no opt-in: untouched (hooks.py warns)
+    # The situation every refusal below names (facts, not words).
     where = f"Kimi-K3 SiTU experts with --moe-runner-backend {BACKEND} on {f.arch.upper()}"
-    way_out = "serve with --moe-runner-backend marlin instead"
     if f.a2a_backend != "none":
         raise UnsupportedCombinationError(
-            f"{where}: --moe-a2a-backend {f.a2a_backend} is not supported by the kimi_w31 "
-            f"SiTU CUTLASS method (it runs with the standard dispatcher only). Drop "
-            f"--moe-a2a-backend, or {way_out}."
+            fatal(Code.UNSUPPORTED_COMBINATION, rule="a2a", where=where, a2a=f.a2a_backend)
         )
     if f.paged_experts:
         raise UnsupportedCombinationError(
-            f"{where}: --enable-paged-experts is not supported; drop it, or {way_out}."
+            fatal(Code.UNSUPPORTED_COMBINATION, rule="paged-experts", where=where)
         )
     if f.ktransformers:
         raise UnsupportedCombinationError(
-            f"{where}: KTransformers CPU/GPU expert offload (--kt-weight-path) is not "
-            f"supported; drop it, or {way_out}."
+            fatal(Code.UNSUPPORTED_COMBINATION, rule="ktransformers", where=where)
         )
     if f.ar_fusion_forced:
         raise UnsupportedCombinationError(
-            f"{where}: SGLANG_K3_AR_FUSION=1 defers the MoE finalize, which only the SM100 "
-            "trtllm-gen kernel supports; unset SGLANG_K3_AR_FUSION."
+            fatal(Code.UNSUPPORTED_COMBINATION, rule="ar-fusion", where=where)
         )
     return Decision.ADAPTER
 

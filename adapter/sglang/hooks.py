@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ...converter.errors import Code, fatal
+from ...converter.errors import Code, Fatal, fatal
 from ...converter.output import verified
 from .. import flashinfer_moe as fm
 from ..arch import is_served
@@ -26,6 +26,7 @@ from ..layout import (
     text_config,
     unwrap_quantization_config,
 )
+from ..refused import Refused
 from ..served import Refusal, structure_refusal, verified_refusal
 from ..split import SplitStats, split_w31_items
 from .engage import Decision, MoeFacts, decide, unconverted_warning
@@ -35,19 +36,18 @@ logger = logging.getLogger("kimi_w31.adapter")
 _logged: set[str] = set()
 
 
-class W31LoadError(RuntimeError):
+class W31LoadError(Refused, RuntimeError):
     """A checkpoint whose expert tensors cannot be loaded as they are (reason codes in
     `codes`): a converted one that disagrees with its `kimi_w31` block, or a MoE layer whose
     local experts did not all receive every part."""
 
     def __init__(
         self,
-        message: str,
-        codes: tuple[str, ...] = (),
+        error: Fatal,
+        text: str | None = None,
         missing: dict[str, dict[str, list[int]]] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.codes = codes
+        super().__init__(error, text)
         # {layer: {checkpoint part: expert ids}} for an incomplete load
         self.missing = missing or {}
 
@@ -78,7 +78,7 @@ def after_get_config(result: Any, *args: Any, **kwargs: Any) -> Any:
     """
     if result is not None and not isinstance(result, (str, bytes)):
         if unwrap_quantization_config(result) and find_block(result) is None:
-            raise LayoutError.of(fatal(Code.BLOCK_MISSING, rule="wrapped", file="config.json"))
+            raise LayoutError(fatal(Code.BLOCK_MISSING, rule="wrapped", file="config.json"))
         load_layout(result)
     return result
 
@@ -143,7 +143,7 @@ def _check_before_first_load(model: Any, converted: bool) -> None:
         found = [r for r in (unproven, structure_refusal(root, converted)) if r is not None]
         if found:
             refusal = Refusal([p for r in found for p in r.problems], found[0].hint)
-            raise W31LoadError(refusal.render(root), refusal.codes)
+            raise W31LoadError(Fatal(refusal.problems, refusal.hint), refusal.render(root))
     setattr(model, _LOAD_CHECKED, True)
 
 
@@ -228,26 +228,25 @@ def _check_expert_ledgers(ledgers: list[ExpertLedger], converted: bool) -> None:
     report = incomplete_report(ledgers, converted)
     if report is None:
         return
-    hint = (
-        "Run `kimi-convert verify` on the checkpoint, or convert it again from the source."
+    error = (
+        fatal(Code.LAYER_INCOMPLETE, rule="loaded-converted", report=report)
         if converted
-        else "Download or copy the checkpoint again: some of its expert tensors are missing."
+        else fatal(Code.LAYER_INCOMPLETE, rule="loaded-source", report=report)
     )
     raise W31LoadError(
-        f"{report}\nThese experts would run with zero weights or default scales, so the load "
-        f"stops. {hint}",
-        (Code.LAYER_INCOMPLETE.value,),
-        {lg.where: parts for lg in ledgers if (parts := missing_parts(lg, converted))},
+        error,
+        missing={lg.where: parts for lg in ledgers if (parts := missing_parts(lg, converted))},
     )
 
 
 def _check_converted_load(stats: SplitStats) -> None:
     if stats.w13_layers:
         raise W31LoadError(
-            "config.json announces the kimi_w31 layout, but the checkpoint also has unfused "
-            f"w1/w3 expert tensors under {sorted(stats.w13_layers)[:3]}: it is a partial or "
-            "mixed conversion. Convert it again from the source and run `kimi-convert verify`.",
-            (Code.EXPERT_TENSOR_UNEXPECTED.value,),
+            fatal(
+                Code.EXPERT_TENSOR_UNEXPECTED,
+                rule="loaded",
+                layers=sorted(stats.w13_layers)[:3],
+            )
         )
     # A layer that got no w31 at all is one whose experts lack every part: the ledger check.
 

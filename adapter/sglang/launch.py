@@ -15,7 +15,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,19 @@ import click
 
 from ...converter import contract
 from ...converter.cli.arguments import PathArg
-from ...converter.cli.console import guard_paths, human, parse_size, progress_option
+from ...converter.cli.console import (
+    guard_paths,
+    human,
+    parse_size,
+    progress_option,
+    render_error,
+)
 from ...converter.contract import STATE_DIR
 from ...converter.errors import Code, Fatal, fatal, plural
 from ..arch import ARCHES
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
+from ..refused import words
 
 SGLANG_PIN = "0.5.23"
 FLASHINFER_MIN = (0, 7, 0)
@@ -47,9 +55,7 @@ class ServeError(click.ClickException):
 
     def __init__(self, error: Fatal) -> None:
         self.error = error
-        lines = [f"[{p.code.value}] {p.render()}" for p in error.roots]
-        text = lines[0] if len(lines) == 1 else "\n".join(f"  - {line}" for line in lines)
-        super().__init__(text + (f"\nhint: {error.hint}" if error.hint else ""))
+        super().__init__(words(error))
         self.reason = error.roots[0].code.value
 
     @property
@@ -686,6 +692,13 @@ def verify_structure(root: Path) -> list[str]:
     help="Once the server answers /health, send one greedy streamed /generate request and "
     "print its first-token latency (stderr), then keep serving. Node 0 only.",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="A refusal as the JSON document convert and verify print (stdout); with --print, "
+    "the plan as JSON (argv, env).",
+)
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
     checkpoint: Path,
@@ -701,6 +714,7 @@ def serve(
     text_only: bool,
     ifname: str | None,
     smoke: bool,
+    as_json: bool,
     sglang_args: tuple[str, ...],
 ) -> None:
     """Check CHECKPOINT_DIR and the SGLang stack, then run SGLang's server on it.
@@ -732,12 +746,62 @@ def serve(
 
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
-    guard_paths()
+    with json_refusals(as_json):
+        _serve(
+            checkpoint,
+            tp,
+            ep,
+            backend,
+            unconverted,
+            prebuild_first,
+            kernels,
+            print_only,
+            gpu_memory,
+            skip_checks,
+            text_only,
+            ifname,
+            smoke,
+            as_json,
+            sglang_args,
+        )
+
+
+@contextmanager
+def json_refusals(as_json: bool) -> Iterator[None]:
+    """With --json, a refusal is the document convert and verify print (stdout, the same
+    `problems_json`), and the exit code its records give; without, click prints it."""
+    try:
+        yield
+    except ServeError as exc:
+        if not as_json:
+            raise
+        render_error(exc.error, as_json=True)
+        sys.exit(exc.exit_code)
+
+
+def _serve(
+    checkpoint: Path,
+    tp: int,
+    ep: int,
+    backend: str,
+    unconverted: bool,
+    prebuild_first: bool,
+    kernels: Path | None,
+    print_only: bool,
+    gpu_memory: str | None,
+    skip_checks: bool,
+    text_only: bool,
+    ifname: str | None,
+    smoke: bool,
+    as_json: bool,
+    sglang_args: tuple[str, ...],
+) -> None:
+    guard_paths(as_json)
     # A bundle that does not match this stack is refused first: nothing else runs for it.
     bundle_env = kernel_bundle_env(kernels) if kernels is not None else {}
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
     if not print_only and not skip_checks and count_gpus() == 0:  # before any other check
-        raise ServeError(fatal(Code.NO_GPU))
+        raise ServeError(fatal(Code.NO_GPU, rule="serve"))
     plan = plan_serve(
         checkpoint,
         sglang_args,
@@ -766,7 +830,10 @@ def serve(
             raise ServeError(fatal(Code.STACK_UNREADY, problems="\n  - ".join(problems)))
     plan.env.update(bundle_env)  # after the checks: they read plan.env as "unconverted"
     if print_only:
-        click.echo(plan.shell())
+        if as_json:
+            click.echo(json.dumps({"ok": True, "argv": plan.argv, "env": plan.env}))
+        else:
+            click.echo(plan.shell())
         return
     if prebuild_first:
         run_prebuild(None, "auto")

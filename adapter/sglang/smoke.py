@@ -18,15 +18,14 @@ from dataclasses import asdict, dataclass
 
 import click
 
+from ...converter.errors import Code, fatal
+from ..refused import Refused
+
 DEFAULT_PROMPT = "The capital of France is"
 
 
-class SmokeError(Exception):
+class SmokeError(Refused):
     """Why the request did not give a token; `reason` is stable (tests, `--json`)."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -61,9 +60,9 @@ def wait_ready(
         except (urllib.error.URLError, OSError):
             pass  # not listening yet, or loading (SGLang answers 503 until ready)
         if not alive():
-            raise SmokeError("the server process exited before it was ready", "server-exited")
+            raise SmokeError(fatal(Code.SERVER_EXITED))
         if clock() - started >= timeout:
-            raise SmokeError(f"{url}/health did not answer 200 within {timeout:.0f} s", "not-ready")
+            raise SmokeError(fatal(Code.NOT_READY, url=url, timeout=timeout))
         time.sleep(poll)
 
 
@@ -106,21 +105,19 @@ def generate(
                 try:
                     event = json.loads(payload)
                 except ValueError:
-                    raise SmokeError(
-                        f"not JSON in the stream: {payload[:80]!r}", "bad-stream"
-                    ) from None
+                    raise SmokeError(fatal(Code.BAD_STREAM, payload=payload[:80])) from None
                 if isinstance(event, dict) and event.get("error"):
-                    raise SmokeError(f"the server answered: {event['error']}", "server-error")
+                    raise SmokeError(fatal(Code.SERVER_ERROR, error=event["error"]))
                 if first is None and _tokens(event):
                     first = clock() - started
                 last = event
     except urllib.error.HTTPError as exc:
-        raise SmokeError(f"{url}/generate answered HTTP {exc.code}", "http-error") from None
+        raise SmokeError(fatal(Code.HTTP_ERROR, url=url, status=exc.code)) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise SmokeError(f"{url}/generate: {exc}", "unreachable") from None
+        raise SmokeError(fatal(Code.UNREACHABLE, url=url, error=exc)) from None
     total = clock() - started
     if first is None:
-        raise SmokeError("the stream ended without a token", "no-token")
+        raise SmokeError(fatal(Code.NO_TOKEN))
     return first, total, _tokens(last), str(last.get("text", ""))
 
 
@@ -222,7 +219,7 @@ def smoke_command(
     except SmokeError as exc:
         if as_json:
             click.echo(json.dumps({"ok": False, "reason": exc.reason, "error": str(exc)}))
-        raise click.ClickException(f"smoke ({exc.reason}): {exc}") from None
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps({"ok": True, **result.as_dict()}))
         return

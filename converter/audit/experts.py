@@ -248,6 +248,7 @@ def _missing(prefix: str, missing: set[str], experts: int) -> list[Problem]:
         problems.append(
             problem(
                 Code.LAYER_INCOMPLETE,
+                rule="experts",
                 tensor=f"{prefix}experts.*",
                 count=len(whole),
                 experts=experts,

@@ -173,14 +173,14 @@ def run_guarded(
         sys.exit(EXIT_BUG)
 
 
-def guard_paths() -> None:
+def guard_paths(as_json: bool = False) -> None:
     """The running command's path arguments judged (`arguments.resolve_params`), for a
     command that does not run under `run_guarded`: a refusal is printed as run_guarded
-    prints one, and the process exits with its code."""
+    prints one (its JSON document with `as_json`), and the process exits with its code."""
     try:
         resolve_params(click.get_current_context(silent=True))
     except Fatal as exc:
-        render_error(exc, as_json=False)
+        render_error(exc, as_json=as_json)
         sys.exit(exc.exit_code)
 
 

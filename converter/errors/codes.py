@@ -14,6 +14,7 @@ from . import (
     reasons_bundle,
     reasons_checkpoint,
     reasons_header,
+    reasons_load,
     reasons_model,
     reasons_output,
     reasons_request,
@@ -32,6 +33,7 @@ AREAS = (
     reasons_checkpoint,
     reasons_bundle,
     reasons_serve,
+    reasons_load,
 )
 
 

@@ -132,6 +132,12 @@ REASONS = (
             "output": Message(
                 "w1/w3 expert tensor left in a converted checkpoint (it must be fused into w31)"
             ),
+            "loaded": Message(
+                "config.json announces the kimi_w31 layout, but the checkpoint also has "
+                "unfused w1/w3 expert tensors under {layers}: it is a partial or mixed "
+                "conversion",
+                hint="convert it again from the source and run `kimi-convert verify`",
+            ),
         },
     ),
     Reason("expert-dtype", "wrong dtype", expected="{want}", found="{dtype}"),
@@ -160,9 +166,28 @@ REASONS = (
     ),
     Reason(
         "layer-incomplete",
-        "MoE layer is missing {count} of {experts} experts",
-        expected="ids 0..{last}",
-        found="missing {missing}",
+        rules={
+            # A checkpoint's layer lacks whole experts (convert, verify).
+            "experts": Message(
+                "MoE layer is missing {count} of {experts} experts",
+                expected="ids 0..{last}",
+                found="missing {missing}",
+            ),
+            # A serving process's layers did not receive every part of their local experts
+            # (the adapter's load): `report` lists them, part by part.
+            "loaded-converted": Message(
+                "{report}\nThese experts would run with zero weights or default scales, so the "
+                "load stops",
+                hint="run `kimi-convert verify` on the checkpoint, or convert it again from "
+                "the source",
+            ),
+            "loaded-source": Message(
+                "{report}\nThese experts would run with zero weights or default scales, so the "
+                "load stops",
+                hint="download or copy the checkpoint again: some of its expert tensors are "
+                "missing",
+            ),
+        },
     ),
     Reason(
         "layer-unexpected",

@@ -70,9 +70,18 @@ REASONS = (
     ),
     Reason(
         "no-gpu",
-        "no NVIDIA GPU on this machine (nvidia-smi and the driver show none)",
-        hint="run serve on the serving nodes, or add --print (and --gpu-memory SIZE) to print "
-        "their launch command from here",
+        rules={
+            "serve": Message(
+                "no NVIDIA GPU on this machine (nvidia-smi and the driver show none)",
+                hint="run serve on the serving nodes, or add --print (and --gpu-memory SIZE) "
+                "to print their launch command from here",
+            ),
+            "prebuild": Message(
+                "no CUDA GPU visible here: pass the serving GPU's architecture",
+                hint="--arch sm90 (H100, H200) or --arch sm120 (RTX PRO 6000 class); "
+                "building needs no GPU",
+            ),
+        },
     ),
     Reason("stack-unready", "not starting the server:\n  - {problems}"),
     Reason(

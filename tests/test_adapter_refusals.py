@@ -1,0 +1,142 @@
+"""The adapter's user-facing refusals are the converter's error values.
+
+Rule (read from the adapter's source, every module): a `raise` whose exception is built
+from text written at the raise site (a string literal, an f-string, or text joined from
+them) is allowed only for Python's built-in exceptions that signal a programming error
+inside the adapter (`ValueError`, `TypeError`, `KeyError`, `IndexError`, `AssertionError`,
+`NotImplementedError`, `RuntimeError`, `AttributeError`) and for click's own option-parsing
+errors (`click.BadParameter`, as the converter's CLI uses it). Every other exception, the
+ones users see (`PrebuildError`, `SplitError`, `LayoutError`, `W31LoadError`,
+`SituUnsupportedError`, `SmokeError`, `ServeError`, ...), is built from a `Fatal`: a reason
+code and facts, its words in the reason's record. A programming-error exception that
+reaches a user is wrapped into a coded refusal where it is caught (prebuild's GPU check).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from kimi_w31.adapter.refused import Refused
+from kimi_w31.converter.errors import Code, Fatal, fatal
+
+ADAPTER = Path(__file__).resolve().parent.parent / "adapter"
+PROGRAMMING = {
+    "ValueError",
+    "TypeError",
+    "KeyError",
+    "IndexError",
+    "AssertionError",
+    "NotImplementedError",
+    "RuntimeError",
+    "AttributeError",
+    "BadParameter",
+}
+
+
+def _is_text(node: ast.AST) -> bool:
+    """Text written here: a str literal, an f-string, or text joined with them."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, ast.JoinedStr):
+        return True
+    if isinstance(node, ast.BinOp):
+        return _is_text(node.left) or _is_text(node.right)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr in ("join", "format") and _is_text(node.func.value)
+    return False
+
+
+def _name(func: ast.AST) -> str:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+def hand_written_raises(source: str, where: str) -> list[str]:
+    """`where:line: Name` for each raise of a non-programming exception built from text."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
+            continue
+        call = node.exc
+        name = _name(call.func)
+        args = [*call.args, *(k.value for k in call.keywords)]
+        if name not in PROGRAMMING and any(_is_text(a) for a in args):
+            found.append(f"{where}:{node.lineno}: {name}")
+    return found
+
+
+def test_no_adapter_refusal_is_written_at_its_raise_site():
+    found = [
+        hit
+        for path in sorted(ADAPTER.rglob("*.py"))
+        for hit in hand_written_raises(path.read_text(), str(path.relative_to(ADAPTER)))
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'raise SplitError("bad tensor")',
+        'raise PrebuildError(f"building {x} failed")',
+        'raise LayoutError("a" + b)',
+        'raise click.ClickException(f"smoke: {exc}")',
+        'raise W31LoadError(message="no")',
+        'raise SmokeError(", ".join(parts))',
+    ],
+)
+def test_the_rule_sees_hand_written_text(source):
+    """Negative control: each of these spellings is caught."""
+    assert hand_written_raises(source, "x.py") == [
+        "x.py:1: " + source.split("(")[0].split(".")[-1].split()[-1]
+    ]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "raise SplitError(fatal(Code.W31_UNSPLITTABLE, rule='grammar', tensor=name))",
+        'raise ValueError(f"chunk must be positive, got {chunk}")',
+        "raise LayoutError(Fatal([exc.problem])) from None",
+        "raise click.ClickException(str(exc))",
+    ],
+)
+def test_the_rule_lets_coded_and_programming_errors_pass(source):
+    assert hand_written_raises(source, "x.py") == []
+
+
+def test_every_adapter_refusal_class_is_built_from_a_fatal():
+    from kimi_w31.adapter.flashinfer_moe import SituUnsupportedError
+    from kimi_w31.adapter.layout import LayoutError
+    from kimi_w31.adapter.prebuild import PrebuildError
+    from kimi_w31.adapter.sglang.hooks import W31LoadError
+    from kimi_w31.adapter.sglang.smoke import SmokeError
+    from kimi_w31.adapter.split import SplitError
+
+    for cls in (
+        SituUnsupportedError,
+        LayoutError,
+        PrebuildError,
+        W31LoadError,
+        SmokeError,
+        SplitError,
+    ):
+        assert issubclass(cls, Refused)
+        err = cls(fatal(Code.NO_TOKEN))
+        assert err.reason == Code.NO_TOKEN.value and err.codes == (Code.NO_TOKEN.value,)
+        assert f"[{Code.NO_TOKEN.value}]" in str(err) and err.exit_code == 1
+
+
+def test_a_refusal_keeps_every_problem_and_the_records_exit_code():
+    error = Fatal(
+        [
+            *fatal(Code.BAD_STREAM, payload="x").problems,
+            *fatal(Code.BAD_FLAG, rule="no-value", flag="--tp").problems,
+        ]
+    )
+    err = Refused(error)
+    assert err.codes == (Code.BAD_STREAM.value, Code.BAD_FLAG.value)
+    assert err.exit_code == 2  # bad-flag is a usage reason: it wins
