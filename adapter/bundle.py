@@ -43,21 +43,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..converter.errors import Code, Problem, problem
+from ..converter.errors import Problem, problem
 from ..converter.hashing import sha256_file  # noqa: F401  (the bundle's name for it)
+from ..converter.reasons import Code
+from .reasons import AdapterCode
 
 FORMAT = "kimi-w31-kernels/2"  # 2: platform tags (CPU, C library, Python ABI), recipe keys
 MANIFEST = "manifest.json"
 STACK_FIELDS = ("arch", "flashinfer", "cuda", "torch", "python", "machine", "libc", "abi")
 _FIELD_CODE = {
-    "arch": Code.KERNEL_BUNDLE_ARCH,
-    "flashinfer": Code.KERNEL_BUNDLE_FLASHINFER,
-    "cuda": Code.KERNEL_BUNDLE_CUDA,
-    "torch": Code.KERNEL_BUNDLE_TORCH,
-    "python": Code.KERNEL_BUNDLE_PYTHON,
-    "machine": Code.KERNEL_BUNDLE_CPU,
-    "libc": Code.KERNEL_BUNDLE_LIBC,
-    "abi": Code.KERNEL_BUNDLE_PYTHON_ABI,
+    "arch": AdapterCode.KERNEL_BUNDLE_ARCH,
+    "flashinfer": AdapterCode.KERNEL_BUNDLE_FLASHINFER,
+    "cuda": AdapterCode.KERNEL_BUNDLE_CUDA,
+    "torch": AdapterCode.KERNEL_BUNDLE_TORCH,
+    "python": AdapterCode.KERNEL_BUNDLE_PYTHON,
+    "machine": AdapterCode.KERNEL_BUNDLE_CPU,
+    "libc": AdapterCode.KERNEL_BUNDLE_LIBC,
+    "abi": AdapterCode.KERNEL_BUNDLE_PYTHON_ABI,
 }
 # A manifest is a few KiB; the largest module (SM120, FlashInfer's whole set) is well under
 # 2 GiB. Anything bigger is not a bundle's, and is never read to the end.
@@ -149,7 +151,7 @@ class BundleManifest:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             refused = problem(
-                Code.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc
+                AdapterCode.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc
             )
             raise BundleError([refused]) from None
 
@@ -267,10 +269,10 @@ def _trust_problems(st: os.stat_result, where: object) -> list[Problem]:
     found: list[Problem] = []
     me = os.geteuid()
     if st.st_uid not in (me, 0):
-        found.append(problem(Code.KERNEL_BUNDLE_OWNER, file=where, uid=st.st_uid, me=me))
+        found.append(problem(AdapterCode.KERNEL_BUNDLE_OWNER, file=where, uid=st.st_uid, me=me))
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         mode = oct(stat.S_IMODE(st.st_mode))
-        found.append(problem(Code.KERNEL_BUNDLE_WRITABLE, file=where, mode=mode))
+        found.append(problem(AdapterCode.KERNEL_BUNDLE_WRITABLE, file=where, mode=mode))
     return found
 
 
@@ -288,7 +290,7 @@ def open_root(root: Path) -> int:
         fd = os.open(real, _DIR_FLAGS)
     except FileNotFoundError:
         raise BundleError(
-            [problem(Code.KERNEL_BUNDLE_MISSING, rule="missing", file=root)]
+            [problem(AdapterCode.KERNEL_BUNDLE_MISSING, rule="missing", file=root)]
         ) from None
     except OSError as exc:
         if exc.errno in (errno.ENOTDIR, errno.ELOOP):
@@ -297,10 +299,24 @@ def open_root(root: Path) -> int:
             except OSError:
                 what = "unreadable"
             raise BundleError(
-                [problem(Code.KERNEL_BUNDLE_MISSING, rule="not-directory", file=root, kind=what)]
+                [
+                    problem(
+                        AdapterCode.KERNEL_BUNDLE_MISSING,
+                        rule="not-directory",
+                        file=root,
+                        kind=what,
+                    )
+                ]
             ) from None
         raise BundleError(
-            [problem(Code.KERNEL_BUNDLE_INVALID, rule="unreadable", file=root, error=exc.strerror)]
+            [
+                problem(
+                    AdapterCode.KERNEL_BUNDLE_INVALID,
+                    rule="unreadable",
+                    file=root,
+                    error=exc.strerror,
+                )
+            ]
         ) from None
     problems = _trust_problems(os.fstat(fd), root)
     if problems:
@@ -325,26 +341,33 @@ def open_member(folder: int, name: str, where: Path, what: str) -> tuple[int, in
             except OSError:
                 target = "?"
             raise BundleError(
-                [problem(Code.KERNEL_BUNDLE_LINK, file=where, target=target)]
+                [problem(AdapterCode.KERNEL_BUNDLE_LINK, file=where, target=target)]
             ) from None
         if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket
             raise BundleError(
-                [problem(Code.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind="socket")]
+                [problem(AdapterCode.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind="socket")]
             ) from None
         raise BundleError(
-            [problem(Code.KERNEL_BUNDLE_INVALID, rule="unreadable", file=where, error=exc.strerror)]
+            [
+                problem(
+                    AdapterCode.KERNEL_BUNDLE_INVALID,
+                    rule="unreadable",
+                    file=where,
+                    error=exc.strerror,
+                )
+            ]
         ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BundleError(
-                [problem(Code.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind=_kind(st.st_mode))]
+                [problem(AdapterCode.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind=_kind(st.st_mode))]
             )
         problems = _trust_problems(st, where)
         if st.st_size > limit:
             problems.append(
                 problem(
-                    Code.KERNEL_BUNDLE_TOO_LARGE,
+                    AdapterCode.KERNEL_BUNDLE_TOO_LARGE,
                     file=where,
                     what=what,
                     size=st.st_size,
@@ -374,7 +397,11 @@ def _read_bounded(fd: int, what: str, where: Path, sink: Callable[[bytes], None]
             raise BundleError(
                 [
                     problem(
-                        Code.KERNEL_BUNDLE_TOO_LARGE, file=where, what=what, size=done, limit=limit
+                        AdapterCode.KERNEL_BUNDLE_TOO_LARGE,
+                        file=where,
+                        what=what,
+                        size=done,
+                        limit=limit,
                     )
                 ]
             )
@@ -390,7 +417,7 @@ def read_manifest(folder: int, root: Path) -> BundleManifest:
         raise BundleError(
             [
                 problem(
-                    Code.KERNEL_BUNDLE_INVALID,
+                    AdapterCode.KERNEL_BUNDLE_INVALID,
                     rule="unreadable",
                     file=where,
                     error=os.strerror(errno.ENOENT),
@@ -406,7 +433,7 @@ def read_manifest(folder: int, root: Path) -> BundleManifest:
         text = b"".join(parts).decode()
     except UnicodeDecodeError as exc:
         raise BundleError(
-            [problem(Code.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc)]
+            [problem(AdapterCode.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc)]
         ) from None
     return BundleManifest.from_json(text, str(where))
 
@@ -448,7 +475,7 @@ def open_library(folder: int, root: Path, module: Module) -> Library:
         raise BundleError(
             [
                 problem(
-                    Code.KERNEL_BUNDLE_LIBRARY,
+                    AdapterCode.KERNEL_BUNDLE_LIBRARY,
                     file=where,
                     want=module.sha256[:16],
                     digest="missing",
@@ -467,7 +494,7 @@ def open_library(folder: int, root: Path, module: Module) -> Library:
         raise BundleError(
             [
                 problem(
-                    Code.KERNEL_BUNDLE_LIBRARY,
+                    AdapterCode.KERNEL_BUNDLE_LIBRARY,
                     file=where,
                     want=module.sha256[:16],
                     digest=digest[:16],
@@ -519,7 +546,7 @@ def check(
         if module is None:
             have = ", ".join(m.variant for m in manifest.modules) or "none"
             problems.append(
-                problem(Code.KERNEL_BUNDLE_NO_MODULE, file=where, variant=variant, have=have)
+                problem(AdapterCode.KERNEL_BUNDLE_NO_MODULE, file=where, variant=variant, have=have)
             )
         if problems or module is None:
             raise BundleError(problems)
@@ -529,7 +556,7 @@ def check(
             if module.source_hash != digest:
                 problems.append(
                     problem(
-                        Code.KERNEL_BUNDLE_SOURCES,
+                        AdapterCode.KERNEL_BUNDLE_SOURCES,
                         file=where,
                         module=module.name,
                         want=digest[:16],

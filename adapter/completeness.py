@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..converter.errors import plural
-from ..converter.text import id_ranges
+from ..converter.text import id_ranges, plural
 
 # Loader projections: w1 gate, w3 up (both halves of a converted w31), w2 down.
 PROJECTIONS = ("w1", "w3", "w2")

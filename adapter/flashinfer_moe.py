@@ -26,8 +26,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..converter.errors import Code, fatal
+from ..converter.errors import fatal
 from .arch import Arch, arch_name, is_served
+from .reasons import AdapterCode
 from .refused import Refused
 
 SITU_BETA = 4.0
@@ -52,7 +53,7 @@ class SituUnsupportedError(Refused, RuntimeError):
 
 def _broken(exc: BaseException) -> SituUnsupportedError:
     return SituUnsupportedError(
-        fatal(Code.SITU_UNSUPPORTED, rule="broken", error=exc, install=_INSTALL)
+        fatal(AdapterCode.SITU_UNSUPPORTED, rule="broken", error=exc, install=_INSTALL)
     )
 
 
@@ -81,7 +82,7 @@ def check_situ_support() -> str:
         if (exc.name or "").split(".")[0] != "flashinfer":
             raise _broken(exc) from exc
         raise SituUnsupportedError(
-            fatal(Code.SITU_UNSUPPORTED, rule="not-installed", install=_INSTALL)
+            fatal(AdapterCode.SITU_UNSUPPORTED, rule="not-installed", install=_INSTALL)
         ) from exc
     except Exception as exc:  # installed but broken (missing CUDA libs, ...)
         raise _broken(exc) from exc
@@ -97,7 +98,10 @@ def check_situ_support() -> str:
     if missing:
         raise SituUnsupportedError(
             fatal(
-                Code.SITU_UNSUPPORTED, rule="missing", version=version, missing=", ".join(missing)
+                AdapterCode.SITU_UNSUPPORTED,
+                rule="missing",
+                version=version,
+                missing=", ".join(missing),
             )
         )
     return version
@@ -121,7 +125,10 @@ def check_humming_support() -> str:
     if missing:
         raise SituUnsupportedError(
             fatal(
-                Code.SITU_UNSUPPORTED, rule="humming", version=version, missing=", ".join(missing)
+                AdapterCode.SITU_UNSUPPORTED,
+                rule="humming",
+                version=version,
+                missing=", ".join(missing),
             )
         )
     return version

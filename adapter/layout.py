@@ -14,7 +14,8 @@ from typing import Any
 
 from ..converter import contract
 from ..converter.contract import BLOCK_KEY, WRAPPER_METHOD, find_block, text_config
-from ..converter.errors import Code, Fatal, fatal
+from ..converter.errors import Fatal, fatal
+from .reasons import AdapterCode
 from .refused import Refused
 
 # Serve an unconverted Kimi-K3 checkpoint with the adapter's SiTU method (see README).
@@ -88,4 +89,4 @@ def opt_in_unconverted(environ: Mapping[str, str] | None = None) -> bool:
         return False
     if value.strip().lower() in ("1", "true", "yes", "on"):
         return True
-    raise LayoutError(fatal(Code.OPT_IN_VALUE, env=OPT_IN_ENV, value=value))
+    raise LayoutError(fatal(AdapterCode.OPT_IN_VALUE, env=OPT_IN_ENV, value=value))

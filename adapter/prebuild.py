@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..converter.errors import Code, fatal
+from ..converter.errors import fatal
 from ..converter.hashing import sha256_file
 from .arch import ARCHES, CUDA_ARCH_LIST, Arch
+from .reasons import AdapterCode
 from .refused import Refused
 
 Stage = Literal["cached", "compile", "done"]
@@ -128,7 +129,9 @@ def check_toolkit(home: Path | None = None) -> None:
     home = home or cuda_home()
     missing = toolkit_problems(home)
     if missing:
-        raise PrebuildError(fatal(Code.NO_CUDA_TOOLKIT, home=home, missing=" and ".join(missing)))
+        raise PrebuildError(
+            fatal(AdapterCode.NO_CUDA_TOOLKIT, home=home, missing=" and ".join(missing))
+        )
 
 
 def _meminfo_available() -> int | None:
@@ -166,7 +169,7 @@ def require_torch() -> None:
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
-        raise PrebuildError(fatal(Code.NO_TORCH, install=INSTALL_SERVING))
+        raise PrebuildError(fatal(AdapterCode.NO_TORCH, install=INSTALL_SERVING))
 
 
 def _gpu_arch() -> Arch | None:
@@ -182,7 +185,9 @@ def _gpu_arch() -> Arch | None:
     try:
         return arch_of()
     except ValueError as exc:
-        raise PrebuildError(fatal(Code.PREBUILD_ARCH, rule="unsupported-gpu", error=exc)) from exc
+        raise PrebuildError(
+            fatal(AdapterCode.PREBUILD_ARCH, rule="unsupported-gpu", error=exc)
+        ) from exc
 
 
 def target_flashinfer(arch: Arch, gpu: Arch | None) -> None:
@@ -192,7 +197,9 @@ def target_flashinfer(arch: Arch, gpu: Arch | None) -> None:
     if gpu is not None or "FLASHINFER_CUDA_ARCH_LIST" in os.environ:
         return
     if "flashinfer" in sys.modules:
-        raise PrebuildError(fatal(Code.PREBUILD_FLASHINFER_IMPORTED, arch_list=_CUDA_ARCH[arch]))
+        raise PrebuildError(
+            fatal(AdapterCode.PREBUILD_FLASHINFER_IMPORTED, arch_list=_CUDA_ARCH[arch])
+        )
     os.environ["FLASHINFER_CUDA_ARCH_LIST"] = _CUDA_ARCH[arch]
 
 
@@ -229,7 +236,7 @@ def _build(spec: Any, jobs: int, report: ProgressCallback, poll_s: float) -> flo
             os.environ["MAX_JOBS"] = previous
     if errors:
         raise PrebuildError(
-            fatal(Code.PREBUILD_BUILD, rule="compile", module=spec.name, error=errors[0])
+            fatal(AdapterCode.PREBUILD_BUILD, rule="compile", module=spec.name, error=errors[0])
         ) from errors[0]
     return time.monotonic() - t0
 
@@ -260,7 +267,7 @@ def publish_lock(out: Path, wait_s: float = PUBLISH_WAIT_S, poll_s: float = 0.05
     (KERNEL_BUNDLE_BUSY). The converter's output lock, not a lock library: none is among
     the project's dependencies, and that lock already handles a dead holder, a link or FIFO
     planted in its place, and NFS (O_EXCL plus flock)."""
-    from ..converter.errors import Code, problem
+    from ..converter.errors import problem
     from ..converter.output.lock import OutputLock
     from . import bundle as B
 
@@ -274,7 +281,7 @@ def publish_lock(out: Path, wait_s: float = PUBLISH_WAIT_S, poll_s: float = 0.05
             owner = refused.owner or {}
             who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else refused.why
             raise B.BundleError(
-                [problem(Code.KERNEL_BUNDLE_BUSY, file=out, who=who, seconds=int(wait_s))]
+                [problem(AdapterCode.KERNEL_BUNDLE_BUSY, file=out, who=who, seconds=int(wait_s))]
             )
         time.sleep(poll_s)
     try:
@@ -381,7 +388,9 @@ def _check_out_or_refuse(out: Path) -> None:
     try:
         check_out(out)
     except OSError as exc:
-        raise PrebuildError(fatal(Code.PREBUILD_BUILD, rule="folder", out=out, error=exc)) from exc
+        raise PrebuildError(
+            fatal(AdapterCode.PREBUILD_BUILD, rule="folder", out=out, error=exc)
+        ) from exc
 
 
 def _build_cuda(arch: Arch) -> str:
@@ -412,13 +421,13 @@ def prebuild(
     t_start = time.monotonic()
     if arch is not None and arch not in ARCHES:
         raise PrebuildError(
-            fatal(Code.PREBUILD_ARCH, rule="unknown", arch=arch, arches=list(ARCHES))
+            fatal(AdapterCode.PREBUILD_ARCH, rule="unknown", arch=arch, arches=list(ARCHES))
         )
     gpu = _gpu_arch()
     if arch is None and gpu is None:
-        raise PrebuildError(fatal(Code.NO_GPU, rule="prebuild"))
+        raise PrebuildError(fatal(AdapterCode.NO_GPU, rule="prebuild"))
     if arch is not None and gpu is not None and arch != gpu:
-        raise PrebuildError(fatal(Code.PREBUILD_ARCH, rule="other-gpu", gpu=gpu, arch=arch))
+        raise PrebuildError(fatal(AdapterCode.PREBUILD_ARCH, rule="other-gpu", gpu=gpu, arch=arch))
     target: Arch = arch or gpu  # type: ignore[assignment]
     from . import kernels
 
@@ -428,7 +437,7 @@ def prebuild(
     if unknown or wrong:
         raise PrebuildError(
             fatal(
-                Code.PREBUILD_ARCH,
+                AdapterCode.PREBUILD_ARCH,
                 rule="precision",
                 precision=", ".join(unknown + wrong),
                 arch=target,
@@ -457,7 +466,7 @@ def prebuild(
             rkey = kernels.recipe_key(kernels.VARIANTS[key], cuda) if cuda else None
         except (RuntimeError, ValueError, OSError) as exc:
             raise PrebuildError(
-                fatal(Code.PREBUILD_BUILD, rule="recipe", variant=key, error=exc)
+                fatal(AdapterCode.PREBUILD_BUILD, rule="recipe", variant=key, error=exc)
             ) from exc
         total = len(spec.sources)
         library = spec.get_library_path()
@@ -477,6 +486,6 @@ def prebuild(
             manifest = _bundle(out, target, results, n_jobs)
         except OSError as exc:
             raise PrebuildError(
-                fatal(Code.PREBUILD_BUILD, rule="write", out=out, error=exc)
+                fatal(AdapterCode.PREBUILD_BUILD, rule="write", out=out, error=exc)
             ) from exc
     return PrebuildResult(target, results, n_jobs, manifest, seconds=time.monotonic() - t_start)

@@ -2,9 +2,9 @@
 
 Each exception class the adapter raises for a user (`PrebuildError`, `SplitError`, ...) stays
 where code catches it by type (SGLang's processes, the CLI, tests), and is built from a
-`Fatal`: its words come from the reasons' records (converter/errors/reasons_*.py), `.codes`
+`Fatal`: its words come from the reasons' records (adapter/reasons/), `.codes`
 and `.reason` are their codes, `.exit_code` the records' exit code. A raise site passes a
-code and facts (`X(fatal(Code.Y, ...))`), never text.
+code and facts (`X(fatal(AdapterCode.Y, ...))`), never text.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ from typing import Any
 
 from ..converter import contract
 from ..converter.audit.served import served_headers
-from ..converter.errors import Code, Fatal, Problem, problem
+from ..converter.errors import Fatal, Problem, problem
 from ..converter.manifest import expect, load_manifest
 from ..converter.output import verified
+from ..converter.reasons import Code
 from ..converter.safetensors_format import ShardHeader
 from ..converter.source import (
     check_each_tensor_once,

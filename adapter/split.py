@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ..converter import contract
-from ..converter.errors import Code, fatal
+from ..converter.errors import fatal
+from .reasons import AdapterCode
 from .refused import Refused
 
 # Names reach the text model after SGLang's renames: `weight_packed` may already be `weight`.
@@ -55,7 +56,7 @@ def split_w31_items(
         prefix, tail = split
         parsed = contract.parse_expert_tail(tail, LOADED_SUFFIXES)
         if parsed is None and f".{contract.FUSED}." in f".{tail}":
-            raise SplitError(fatal(Code.W31_UNSPLITTABLE, rule="grammar", tensor=name))
+            raise SplitError(fatal(AdapterCode.W31_UNSPLITTABLE, rule="grammar", tensor=name))
         if parsed is None or parsed.proj == contract.DOWN:
             yield item
             continue
@@ -69,7 +70,12 @@ def split_w31_items(
             tensor = tensor[:, 0, :, 0]
         if tensor.ndim != 2 or tensor.shape[0] == 0 or tensor.shape[0] % 2:
             raise SplitError(
-                fatal(Code.W31_UNSPLITTABLE, rule="shape", tensor=name, shape=tuple(tensor.shape))
+                fatal(
+                    AdapterCode.W31_UNSPLITTABLE,
+                    rule="shape",
+                    tensor=name,
+                    shape=tuple(tensor.shape),
+                )
             )
         n = tensor.shape[0] // 2
         stats.w31_layers.add(prefix + "experts.")

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import repeat
 from typing import Any, NamedTuple
 
-from .errors import Code, Problem, problem
+from .errors import Problem, problem
+from .reasons import Code
 
 # -- the config block and the wrapper -----------------------------------------------------
 

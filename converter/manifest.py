@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import contract
-from .errors import Code, Problem, fatal, problem
+from .errors import Problem, fatal, problem
+from .reasons import Code
 from .shapes import ShapeRule, shape_rule
 
 DEFAULT_MANIFEST = "kimi-k3"

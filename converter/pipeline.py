@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import __version__
 from . import faults, fsio
-from .errors import Code, Fatal, Problem, fatal
+from .errors import Fatal, Problem, fatal
 from .execute import Executor
 from .execute.estimate import Estimate, estimate
 from .execute.local import LocalExecutor
@@ -39,6 +39,7 @@ from .output.final import final_files
 from .output.records import FinalFiles, Mode, ShardRecord, space_refusal
 from .output.session import Session
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, plan_conversion
+from .reasons import Code
 from .source import Origin, Source, read_source, source_id
 from .source.local import LocalOrigin
 from .validate import validate_source

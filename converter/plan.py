@@ -18,8 +18,9 @@ from functools import cached_property
 from typing import NamedTuple
 
 from . import contract
-from .errors import Code, Fatal, fatal, problem
+from .errors import Fatal, fatal, problem
 from .manifest import Dims
+from .reasons import Code
 from .safetensors_format import MAX_HEADER_BYTES, TensorInfo, build_header
 from .source import Source
 from .validate import ExpertTable

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
-from .errors import Code, Fatal, Problem, fatal, problem
+from .errors import Fatal, Problem, fatal, problem
 from .hashing import sha256_bytes
+from .reasons import Code
 
 MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGN = 8

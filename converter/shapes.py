@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import contract
-from .errors import Code, Problem, problem
+from .errors import Problem, problem
+from .reasons import Code
 
 Shape = tuple[int, ...]
 _Dims = Mapping[str, Any]

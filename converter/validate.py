@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from . import contract
-from .errors import Code, Problem, problem
+from .errors import Problem, problem
 from .manifest import Dims, Expectation, ExpertSpec, Manifest, expect
+from .reasons import Code
 from .safetensors_format import ShardHeader, TensorInfo
 from .shapes import LAYER_PREFIX, PREFIX_ALIAS, SUBSTRING_ALIAS, shape_problems
 from .source import Source

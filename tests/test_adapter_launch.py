@@ -13,10 +13,12 @@ import pytest
 from cli_helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kimi_w31.adapter.reasons import AdapterCode
 from kimi_w31.adapter.sglang import launch
 from kimi_w31.adapter.sglang.launch import ServeError, check_stack, plan_serve, serve
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code, reason
+from kimi_w31.converter.errors import reason
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 SOURCE = make_config(SynthSpec(k=3584, n=3072, experts=896))
@@ -196,11 +198,11 @@ def test_cli_refuses_on_failed_checks(tmp_path, monkeypatch):
     result = run_cli([str(ckpt(tmp_path)), "--print"], inprocess=True, command=serve)
     assert result.returncode != 0
     assert "sglang is not installed" in result.output and "verify: index" in result.output
-    assert Code.STACK_UNREADY.value in result.output
+    assert AdapterCode.STACK_UNREADY.value in result.output
 
 
 def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monkeypatch):
-    """A table over the refusals serve words through its records (reasons_serve.py)."""
+    """A table over the refusals serve words through its records (adapter/reasons/serve.py)."""
     from kimi_w31.adapter import kernels, prebuild
 
     def refused(call) -> ServeError:
@@ -221,13 +223,13 @@ def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monk
     for root in roots.values():
         root.mkdir()
     cases = {
-        Code.NOT_CONVERTED: lambda: plan_serve(ckpt(roots["plain"], converted=False)),
-        Code.NOT_SITU: lambda: plan_serve(
+        AdapterCode.NOT_CONVERTED: lambda: plan_serve(ckpt(roots["plain"], converted=False)),
+        AdapterCode.NOT_SITU: lambda: plan_serve(
             ckpt(roots["silu"], converted=False, hidden_act="silu"), unconverted=True
         ),
-        Code.KERNEL_BUNDLE_UNCHECKED: lambda: launch.kernel_bundle_env(tmp_path),
-        Code.PREBUILD_FAILED: lambda: launch.run_prebuild(None, "lines"),
-        Code.BAD_FLAG: lambda: launch.text_only_override("[1]"),
+        AdapterCode.KERNEL_BUNDLE_UNCHECKED: lambda: launch.kernel_bundle_env(tmp_path),
+        AdapterCode.PREBUILD_FAILED: lambda: launch.run_prebuild(None, "lines"),
+        AdapterCode.BAD_FLAG: lambda: launch.text_only_override("[1]"),
     }
     for code, call in cases.items():
         err = refused(call)
@@ -393,7 +395,7 @@ def test_a_real_size_replica_needs_two_h200_nodes(tmp_path, tp, ep, fits):
         return
     with pytest.raises(ServeError) as err:
         plan_serve(root, tp=tp, ep=ep, gpu_memory=H200)
-    assert err.value.reason == Code.CAPACITY.value
+    assert err.value.reason == AdapterCode.CAPACITY.value
 
 
 @given(
@@ -419,7 +421,7 @@ def test_capacity_refuses_exactly_when_an_even_split_does_not_fit(
         plan_serve(root, extra, tp=tp, ep=math.gcd(tp, 896), gpu_memory=per_gpu, python="py")
         refused = False
     except ServeError as exc:
-        assert exc.reason == Code.CAPACITY.value
+        assert exc.reason == AdapterCode.CAPACITY.value
         refused = True
     assert refused == (not fits)
 
@@ -443,7 +445,7 @@ def test_capacity_reads_shard_sizes_without_total_size_and_the_gpus_where_presen
     # the smallest GPU decides; 1100 bytes over 2 GPUs of 500 bytes: refused
     with pytest.raises(ServeError) as err:
         plan_serve(root, tp=2, ep=2, detect=lambda: (500, "test"))
-    assert err.value.reason == Code.CAPACITY.value
+    assert err.value.reason == AdapterCode.CAPACITY.value
     plan_serve(root, tp=4, ep=4, detect=lambda: (500, "test"))
     plan_serve(root, tp=2, ep=2, detect=lambda: None)  # unknown memory: not checked
 
@@ -454,7 +456,7 @@ def test_capacity_counts_pipeline_stages_and_shows_nodes(tmp_path):
     plan_serve(root, extra, tp=2, ep=2, gpu_memory=500, python="py")  # 4 GPUs x 500
     with pytest.raises(ServeError) as err:
         plan_serve(root, ["--nnodes", "2"], tp=2, ep=2, gpu_memory=500)
-    assert err.value.reason == Code.CAPACITY.value
+    assert err.value.reason == AdapterCode.CAPACITY.value
 
 
 def test_gpu_memory_option_parses_sizes(tmp_path, monkeypatch):

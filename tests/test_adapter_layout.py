@@ -19,7 +19,7 @@ from kimi_w31.adapter.layout import (
 )
 from kimi_w31.adapter.sglang import launch
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 SOURCE = make_config(SynthSpec())

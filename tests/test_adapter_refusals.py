@@ -18,8 +18,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from kimi_w31.adapter.reasons import AdapterCode
 from kimi_w31.adapter.refused import Refused
-from kimi_w31.converter.errors import Code, Fatal, fatal
+from kimi_w31.converter.errors import Fatal, fatal
 
 ADAPTER = Path(__file__).resolve().parent.parent / "adapter"
 PROGRAMMING = {
@@ -98,7 +99,7 @@ def test_the_rule_sees_hand_written_text(source):
 @pytest.mark.parametrize(
     "source",
     [
-        "raise SplitError(fatal(Code.W31_UNSPLITTABLE, rule='grammar', tensor=name))",
+        "raise SplitError(fatal(AdapterCode.W31_UNSPLITTABLE, rule='grammar', tensor=name))",
         'raise ValueError(f"chunk must be positive, got {chunk}")',
         "raise LayoutError(Fatal([exc.problem])) from None",
         "raise click.ClickException(str(exc))",
@@ -125,18 +126,20 @@ def test_every_adapter_refusal_class_is_built_from_a_fatal():
         SplitError,
     ):
         assert issubclass(cls, Refused)
-        err = cls(fatal(Code.NO_TOKEN))
-        assert err.reason == Code.NO_TOKEN.value and err.codes == (Code.NO_TOKEN.value,)
-        assert f"[{Code.NO_TOKEN.value}]" in str(err) and err.exit_code == 1
+        err = cls(fatal(AdapterCode.NO_TOKEN))
+        assert err.reason == AdapterCode.NO_TOKEN.value and err.codes == (
+            AdapterCode.NO_TOKEN.value,
+        )
+        assert f"[{AdapterCode.NO_TOKEN.value}]" in str(err) and err.exit_code == 1
 
 
 def test_a_refusal_keeps_every_problem_and_the_records_exit_code():
     error = Fatal(
         [
-            *fatal(Code.BAD_STREAM, payload="x").problems,
-            *fatal(Code.BAD_FLAG, rule="no-value", flag="--tp").problems,
+            *fatal(AdapterCode.BAD_STREAM, payload="x").problems,
+            *fatal(AdapterCode.BAD_FLAG, rule="no-value", flag="--tp").problems,
         ]
     )
     err = Refused(error)
-    assert err.codes == (Code.BAD_STREAM.value, Code.BAD_FLAG.value)
+    assert err.codes == (AdapterCode.BAD_STREAM.value, AdapterCode.BAD_FLAG.value)
     assert err.exit_code == 2  # bad-flag is a usage reason: it wins

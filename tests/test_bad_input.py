@@ -14,8 +14,9 @@ import pytest
 from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.pipeline import ConvertOptions
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.3"

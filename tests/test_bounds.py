@@ -16,7 +16,7 @@ from cli_helpers import run_cli
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import CONFIG_NAME
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 LIMIT = 4 << 30  # far above what these small runs need, far below what the bug builds
 # Address space a run reserves without using it grows with the core count (BLAS threads,

@@ -9,7 +9,8 @@ import re
 import click
 import pytest
 from cli_helpers import run_cli
-from kimi_w31.converter.errors import Code, reason
+from kimi_w31.converter.errors import reason
+from kimi_w31.converter.reasons import Code
 
 from kimi_w31.cli import main
 

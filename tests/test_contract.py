@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code
 from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.plan import plan_conversion
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 from kimi_w31.converter.validate import validate_source
 from sources import header_only_source, synth_source

@@ -8,14 +8,10 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
-from kimi_w31.converter.errors import (
-    EXIT_PROBLEMS,
-    EXIT_USAGE,
-    Code,
-    Fatal,
-    Problem,
-    reason,
-)
+from kimi_w31.adapter.reasons import AdapterCode
+from kimi_w31.converter.errors import EXIT_PROBLEMS, EXIT_USAGE, Fatal, Problem, reason
+from kimi_w31.converter.reasons import Code
+from reason_codes import ALL_CODES
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("converter", "adapter", "kimi_w31")
@@ -31,16 +27,16 @@ USAGE_REASONS = {
     Code.OUTPUT_INSIDE_SOURCE,
     Code.WINDOW_TOO_SMALL,
     Code.PATH_UNUSABLE,
-    Code.AMBIGUOUS_FLAG,
-    Code.BAD_FLAG,
-    Code.EXPERT_SPLIT,
-    Code.LANGUAGE_MODEL_ONLY,
+    AdapterCode.AMBIGUOUS_FLAG,
+    AdapterCode.BAD_FLAG,
+    AdapterCode.EXPERT_SPLIT,
+    AdapterCode.LANGUAGE_MODEL_ONLY,
 }
 
 
 def test_every_reason_exits_as_usage_or_as_a_problem():
-    assert {c for c in Code if reason(c).exit == EXIT_USAGE} == USAGE_REASONS
-    assert {reason(c).exit for c in Code if c not in USAGE_REASONS} == {EXIT_PROBLEMS}
+    assert {c for c in ALL_CODES if reason(c).exit == EXIT_USAGE} == USAGE_REASONS
+    assert {reason(c).exit for c in ALL_CODES if c not in USAGE_REASONS} == {EXIT_PROBLEMS}
 
 
 def test_no_raise_site_chooses_an_exit_code():
@@ -56,14 +52,14 @@ def test_no_raise_site_chooses_an_exit_code():
     assert found == []
 
 
-@pytest.mark.parametrize("code", list(Code))
+@pytest.mark.parametrize("code", ALL_CODES)
 def test_a_fatal_exits_as_its_reason_says(code):
     assert Fatal([Problem(code, "x")]).exit_code == reason(code).exit
 
 
 def test_a_usage_reason_wins_over_a_data_reason():
-    usage = [c for c in Code if reason(c).exit == EXIT_USAGE]
-    data = [c for c in Code if reason(c).exit == EXIT_PROBLEMS]
+    usage = [c for c in ALL_CODES if reason(c).exit == EXIT_USAGE]
+    data = [c for c in ALL_CODES if reason(c).exit == EXIT_PROBLEMS]
     for u, d in zip(usage, data, strict=False):
         assert Fatal([Problem(d, "x"), Problem(u, "y")]).exit_code == EXIT_USAGE
 

@@ -13,8 +13,9 @@ import safetensors.numpy
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import INDEX_NAME, moe_layer_ids
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.manifest import expect, load_manifest, resolve_dims
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.safetensors_format import (
     DTYPE_BITS,
     HeaderEntry,

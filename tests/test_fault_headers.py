@@ -16,7 +16,8 @@ import faults as fl
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.safetensors_format import (
     DTYPE_BITS,
     MAX_HEADER_BYTES,

@@ -22,9 +22,10 @@ from kimi_w31.converter import contract, fsio
 from kimi_w31.converter.audit import verify
 from kimi_w31.converter.audit.files import list_files, load_checksums, unsafe_name
 from kimi_w31.converter.contract import STATE_DIR
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.output.directory import OutputDir
 from kimi_w31.converter.pipeline import ConvertOptions, convert, source_id
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.source import read_json
 from kimi_w31.converter.source.local import LocalOrigin, publish_problem
 

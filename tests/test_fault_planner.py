@@ -10,9 +10,10 @@ import faults as fl
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter.contract import parse_expert_name
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.plan import plan_conversion
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.safetensors_format import (
     ShardHeader,
     TensorInfo,

@@ -21,9 +21,10 @@ from cli_helpers import run_cli
 from kimi_w31.converter.audit import verify
 from kimi_w31.converter.cli.verify import verify as command
 from kimi_w31.converter.contract import STATE_DIR
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.output import verified
 from kimi_w31.converter.output.directory import OutputDir
+from kimi_w31.converter.reasons import Code
 from verify_mutations import CONFIG, INDEX, Model, edit_json, read_shard, rerecord
 
 

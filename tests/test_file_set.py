@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from kimi_w31.converter.audit import verify
 from kimi_w31.converter.audit.served import loaded_files, served_headers
 from kimi_w31.converter.contract import INDEX_NAME
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.pipeline import ConvertOptions, convert
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.source import read_source
 from kimi_w31.converter.source.local import LocalOrigin
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.adapter import flashinfer_moe as fm
-from kimi_w31.converter.errors import Code
+from kimi_w31.adapter.reasons import AdapterCode
 
 E, K, N = 4, 256, 128
 
@@ -147,7 +147,7 @@ def test_flashinfer_not_installed(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", None)
     with pytest.raises(fm.SituUnsupportedError, match="cannot import") as err:
         fm.check_situ_support()
-    assert err.value.codes == (Code.SITU_UNSUPPORTED.value,) and "marlin" in str(err.value)
+    assert err.value.codes == (AdapterCode.SITU_UNSUPPORTED.value,) and "marlin" in str(err.value)
 
 
 # --------------------------------------------------------------------------------------

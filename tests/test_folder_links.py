@@ -14,7 +14,8 @@ import pytest
 from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.source.local import LocalOrigin
 
 FOLDERS = ["a", "a/b", "c", "c/d/e"]

@@ -32,10 +32,10 @@ from kimi_w31.converter import contract, reference
 from kimi_w31.converter.cli.convert import convert_cmd
 from kimi_w31.converter.cli.synth import synth
 from kimi_w31.converter.contract import CHECKSUMS_FORMAT
-from kimi_w31.converter.errors import Code
 from kimi_w31.converter.hashing import TENSOR_HASH
 from kimi_w31.converter.manifest import load_manifest
 from kimi_w31.converter.pipeline import ConvertOptions, convert
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import EXTRA_FILES, SynthSpec, cli_spec, synth_checkpoint
 from safetensors import safe_open
 

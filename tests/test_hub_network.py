@@ -21,7 +21,8 @@ from cli_helpers import run_cli
 from hub_server import FakeHub, Silent
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.safetensors_format import read_header
 from kimi_w31.converter.source import hub as hub_source_mod
 from kimi_w31.converter.source import hub_net

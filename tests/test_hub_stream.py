@@ -30,11 +30,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.cli.console import human
 from kimi_w31.converter.contract import STATE_DIR
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.execute.stream import download_order, estimate
 from kimi_w31.converter.output.directory import OutputDir
 from kimi_w31.converter.output.records import PartialDownloads
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.source.hub import remove_partial
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 

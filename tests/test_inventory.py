@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.manifest import expect, expected_inventory, load_manifest, parse_manifest
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.safetensors_format import TensorInfo
 from kimi_w31.converter.synth import AttnDims, SynthSpec, make_config, tensor_specs
 from kimi_w31.converter.validate import check_inventory, validate_source

@@ -16,8 +16,8 @@ from importlib import resources
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code
 from kimi_w31.converter.manifest import expect, load_manifest, parse_manifest
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.safetensors_format import TensorInfo
 from kimi_w31.converter.shapes import canonical_name, shape_rule
 from kimi_w31.converter.synth import AttnDims, SynthSpec, VisionDims, make_config, tensor_specs

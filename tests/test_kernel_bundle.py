@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.adapter import bundle as B
-from kimi_w31.converter.errors import Code
+from kimi_w31.adapter.reasons import AdapterCode
+from kimi_w31.converter.reasons import Code
 
 STACK = B.Stack(
     arch="sm90",
@@ -117,13 +118,13 @@ def test_manifest_round_trip(stack, modules, build) -> None:
 def test_a_bad_manifest_is_invalid(tmp_path, text) -> None:
     root = write_bundle(tmp_path / "b")
     (root / B.MANIFEST).write_text(text)
-    assert refused(root) == [Code.KERNEL_BUNDLE_INVALID]
+    assert refused(root) == [AdapterCode.KERNEL_BUNDLE_INVALID]
 
 
 def test_a_manifest_not_utf8_is_invalid(tmp_path) -> None:
     root = write_bundle(tmp_path / "b")
     (root / B.MANIFEST).write_bytes(b"\xff\xfe{}")
-    assert refused(root) == [Code.KERNEL_BUNDLE_INVALID]
+    assert refused(root) == [AdapterCode.KERNEL_BUNDLE_INVALID]
 
 
 def test_a_path_as_module_file_is_invalid(tmp_path) -> None:
@@ -131,12 +132,12 @@ def test_a_path_as_module_file_is_invalid(tmp_path) -> None:
     data = json.loads((root / B.MANIFEST).read_text())
     data["modules"][0]["file"] = "../../elsewhere.so"
     (root / B.MANIFEST).write_text(json.dumps(data))
-    assert refused(root) == [Code.KERNEL_BUNDLE_INVALID]
+    assert refused(root) == [AdapterCode.KERNEL_BUNDLE_INVALID]
 
 
 def test_no_manifest_is_invalid(tmp_path) -> None:
     (tmp_path / "empty").mkdir()
-    assert refused(tmp_path / "empty") == [Code.KERNEL_BUNDLE_INVALID]
+    assert refused(tmp_path / "empty") == [AdapterCode.KERNEL_BUNDLE_INVALID]
 
 
 @pytest.mark.parametrize("what", ["missing", "file"])
@@ -144,10 +145,10 @@ def test_no_bundle_directory_is_refused_by_its_code(tmp_path, what) -> None:
     root = tmp_path / "kernels"
     if what == "file":
         root.write_text("not a folder")
-    assert refused(root) == [Code.KERNEL_BUNDLE_MISSING]
+    assert refused(root) == [AdapterCode.KERNEL_BUNDLE_MISSING]
     with pytest.raises(B.BundleError) as err:
         B.preflight(root, STACK)
-    assert err.value.codes == [Code.KERNEL_BUNDLE_MISSING]
+    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_MISSING]
 
 
 def test_a_matching_bundle_gives_its_library_open(tmp_path) -> None:
@@ -162,14 +163,14 @@ def test_a_matching_bundle_gives_its_library_open(tmp_path) -> None:
 
 
 FIELD_CODES = {
-    "arch": Code.KERNEL_BUNDLE_ARCH,
-    "flashinfer": Code.KERNEL_BUNDLE_FLASHINFER,
-    "cuda": Code.KERNEL_BUNDLE_CUDA,
-    "torch": Code.KERNEL_BUNDLE_TORCH,
-    "python": Code.KERNEL_BUNDLE_PYTHON,
-    "machine": Code.KERNEL_BUNDLE_CPU,
-    "libc": Code.KERNEL_BUNDLE_LIBC,
-    "abi": Code.KERNEL_BUNDLE_PYTHON_ABI,
+    "arch": AdapterCode.KERNEL_BUNDLE_ARCH,
+    "flashinfer": AdapterCode.KERNEL_BUNDLE_FLASHINFER,
+    "cuda": AdapterCode.KERNEL_BUNDLE_CUDA,
+    "torch": AdapterCode.KERNEL_BUNDLE_TORCH,
+    "python": AdapterCode.KERNEL_BUNDLE_PYTHON,
+    "machine": AdapterCode.KERNEL_BUNDLE_CPU,
+    "libc": AdapterCode.KERNEL_BUNDLE_LIBC,
+    "abi": AdapterCode.KERNEL_BUNDLE_PYTHON_ABI,
 }
 # A running value each field refuses a STACK bundle on (libc: an older or another one).
 OTHER = {
@@ -211,7 +212,7 @@ def test_a_bundle_of_another_cpu_architecture_is_refused_by_the_running_tags(tmp
     here = dataclasses.replace(STACK, **B.platform_tags())
     other = "aarch64" if here.machine != "aarch64" else "x86_64"
     root = write_bundle(tmp_path / "b", stack=dataclasses.replace(here, machine=other))
-    assert refused(root, "w4a16", here, SOURCE_HASH) == [Code.KERNEL_BUNDLE_CPU]
+    assert refused(root, "w4a16", here, SOURCE_HASH) == [AdapterCode.KERNEL_BUNDLE_CPU]
     assert B.check(write_bundle(tmp_path / "c", stack=here), "w4a16", here, SOURCE_HASH)
 
 
@@ -243,21 +244,21 @@ def test_a_library_runs_on_its_c_library_and_later_versions_only(built, running)
         p.code for p in B.stack_problems(manifest, dataclasses.replace(STACK, libc=tag(running)))
     ]
     ok = built[0] == running[0] and built[1:] <= running[1:]
-    assert codes == ([] if ok else [Code.KERNEL_BUNDLE_LIBC])
+    assert codes == ([] if ok else [AdapterCode.KERNEL_BUNDLE_LIBC])
 
 
 def test_a_missing_module_is_refused(tmp_path) -> None:
     root = write_bundle(tmp_path / "b", variants=("w4a16",))
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a8", STACK, SOURCE_HASH)
-    assert err.value.codes == [Code.KERNEL_BUNDLE_NO_MODULE]
+    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_NO_MODULE]
 
 
 def test_other_sources_or_flags_are_refused(tmp_path) -> None:
     root = write_bundle(tmp_path / "b")
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a16", STACK, "00" * 32)
-    assert err.value.codes == [Code.KERNEL_BUNDLE_SOURCES]
+    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_SOURCES]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
@@ -273,7 +274,7 @@ def test_a_damaged_library_is_refused(tmp_path, damage) -> None:
         lib.unlink()
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a16", STACK, SOURCE_HASH)
-    assert err.value.codes == [Code.KERNEL_BUNDLE_LIBRARY]
+    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_LIBRARY]
 
 
 def test_a_stack_mismatch_is_refused_before_the_library_is_read(tmp_path) -> None:
@@ -282,7 +283,7 @@ def test_a_stack_mismatch_is_refused_before_the_library_is_read(tmp_path) -> Non
     running = dataclasses.replace(STACK, torch="2.12.0")
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a16", running, SOURCE_HASH)
-    assert err.value.codes == [Code.KERNEL_BUNDLE_TORCH]
+    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_TORCH]
 
 
 # -- a bundle is hostile input: what is checked is what is loaded -------------------------
@@ -346,11 +347,11 @@ def test_a_bundle_writable_by_others_is_refused(tmp_path, which, bits) -> None:
     root = write_bundle(tmp_path / "b")
     target = _target(root, which)
     target.chmod(stat.S_IMODE(target.stat().st_mode) | bits)
-    assert Code.KERNEL_BUNDLE_WRITABLE in refused(root)
+    assert AdapterCode.KERNEL_BUNDLE_WRITABLE in refused(root)
     if which != "library":  # the pre-flight reads the directory and the manifest
         with pytest.raises(B.BundleError) as err:
             B.preflight(root, STACK)
-        assert err.value.codes == [Code.KERNEL_BUNDLE_WRITABLE]
+        assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_WRITABLE]
     target.chmod(stat.S_IMODE(target.stat().st_mode) & ~bits)  # negative control
     assert B.check(root, "w4a16", STACK, SOURCE_HASH)
 
@@ -364,7 +365,7 @@ def test_a_bundle_owned_by_another_user_is_refused(tmp_path, which, monkeypatch)
         if which != "directory":
             pytest.skip("chown to another uid needs root")
         monkeypatch.setattr(B.os, "geteuid", lambda: os.getuid() + 1)
-    assert Code.KERNEL_BUNDLE_OWNER in refused(root)
+    assert AdapterCode.KERNEL_BUNDLE_OWNER in refused(root)
 
 
 def test_files_of_root_or_of_this_user_are_trusted(tmp_path) -> None:
@@ -396,7 +397,7 @@ def test_a_link_in_the_bundle_is_refused(tmp_path, which, to) -> None:
         dest = Path("/dev/zero")
     target.unlink(missing_ok=True)
     target.symlink_to(dest)
-    assert Code.KERNEL_BUNDLE_LINK in _refused_quickly(root)
+    assert AdapterCode.KERNEL_BUNDLE_LINK in _refused_quickly(root)
 
 
 def _refused_quickly(root: Path, seconds: float = 10.0) -> list[Code]:
@@ -432,7 +433,7 @@ def test_a_fifo_device_or_folder_in_the_bundle_is_refused_at_once(tmp_path, whic
         os.mknod(target, 0o644 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers
     else:
         target.mkdir(0o755)
-    assert _refused_quickly(root) == [Code.KERNEL_BUNDLE_NOT_REGULAR]
+    assert _refused_quickly(root) == [AdapterCode.KERNEL_BUNDLE_NOT_REGULAR]
 
 
 @pytest.mark.parametrize("which", ["manifest", "library"])
@@ -440,7 +441,7 @@ def test_reads_are_bounded(tmp_path, which, monkeypatch) -> None:
     root = write_bundle(tmp_path / "b")
     size = _target(root, which).stat().st_size
     monkeypatch.setitem(B._LIMITS, which, size - 1)
-    assert refused(root) == [Code.KERNEL_BUNDLE_TOO_LARGE]
+    assert refused(root) == [AdapterCode.KERNEL_BUNDLE_TOO_LARGE]
     monkeypatch.setitem(B._LIMITS, which, size)  # negative control: at the limit is fine
     assert B.check(root, "w4a16", STACK, SOURCE_HASH)
 
@@ -458,7 +459,7 @@ def test_a_file_that_grows_while_read_is_refused(tmp_path, monkeypatch) -> None:
         return real_pread(fd, n, offset)
 
     monkeypatch.setattr(B.os, "pread", growing)
-    assert Code.KERNEL_BUNDLE_TOO_LARGE in refused(root)
+    assert AdapterCode.KERNEL_BUNDLE_TOO_LARGE in refused(root)
 
 
 # -- the recipe: a recorded key at start-up, the full regeneration on request --------------
@@ -479,7 +480,7 @@ def test_a_matching_recipe_key_skips_the_regeneration(tmp_path) -> None:
     assert B.check(root, "w4a16", STACK, regenerate, None) and calls == [1, 1]
     # a key miss whose regeneration differs is refused
     assert refused(root, "w4a16", STACK, lambda: "00" * 32, "00" * 32) == [
-        Code.KERNEL_BUNDLE_SOURCES
+        AdapterCode.KERNEL_BUNDLE_SOURCES
     ]
 
 
@@ -529,7 +530,7 @@ def test_the_plugin_refuses_a_mismatched_bundle_and_loads_nothing(tmp_path, monk
     installed, regenerated = _plugin_env(monkeypatch, root, dataclasses.replace(STACK, cuda="12.8"))
     with pytest.raises(B.BundleError) as err:
         K.ensure("sm90")
-    assert err.value.codes == [Code.KERNEL_BUNDLE_CUDA] and installed == []
+    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_CUDA] and installed == []
     monkeypatch.setattr(B, "current_stack", lambda arch, build=False: STACK)
     assert K.ensure("sm90") is K.W4A16 and regenerated == []  # the key matched
     ((variant, lib),) = installed
@@ -555,13 +556,13 @@ def test_the_plugin_refuses_before_any_weight_loads(tmp_path, monkeypatch) -> No
     plugin.check_bundle_now()
     with pytest.raises(B.BundleError) as err:
         plugin.refuse_bad_bundle("config-path")
-    assert err.value.codes == [Code.KERNEL_BUNDLE_FLASHINFER]
+    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_FLASHINFER]
     monkeypatch.setattr(B, "current_stack", lambda arch, build=False: STACK)
     assert plugin.refuse_bad_bundle("config-path") is None  # negative control
     monkeypatch.setenv("KIMI_W31_KERNELS", str(tmp_path / "gone"))
     with pytest.raises(B.BundleError) as err:
         plugin.refuse_bad_bundle("config-path")
-    assert err.value.codes == [Code.KERNEL_BUNDLE_MISSING]
+    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_MISSING]
     monkeypatch.delenv("KIMI_W31_KERNELS")
     assert plugin.refuse_bad_bundle("config-path") is None  # no bundle named: nothing
 
@@ -588,7 +589,7 @@ def test_serve_points_every_process_at_the_bundle(tmp_path, monkeypatch) -> None
     assert f"{ENV_BUNDLE}={bundle.resolve()}" in ok.output
     (bundle / B.MANIFEST).write_text("{}")
     bad = run_cli([*base, "--kernels", str(bundle)], inprocess=True)
-    assert bad.returncode == 1 and Code.KERNEL_BUNDLE_INVALID.value in bad.output
+    assert bad.returncode == 1 and AdapterCode.KERNEL_BUNDLE_INVALID.value in bad.output
 
 
 @pytest.mark.parametrize("name", sorted(FIELD_CODES))

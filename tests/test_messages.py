@@ -1,4 +1,5 @@
-"""Each reason's message lives in its record (errors/reasons_*.py), and call sites pass facts.
+"""Each reason's message lives in its record (converter/reasons/, adapter/reasons/), and call
+sites pass facts.
 
 Three properties, over every code and every situation (`rule`) a code has:
 - every code has a message, and it renders with any facts: each fact given shows in the
@@ -18,14 +19,19 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kimi_w31.adapter import reasons as adapter_reasons
 from kimi_w31.converter import errors
-from kimi_w31.converter.errors import RECORDS, Code, facts_of, message, problem, rules
+from kimi_w31.converter import reasons as converter_reasons
+from kimi_w31.converter.errors import RECORDS, facts_of, message, problem, rules
+from kimi_w31.converter.reasons import Code
+from reason_codes import ALL_CODES
 
-# The errors package itself (its records and mechanism) is not a call site.
-OWN = Path(errors.__file__).resolve().parent
-ROOT = OWN.parents[1]
+# The mechanism and the records are not call sites.
+OWN = [Path(m.__file__).resolve().parent for m in (errors, converter_reasons, adapter_reasons)]
+ROOT = OWN[0].parents[1]
+ENUMS = {"Code": Code, "AdapterCode": adapter_reasons.AdapterCode}
 PACKAGES = ("converter", "adapter")
-SITUATIONS = [(code, rule) for code in Code for rule in rules(code)]
+SITUATIONS = [(code, rule) for code in ALL_CODES for rule in rules(code)]
 
 
 def _ids(situation: tuple[Code, str | None]) -> str:
@@ -34,7 +40,7 @@ def _ids(situation: tuple[Code, str | None]) -> str:
 
 
 def test_every_code_has_a_message():
-    assert set(RECORDS) == set(Code)
+    assert set(RECORDS) == {c.value for c in ALL_CODES}
     for code, rule in SITUATIONS:
         assert message(code, rule).what.strip(), _ids((code, rule))
 
@@ -46,7 +52,7 @@ def test_rules_are_kebab_case():
 
 
 def test_unknown_rule_is_refused():
-    for code in Code:
+    for code in ALL_CODES:
         with pytest.raises(KeyError):
             message(code, "no-such-rule")
 
@@ -105,7 +111,10 @@ def test_expected_and_found_pass_through_where_the_message_has_no_template():
 # -- call sites, read from the source -------------------------------------------------------
 def _sources() -> list[Path]:
     return sorted(
-        p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if OWN not in p.resolve().parents
+        p
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("*.py")
+        if not set(OWN) & set(p.resolve().parents)
     )
 
 
@@ -115,7 +124,8 @@ def _callee(call: ast.Call) -> str | None:
 
 
 def _tables(tree: ast.Module) -> dict[str, list[Code]]:
-    """Module-level tables {key: Code.X, ...}: a site may pick its code from one."""
+    """Module-level tables {key: Code.X, ...} (or AdapterCode.X): a site may pick its code
+    from one."""
     tables = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
@@ -133,10 +143,10 @@ def _codes(node: ast.expr, tables: dict[str, list[Code]]) -> list[Code] | None:
     if (
         isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Name)
-        and node.value.id == "Code"
-        and node.attr in Code.__members__
+        and node.value.id in ENUMS
+        and node.attr in ENUMS[node.value.id].__members__
     ):
-        return [Code[node.attr]]
+        return [ENUMS[node.value.id][node.attr]]
     if isinstance(node, ast.IfExp):
         a, b = _codes(node.body, tables), _codes(node.orelse, tables)
         return a + b if a is not None and b is not None else None

@@ -9,7 +9,8 @@ import pytest
 from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Code, Size, human_size, plural
+from kimi_w31.converter.reasons import Code
+from kimi_w31.converter.text import Size, human_size, plural
 
 
 @pytest.mark.parametrize("args", [["help"], ["help", "verify"], ["help", "serve"]])

@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter import fsio
 from kimi_w31.converter.contract import STATE_DIR, not_part_of_checkpoint
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.output.directory import OutputDir
 from kimi_w31.converter.output.lock import OutputLock
 from kimi_w31.converter.output.records import Mode
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.source import SourceId
 
 FP = "f" * 64

@@ -17,7 +17,8 @@ from cli_helpers import json_problems, run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter.cli.arguments import PathArg, path_problem
-from kimi_w31.converter.errors import EXIT_USAGE, Code
+from kimi_w31.converter.errors import EXIT_USAGE
+from kimi_w31.converter.reasons import Code
 
 from kimi_w31.cli import main
 

@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.cli import console
 from kimi_w31.converter.cli.convert import ProgressReporter
-from kimi_w31.converter.errors import Code, reason
+from kimi_w31.converter.errors import reason
 from kimi_w31.converter.execute.shard import Outcome, ShardOutcome
 from kimi_w31.converter.output.records import ShardRecord
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 LINE = re.compile(

@@ -13,8 +13,9 @@ import faults as fl
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.pipeline import ConvertOptions, Reporter, convert
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 

@@ -107,9 +107,10 @@ def test_corrupted_shard_is_found_by_a_ray_task_and_redone(
 def test_what_a_task_raises_reaches_the_driver_as_it_was_raised(ray_address, tmp_path):
     """A worker's refusal pickles by its fields: the driver re-raises the same coded error
     (here the version check: a node running another kimi-w31)."""
-    from kimi_w31.converter.errors import Code, Fatal
+    from kimi_w31.converter.errors import Fatal
     from kimi_w31.converter.execute.ray import shard_task
     from kimi_w31.converter.plan import OutputShard
+    from kimi_w31.converter.reasons import Code
 
     shard = OutputShard("model-00001-of-00001.safetensors", [])
     task = ray.remote(shard_task)
@@ -124,8 +125,9 @@ def test_what_a_task_raises_reaches_the_driver_as_it_was_raised(ray_address, tmp
 def test_the_errors_a_task_raises_pickle_by_their_fields():
     import pickle
 
-    from kimi_w31.converter.errors import Code, Fatal, problem
+    from kimi_w31.converter.errors import Fatal, problem
     from kimi_w31.converter.execute.shard import SourceChanged
+    from kimi_w31.converter.reasons import Code
 
     exc = Fatal([problem(Code.USAGE, rule="workers", workers=0)], hint="h")
     back = pickle.loads(pickle.dumps(exc))

@@ -1,7 +1,8 @@
-"""One reason, one record: every `Code` member is exactly one `Reason` (code string, exit code,
-message or per-rule messages, together), so a reason cannot lack an exit code or words, and
-its words name only facts `problem()` can take. `Code` is built from the records, so most of
-this holds by construction; these tests hold the construction (and its refusals)."""
+"""One reason, one record: every member of the converter's `Code` and the adapter's
+`AdapterCode` is exactly one `Reason` (code string, exit code, message or per-rule messages,
+what follows from it, together), so a reason cannot lack an exit code or words, and its words
+name only facts `problem()` can take. The enums are built from the records, so most of this
+holds by construction; these tests hold the construction (and its refusals)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pickle
 from enum import Enum
 
 import pytest
+from kimi_w31.adapter import reasons as adapter_reasons
+from kimi_w31.converter import reasons as converter_reasons
 from kimi_w31.converter.errors import (
     EXIT_PROBLEMS,
     EXIT_USAGE,
     RECORDS,
-    Code,
     Message,
     Reason,
     facts_of,
@@ -25,15 +27,18 @@ from kimi_w31.converter.errors import (
     rules,
     template_names,
 )
-from kimi_w31.converter.errors.codes import AREAS, build
+from kimi_w31.converter.errors.registry import code_enum
+from kimi_w31.converter.reasons import Code
+from reason_codes import ALL_CODES
 
-ALL_RECORDS = [r for area in AREAS for r in area.REASONS]
+PACKAGES = (converter_reasons, adapter_reasons)
+ALL_RECORDS = [r for package in PACKAGES for area in package.AREAS for r in area.REASONS]
 # What a template may not name: problem()'s own parameters that are not facts, and fatal()'s
 # hint (its own argument, so a fact of that name would be taken as the call site's hint).
 NOT_FACTS = {"code", "rule", "hint"}
 
 
-@pytest.mark.parametrize("code", list(Code), ids=lambda c: c.value)
+@pytest.mark.parametrize("code", ALL_CODES, ids=lambda c: c.value)
 def test_every_member_has_exactly_one_record(code):
     assert [r.code for r in ALL_RECORDS].count(code.value) == 1
     assert reason(code).code == code.value
@@ -41,11 +46,13 @@ def test_every_member_has_exactly_one_record(code):
 
 
 def test_every_record_is_a_member_in_declaration_order():
-    assert [c.value for c in Code] == [r.code for r in ALL_RECORDS]
-    assert set(RECORDS) == set(Code)
+    enums = (converter_reasons.Code, adapter_reasons.AdapterCode)
+    for package, enum in zip(PACKAGES, enums, strict=True):
+        assert [c.value for c in enum] == [r.code for a in package.AREAS for r in a.REASONS]
+    assert set(RECORDS) == {c.value for c in ALL_CODES}
 
 
-@pytest.mark.parametrize("code", list(Code), ids=lambda c: c.value)
+@pytest.mark.parametrize("code", ALL_CODES, ids=lambda c: c.value)
 def test_every_record_has_an_exit_code_and_words_over_facts_problem_accepts(code):
     record = reason(code)
     assert record.exit in {EXIT_PROBLEMS, EXIT_USAGE}
@@ -69,16 +76,23 @@ def test_the_code_enum_is_a_stable_str_enum():
     assert Code.HEADER_TOO_LARGE.value == "header-too-large"
     assert Code("header-too-large") is Code.HEADER_TOO_LARGE
     # problems travel between processes (the Ray executor): members pickle as themselves
-    assert all(pickle.loads(pickle.dumps(c)) is c for c in Code)
+    assert all(pickle.loads(pickle.dumps(c)) is c for c in ALL_CODES)
 
 
 # -- negative controls: the construction refuses what the old table caught by a test --------
-def test_a_code_declared_twice_is_refused():
-    twice = [Reason("some-reason", "one"), Reason("some-reason", "two")]
+@pytest.mark.parametrize(
+    "records",
+    [
+        [Reason("some-reason", "one"), Reason("some-reason", "two")],
+        [Reason("another-reason", "new"), Reason(Code.HEADER_TOO_LARGE.value, "again")],
+    ],
+    ids=["within-one-enum", "across-enums"],
+)
+def test_a_code_declared_twice_is_refused_and_nothing_is_registered(records):
+    before = dict(RECORDS)
     with pytest.raises(ValueError, match="twice"):
-        build("Twice", twice, __name__)
-    enum, records = build("Once", twice[:1], __name__)
-    assert [m.value for m in enum] == ["some-reason"] and records[enum("some-reason")] is twice[0]
+        code_enum("Twice", records, __name__, "")
+    assert dict(RECORDS) == before
 
 
 @pytest.mark.parametrize(

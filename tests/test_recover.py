@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 
 from cli_helpers import run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 ANY = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000"]
 

@@ -265,7 +265,7 @@ def test_verify_numerics_refuses_a_wrong_decoder(monkeypatch, converted, small_s
     """The comparison alone passes a wrong decoder (it agrees with itself); the self-test
     stops it before any expert is computed."""
     from kimi_w31.converter.audit import numerics, verify
-    from kimi_w31.converter.errors import Code
+    from kimi_w31.converter.reasons import Code
 
     monkeypatch.setattr(ref, *WRONG_DECODERS[wrong])
     self_test = numerics.self_test

@@ -208,7 +208,8 @@ def test_state_folder_removed_mid_run_gives_a_true_message(small_source, tmp_pat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(shard_mod, "write_shard", lose_state)
-    from kimi_w31.converter.errors import Code, Fatal
+    from kimi_w31.converter.errors import Fatal
+    from kimi_w31.converter.reasons import Code
 
     with pytest.raises(Fatal) as exc:
         convert(_opts(small_source, out))

@@ -1,5 +1,5 @@
 """One cause, one message: a problem whose reason follows from another reason reported
-beside it is counted, not listed (`errors.CONSEQUENCES`), in text and in `--json`; a problem
+beside it is counted, not listed (its record's `implies`), in text and in `--json`; a problem
 renders only the facts it knows. Held by reason code over generated cases."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter.errors import (
-    CONSEQUENCES,
-    Code,
     Fatal,
     Problem,
     reason,
     root_problems,
     suppressed_codes,
 )
+from kimi_w31.converter.reasons import Code
+from reason_codes import ALL_CODES, implied
 
 ANY = ["--manifest", "kimi-k3-any"]
 
@@ -44,16 +44,22 @@ def test_the_consequence_table_is_acyclic():
         if state.get(code) == 2:
             return
         state[code] = 1
-        for follower in CONSEQUENCES.get(code, ()):
+        for follower in implied(code):
             visit(follower)
         state[code] = 2
 
-    for code in CONSEQUENCES:
+    for code in ALL_CODES:
         visit(code)
 
 
+def test_what_a_reason_implies_is_a_reason():
+    values = {c.value for c in ALL_CODES}
+    for code in ALL_CODES:
+        assert reason(code).implies <= values - {code.value}, code.value
+
+
 problems = st.lists(
-    st.builds(Problem, st.sampled_from(list(Code)), st.text(min_size=1, max_size=5)),
+    st.builds(Problem, st.sampled_from(ALL_CODES), st.text(min_size=1, max_size=5)),
     max_size=30,
 )
 
@@ -65,7 +71,7 @@ def test_roots_explain_everything_and_are_never_empty(ps):
     assert bool(roots) == bool(ps)  # something is always reported
     root_codes = {p.code for p in roots}
     for p in hidden:  # every hidden problem follows from a reason that is present
-        assert any(p.code in CONSEQUENCES.get(c, ()) for c in {q.code for q in ps} - {p.code})
+        assert any(p.code in implied(c) for c in {q.code for q in ps} - {p.code})
     assert not suppressed_codes(root_codes) & root_codes - {p.code for p in hidden}
     fatal = Fatal(ps) if ps else None
     if fatal is not None:  # the exit code is the causes', from the one table
@@ -75,7 +81,7 @@ def test_roots_explain_everything_and_are_never_empty(ps):
 facts = st.one_of(st.none(), st.text(min_size=1, max_size=8))
 
 
-@given(st.sampled_from(list(Code)), facts, facts)
+@given(st.sampled_from(ALL_CODES), facts, facts)
 def test_a_problem_renders_only_what_it_knows(code, expected, found):
     text = Problem(code, "what", expected=expected, found=found).render()
     assert ("expected " in text) == (expected is not None)
@@ -111,7 +117,7 @@ def test_converting_a_converted_output_is_one_cause(converted, tmp_path):
     code, doc, codes = _json([converted, tmp_path / "again", *ANY])
     assert codes == [Code.ALREADY_MARKED.value]
     assert doc["suppressed"] == sum(doc["suppressed_codes"].values()) > 0
-    assert set(doc["suppressed_codes"]) <= {c.value for c in CONSEQUENCES[Code.ALREADY_MARKED]}
+    assert set(doc["suppressed_codes"]) <= reason(Code.ALREADY_MARKED).implies
     assert code == doc["exit_code"] == reason(Code.ALREADY_MARKED).exit
 
 
@@ -120,7 +126,7 @@ def test_verifying_an_unconverted_source_is_one_cause(level, small_source):
     code, doc, listed = _json(["verify", small_source, *level])
     assert doc["codes"] == [Code.BLOCK_MISSING.value]
     assert doc["suppressed"] > 0
-    assert set(doc["suppressed_codes"]) <= {c.value for c in CONSEQUENCES[Code.BLOCK_MISSING]}
+    assert set(doc["suppressed_codes"]) <= reason(Code.BLOCK_MISSING).implies
     assert listed == [Code.BLOCK_MISSING.value]
     assert code == doc["exit_code"] == reason(Code.BLOCK_MISSING).exit
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import ENTRY, json_problems, run_cli, start_cli
 from kimi_w31.converter.contract import STATE_DIR
-from kimi_w31.converter.errors import Code, reason
+from kimi_w31.converter.errors import reason
 from kimi_w31.converter.output.directory import OutputDir
+from kimi_w31.converter.reasons import Code
 
 ARGS = ["--manifest", "kimi-k3-any", "--max-shard-size", "600000", "--workers", "1"]
 INDEX = "model.safetensors.index.json"

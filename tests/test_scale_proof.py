@@ -18,8 +18,9 @@ from faults.library import _add_tensor
 from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.pipeline import ConvertOptions, convert
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 DENSE_SCALE = "language_model.model.norm.weight_scale"  # U8, not an expert's: --check-scales only

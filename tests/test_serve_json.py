@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
+from kimi_w31.adapter.reasons import AdapterCode
 from kimi_w31.adapter.sglang import launch
 from kimi_w31.adapter.sglang.launch import ServeError, plan_serve, serve
 from kimi_w31.converter import contract
 from kimi_w31.converter.cli.console import problems_json
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 SOURCE = make_config(SynthSpec(k=3584, n=3072, experts=896))
@@ -38,11 +39,11 @@ def quiet_checks(monkeypatch):
 
 # (config, serve's options, the reason, its exit code): data reasons exit 1, usage reasons 2.
 REFUSALS = [
-    (SOURCE, ["--tp", "8"], Code.NOT_CONVERTED, 1),
+    (SOURCE, ["--tp", "8"], AdapterCode.NOT_CONVERTED, 1),
     ([], ["--tp", "8"], Code.JSON_INVALID, 1),
-    (CONVERTED, ["--tp", "16", "--ep", "3"], Code.BAD_FLAG, 2),
-    (CONVERTED, ["--tp", "12", "--ep", "12"], Code.EXPERT_SPLIT, 2),
-    (CONVERTED, ["--tp", "8", "--", "--language-model-only"], Code.LANGUAGE_MODEL_ONLY, 2),
+    (CONVERTED, ["--tp", "16", "--ep", "3"], AdapterCode.BAD_FLAG, 2),
+    (CONVERTED, ["--tp", "12", "--ep", "12"], AdapterCode.EXPERT_SPLIT, 2),
+    (CONVERTED, ["--tp", "8", "--", "--language-model-only"], AdapterCode.LANGUAGE_MODEL_ONLY, 2),
 ]
 
 
@@ -75,7 +76,7 @@ def test_a_refusal_from_a_check_is_json_too(tmp_path, monkeypatch, quiet_checks)
     got = run_cli(
         [ckpt(tmp_path / "c", CONVERTED), "--tp", "8", "--json"], inprocess=True, command=serve
     )
-    assert got.codes == [Code.NO_GPU.value] and got.returncode == 1
+    assert got.codes == [AdapterCode.NO_GPU.value] and got.returncode == 1
 
 
 def test_the_json_refusal_is_what_plan_serve_raises(tmp_path, quiet_checks):

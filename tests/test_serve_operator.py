@@ -15,12 +15,13 @@ import pytest
 from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
+from kimi_w31.adapter.reasons import AdapterCode
 from kimi_w31.adapter.sglang import launch
 from kimi_w31.adapter.sglang.launch import ServeError, ServePlan, plan_serve, serve
 from kimi_w31.adapter.sglang.smoke import SmokeError, smoke
 from kimi_w31.converter import contract
 from kimi_w31.converter.contract import STATE_DIR
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 
 EXPERTS = 896
@@ -287,7 +288,7 @@ def test_smoke_names_a_server_it_cannot_reach_after_health(fake_server, monkeypa
     monkeypatch.setattr("kimi_w31.adapter.sglang.smoke.urllib.request.urlopen", urlopen)
     with pytest.raises(SmokeError) as err:
         smoke(url, wait=60)
-    assert err.value.reason == Code.UNREACHABLE.value
+    assert err.value.reason == AdapterCode.UNREACHABLE.value
 
 
 def test_smoke_gives_up_when_the_server_never_comes_up(monkeypatch):

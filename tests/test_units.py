@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
 from kimi_w31.converter.manifest import Dims, load_manifest
 from kimi_w31.converter.plan import OutputTensor, Piece, pack_shards, plan_conversion
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.safetensors_format import (
     DTYPE_BITS,
     HeaderEntry,

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.audit import verify
 from kimi_w31.converter.contract import STATE_DIR
-from kimi_w31.converter.errors import Code
 from kimi_w31.converter.output import records, verified
 from kimi_w31.converter.pipeline import ConvertOptions, convert
+from kimi_w31.converter.reasons import Code
 
 
 def _codes(refusal) -> set[Code]:

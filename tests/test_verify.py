@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter.audit import verify
 from kimi_w31.converter.cli import verify as verify_command
-from kimi_w31.converter.errors import Code, Fatal
+from kimi_w31.converter.errors import Fatal
+from kimi_w31.converter.reasons import Code
 from verify_mutations import (
     CHECKSUMS,
     CONFIG,

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ...converter.errors import Code, fatal
+from ...converter.errors import fatal
 from ..arch import ARCHES
 from ..layout import OPT_IN_ENV
+from ..reasons import AdapterCode
 from ..refused import Refused
 
 ADAPTER_ARCHS = ARCHES
@@ -57,19 +58,19 @@ def decide(f: MoeFacts) -> Decision:
     where = f"Kimi-K3 SiTU experts with --moe-runner-backend {BACKEND} on {f.arch.upper()}"
     if f.a2a_backend != "none":
         raise UnsupportedCombinationError(
-            fatal(Code.UNSUPPORTED_COMBINATION, rule="a2a", where=where, a2a=f.a2a_backend)
+            fatal(AdapterCode.UNSUPPORTED_COMBINATION, rule="a2a", where=where, a2a=f.a2a_backend)
         )
     if f.paged_experts:
         raise UnsupportedCombinationError(
-            fatal(Code.UNSUPPORTED_COMBINATION, rule="paged-experts", where=where)
+            fatal(AdapterCode.UNSUPPORTED_COMBINATION, rule="paged-experts", where=where)
         )
     if f.ktransformers:
         raise UnsupportedCombinationError(
-            fatal(Code.UNSUPPORTED_COMBINATION, rule="ktransformers", where=where)
+            fatal(AdapterCode.UNSUPPORTED_COMBINATION, rule="ktransformers", where=where)
         )
     if f.ar_fusion_forced:
         raise UnsupportedCombinationError(
-            fatal(Code.UNSUPPORTED_COMBINATION, rule="ar-fusion", where=where)
+            fatal(AdapterCode.UNSUPPORTED_COMBINATION, rule="ar-fusion", where=where)
         )
     return Decision.ADAPTER
 

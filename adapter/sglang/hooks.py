@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ...converter.errors import Code, Fatal, fatal
+from ...converter.errors import Fatal, fatal
 from ...converter.output import verified
+from ...converter.reasons import Code
 from .. import flashinfer_moe as fm
 from ..arch import is_served
 from ..completeness import PROJECTIONS, ExpertLedger, incomplete_report, kind_of, missing_parts

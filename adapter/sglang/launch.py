@@ -33,10 +33,13 @@ from ...converter.cli.console import (
     render_error,
 )
 from ...converter.contract import STATE_DIR
-from ...converter.errors import Code, Fatal, fatal, plural
+from ...converter.errors import Fatal, fatal
+from ...converter.reasons import Code
+from ...converter.text import plural
 from ..arch import ARCHES
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
+from ..reasons import AdapterCode
 from ..refused import words
 
 SGLANG_PIN = "0.5.23"
@@ -49,7 +52,7 @@ INDEX_NAME = "model.safetensors.index.json"
 
 class ServeError(click.ClickException):
     """A reason not to start the server: the converter's `Fatal` (problems with reason codes,
-    worded by their records, converter/errors/reasons_serve.py), raised through click.
+    worded by their records, adapter/reasons/serve.py), raised through click.
     `reason` is the first cause's code, stable for tests and tools; the exit code is the one
     its record gives (usage reasons 2, the rest 1), as in convert and verify."""
 
@@ -180,7 +183,7 @@ def _dest_of(name: str) -> str | None:
     dests = {d for d, (names, _) in SGLANG_FLAGS.items() if any(n.startswith(name) for n in names)}
     if len(dests) > 1:
         options = sorted(n for d in dests for n in SGLANG_FLAGS[d][0] if n.startswith(name))
-        raise ServeError(fatal(Code.AMBIGUOUS_FLAG, name=name, options=", ".join(options)))
+        raise ServeError(fatal(AdapterCode.AMBIGUOUS_FLAG, name=name, options=", ".join(options)))
     return dests.pop() if dests else None
 
 
@@ -202,7 +205,7 @@ def sglang_flags(args: Sequence[str]) -> dict[str, Any]:
             continue
         if not eq:
             if i >= len(args) or (args[i].startswith("-") and not _is_number(args[i])):
-                raise ServeError(fatal(Code.BAD_FLAG, rule="no-value", flag=arg))
+                raise ServeError(fatal(AdapterCode.BAD_FLAG, rule="no-value", flag=arg))
             value = args[i]
             i += 1
         kind = SGLANG_FLAGS[dest][1]
@@ -211,10 +214,10 @@ def sglang_flags(args: Sequence[str]) -> dict[str, Any]:
         except ValueError:
             if kind is int:
                 raise ServeError(
-                    fatal(Code.BAD_FLAG, rule="not-integer", flag=name, value=value)
+                    fatal(AdapterCode.BAD_FLAG, rule="not-integer", flag=name, value=value)
                 ) from None
             raise ServeError(
-                fatal(Code.BAD_FLAG, rule="not-number", flag=name, value=value)
+                fatal(AdapterCode.BAD_FLAG, rule="not-number", flag=name, value=value)
             ) from None
     return found
 
@@ -261,7 +264,7 @@ def check_config(root: Path, cfg: dict, *, converted: bool) -> None:
         raise ServeError(fatal(Code.BLOCK_MISSING, rule="wrapped", file=cfg_path))
     text = text_config(cfg)
     if text.get("hidden_act") != "situ":
-        raise ServeError(fatal(Code.NOT_SITU, file=cfg_path, act=text.get("hidden_act")))
+        raise ServeError(fatal(AdapterCode.NOT_SITU, file=cfg_path, act=text.get("hidden_act")))
 
 
 def moe_tp_size(tp: int, ep: int, moe_dp: int = 1) -> int:
@@ -271,13 +274,15 @@ def moe_tp_size(tp: int, ep: int, moe_dp: int = 1) -> int:
     tests/sglang/test_serve_flags.py holds both to SGLang's code."""
     for name, value in (("tp", tp), ("ep", ep), ("moe-dp-size", moe_dp)):
         if value < 1:
-            raise ServeError(fatal(Code.BAD_FLAG, rule="at-least-one", name=name, value=value))
+            raise ServeError(
+                fatal(AdapterCode.BAD_FLAG, rule="at-least-one", name=name, value=value)
+            )
     if tp % ep:
-        raise ServeError(fatal(Code.BAD_FLAG, rule="ep-divides-tp", tp=tp, ep=ep))
+        raise ServeError(fatal(AdapterCode.BAD_FLAG, rule="ep-divides-tp", tp=tp, ep=ep))
     # SGLang, with moe_dp > 1: tp % moe_dp == 0, ep * moe_dp <= tp, and ep * moe_dp == tp
     # when ep > 1.
     if moe_dp > 1 and (tp % moe_dp or ep * moe_dp > tp or (ep > 1 and ep * moe_dp != tp)):
-        raise ServeError(fatal(Code.BAD_FLAG, rule="moe-dp", tp=tp, ep=ep, moe_dp=moe_dp))
+        raise ServeError(fatal(AdapterCode.BAD_FLAG, rule="moe-dp", tp=tp, ep=ep, moe_dp=moe_dp))
     return tp // ep // moe_dp
 
 
@@ -288,7 +293,7 @@ def check_expert_split(cfg: dict, *, ep: int) -> None:
         fits = [d for d in range(1, experts + 1) if experts % d == 0 and d <= 64]
         raise ServeError(
             fatal(
-                Code.EXPERT_SPLIT,
+                AdapterCode.EXPERT_SPLIT,
                 ep=ep,
                 experts=experts,
                 ratio=experts / ep,
@@ -305,14 +310,14 @@ def check_moe_tp(cfg: dict, *, tp: int, ep: int, backend: str, moe_dp: int = 1) 
     if backend == BACKEND and not aligned:
         over = f"tp/ep = {tp}/{ep}" + (f"/moe-dp {moe_dp}" if moe_dp > 1 else "")
         raise ServeError(
-            fatal(Code.MOE_TP_ALIGNMENT, n=n, moe_tp=moe_tp, over=over, alignment=ALIGNMENT)
+            fatal(AdapterCode.MOE_TP_ALIGNMENT, n=n, moe_tp=moe_tp, over=over, alignment=ALIGNMENT)
         )
 
 
 def _require_converted_or_opt_in(root: Path, cfg: dict, *, converted: bool, unconverted: bool):
     # Not a check that --skip-checks skips: it decides what is served (and the opt-in).
     if not converted and not unconverted and not contract.marks(cfg):
-        raise ServeError(fatal(Code.NOT_CONVERTED, file=root, env=OPT_IN_ENV))
+        raise ServeError(fatal(AdapterCode.NOT_CONVERTED, file=root, env=OPT_IN_ENV))
 
 
 # --- capacity: can the GPUs hold the checkpoint? --------------------------------------------
@@ -492,7 +497,7 @@ def check_capacity(
         )
         raise ServeError(
             fatal(
-                Code.CAPACITY,
+                AdapterCode.CAPACITY,
                 size=human(size),
                 source=source,
                 whole=whole,
@@ -541,10 +546,14 @@ def plan_serve(
     moe_dp = given.get("moe_dp_size", 1)
     for name, value in (("pp", pp), ("nnodes", nnodes)):
         if value < 1:
-            raise ServeError(fatal(Code.BAD_FLAG, rule="at-least-one", name=name, value=value))
+            raise ServeError(
+                fatal(AdapterCode.BAD_FLAG, rule="at-least-one", name=name, value=value)
+            )
     moe_tp_size(tp, ep, moe_dp)  # a layout SGLang refuses: a usage error before anything
     if "--language-model-only" in switches:
-        raise ServeError(fatal(Code.LANGUAGE_MODEL_ONLY, override=json.dumps(TEXT_ONLY_OVERRIDE)))
+        raise ServeError(
+            fatal(AdapterCode.LANGUAGE_MODEL_ONLY, override=json.dumps(TEXT_ONLY_OVERRIDE))
+        )
     if checks:
         check_config(root, cfg, converted=converted)
         check_expert_split(cfg, ep=ep)
@@ -589,9 +598,11 @@ def text_only_override(theirs: str | None) -> list[str]:
         try:
             mine = json.loads(theirs)
         except ValueError:
-            raise ServeError(fatal(Code.BAD_FLAG, rule="override-not-json", value=theirs)) from None
+            raise ServeError(
+                fatal(AdapterCode.BAD_FLAG, rule="override-not-json", value=theirs)
+            ) from None
         if not isinstance(mine, dict):
-            raise ServeError(fatal(Code.BAD_FLAG, rule="override-not-object"))
+            raise ServeError(fatal(AdapterCode.BAD_FLAG, rule="override-not-object"))
         if "language_model_only" in mine:
             return []
         merged = {**mine, **merged}
@@ -801,7 +812,7 @@ def _serve(
     bundle_env = kernel_bundle_env(kernels) if kernels is not None else {}
     per_gpu = parse_size(gpu_memory) if gpu_memory is not None else None
     if not print_only and not skip_checks and count_gpus() == 0:  # before any other check
-        raise ServeError(fatal(Code.NO_GPU, rule="serve"))
+        raise ServeError(fatal(AdapterCode.NO_GPU, rule="serve"))
     plan = plan_serve(
         checkpoint,
         sglang_args,
@@ -827,7 +838,7 @@ def _serve(
         if not plan.env:  # a converted checkpoint: prove its structure first
             problems += [f"verify: {p}" for p in verify_structure(checkpoint)]
         if problems:
-            raise ServeError(fatal(Code.STACK_UNREADY, problems="\n  - ".join(problems)))
+            raise ServeError(fatal(AdapterCode.STACK_UNREADY, problems="\n  - ".join(problems)))
     plan.env.update(bundle_env)  # after the checks: they read plan.env as "unconverted"
     if print_only:
         if as_json:
@@ -896,7 +907,12 @@ def kernel_bundle_env(kernels: Path) -> dict[str, str]:
         raise ServeError(Fatal(exc.problems)) from None
     except ImportError as exc:  # no torch here: the stack cannot be compared
         raise ServeError(
-            fatal(Code.KERNEL_BUNDLE_UNCHECKED, kernels=kernels, error=exc, install=INSTALL_HINT)
+            fatal(
+                AdapterCode.KERNEL_BUNDLE_UNCHECKED,
+                kernels=kernels,
+                error=exc,
+                install=INSTALL_HINT,
+            )
         ) from None
     return env
 
@@ -918,7 +934,7 @@ def run_prebuild(
     try:
         require_torch()  # before the imports below, which need it
     except PrebuildError as exc:
-        raise ServeError(fatal(Code.PREBUILD_FAILED, error=exc)) from None
+        raise ServeError(fatal(AdapterCode.PREBUILD_FAILED, error=exc)) from None
     from ..flashinfer_moe import SituUnsupportedError
 
     shown: dict[str, console.Progress] = {}
@@ -946,7 +962,7 @@ def run_prebuild(
             plan_only=plan_only,
         )
     except (PrebuildError, SituUnsupportedError, BundleError) as exc:
-        raise ServeError(fatal(Code.PREBUILD_FAILED, error=exc)) from None
+        raise ServeError(fatal(AdapterCode.PREBUILD_FAILED, error=exc)) from None
     finally:
         for bar in shown.values():
             bar.stop()

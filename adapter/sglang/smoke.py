@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 
 import click
 
-from ...converter.errors import Code, fatal
+from ...converter.errors import fatal
+from ..reasons import AdapterCode
 from ..refused import Refused
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -60,9 +61,9 @@ def wait_ready(
         except (urllib.error.URLError, OSError):
             pass  # not listening yet, or loading (SGLang answers 503 until ready)
         if not alive():
-            raise SmokeError(fatal(Code.SERVER_EXITED))
+            raise SmokeError(fatal(AdapterCode.SERVER_EXITED))
         if clock() - started >= timeout:
-            raise SmokeError(fatal(Code.NOT_READY, url=url, timeout=timeout))
+            raise SmokeError(fatal(AdapterCode.NOT_READY, url=url, timeout=timeout))
         time.sleep(poll)
 
 
@@ -105,19 +106,19 @@ def generate(
                 try:
                     event = json.loads(payload)
                 except ValueError:
-                    raise SmokeError(fatal(Code.BAD_STREAM, payload=payload[:80])) from None
+                    raise SmokeError(fatal(AdapterCode.BAD_STREAM, payload=payload[:80])) from None
                 if isinstance(event, dict) and event.get("error"):
-                    raise SmokeError(fatal(Code.SERVER_ERROR, error=event["error"]))
+                    raise SmokeError(fatal(AdapterCode.SERVER_ERROR, error=event["error"]))
                 if first is None and _tokens(event):
                     first = clock() - started
                 last = event
     except urllib.error.HTTPError as exc:
-        raise SmokeError(fatal(Code.HTTP_ERROR, url=url, status=exc.code)) from None
+        raise SmokeError(fatal(AdapterCode.HTTP_ERROR, url=url, status=exc.code)) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise SmokeError(fatal(Code.UNREACHABLE, url=url, error=exc)) from None
+        raise SmokeError(fatal(AdapterCode.UNREACHABLE, url=url, error=exc)) from None
     total = clock() - started
     if first is None:
-        raise SmokeError(fatal(Code.NO_TOKEN))
+        raise SmokeError(fatal(AdapterCode.NO_TOKEN))
     return first, total, _tokens(last), str(last.get("text", ""))
 
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import Code, fatal
+from ..errors import fatal
 from ..manifest import Manifest, load_manifest
 from ..output import verified
+from ..reasons import Code
 from .against_source import check_against_source, locate_source
 from .checksums import check_checksums
 from .meter import MeterFactory, silent

@@ -21,8 +21,9 @@ import os
 from pathlib import Path
 
 from .. import contract
-from ..errors import Code, Fatal, Problem, fatal, problem
+from ..errors import Fatal, Problem, fatal, problem
 from ..manifest import resolve_dims
+from ..reasons import Code
 from ..safetensors_format import ShardHeader
 from ..source import Source, read_source
 from ..source.local import LocalOrigin, resolve_local

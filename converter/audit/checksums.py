@@ -19,8 +19,9 @@ import threading
 from dataclasses import dataclass
 
 from .. import contract
-from ..errors import Code, Problem, problem
+from ..errors import Problem, problem
 from ..hashing import CHUNK_SIZE, Crc32, ScaleScan, ShortRead, hash_ranges, shard_header_sha256
+from ..reasons import Code
 from ..safetensors_format import ShardHeader, library_problem
 from ..text import human
 from .files import is_regular, load_checksums

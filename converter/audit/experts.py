@@ -21,8 +21,9 @@ from itertools import chain, compress, groupby, repeat
 from operator import add, eq, ge, getitem, itemgetter, or_
 
 from .. import contract
-from ..errors import Code, Problem, problem
+from ..errors import Problem, problem
 from ..manifest import Dims, Manifest
+from ..reasons import Code
 from ..safetensors_format import ShardHeader, TensorInfo
 from ..text import id_ranges
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .. import contract, fsio
 from ..contract import CHECKSUMS_FORMAT, CHECKSUMS_NAME
-from ..errors import Code, Problem, problem
+from ..errors import Problem, problem
 from ..hashing import TENSOR_HASH
+from ..reasons import Code
 
 
 def list_files(root: Path) -> tuple[list[str], list[Problem], list[str]]:

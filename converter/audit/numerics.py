@@ -24,7 +24,8 @@ import numpy as np
 
 from .. import contract
 from .. import reference as ref
-from ..errors import Code, Problem, problem
+from ..errors import Problem, problem
+from ..reasons import Code
 from ..reference import known_answers
 from ..source import Source
 from .meter import MeterFactory

@@ -6,7 +6,7 @@ when no check failed. `as_dict` is the `--json` document: every problem carries 
 `code`, so scripts and tests act on the reason, never on message text.
 
 One cause, one message: a problem whose reason follows from another reason the report
-holds (`errors.CONSEQUENCES`, across checks: an unconverted checkpoint lacks the block
+holds (its record's `implies`, across checks: an unconverted checkpoint lacks the block
 *and* holds w1/w3) is counted, not listed; the check still fails.
 """
 
@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from ..errors import Code, Problem, repair_command, suppressed_codes
+from ..errors import Problem, suppressed_codes
 from ..errors import exit_code as exit_code_of
+from ..reasons import Code
+from ..text import repair_command
 
 # Problems kept per check: a badly damaged 334k-tensor output must not print a million lines.
 MAX_PROBLEMS_KEPT = 1000

@@ -20,7 +20,8 @@ import stat
 from pathlib import Path
 
 from ..contract import INDEX_NAME
-from ..errors import Code, Fatal, Problem, problem
+from ..errors import Fatal, Problem, problem
+from ..reasons import Code
 from ..safetensors_format import ShardHeader, read_header
 
 _SUFFIX = ".safetensors"

@@ -13,8 +13,9 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import contract
-from ..errors import Code, Problem, problem
+from ..errors import Problem, problem
 from ..hashing import CHUNK_SIZE, ShortRead
+from ..reasons import Code
 from ..safetensors_format import ShardHeader, TensorInfo
 from ..source import Source
 from .derive import Expected, expected_tensors

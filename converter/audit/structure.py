@@ -22,8 +22,9 @@ from pathlib import Path
 
 from .. import contract
 from ..contract import STATE_DIR
-from ..errors import Code, Fatal, Problem, problem
+from ..errors import Fatal, Problem, problem
 from ..manifest import Dims, Manifest, load_manifest, resolve_dims
+from ..reasons import Code
 from ..safetensors_format import ShardHeader
 from ..shapes import shape_problems, shape_rule
 from ..source import (

@@ -20,7 +20,8 @@ from pathlib import Path
 import click
 
 from .. import fsio
-from ..errors import Code, Fatal, Problem, message, problem
+from ..errors import Fatal, Problem, message, problem
+from ..reasons import Code
 
 # What lets a command judge a path that is there or not itself: not the lookup's problem.
 _COMMAND_JUDGES = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM}

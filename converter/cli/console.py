@@ -28,15 +28,14 @@ from ..errors import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
-    Code,
     Fatal,
     Problem,
     count_codes,
-    plural,
     reason,
     root_problems,
 )
-from ..text import duration, human, id_ranges  # noqa: F401  (the CLI's names for them)
+from ..reasons import Code
+from ..text import duration, human, id_ranges, plural  # noqa: F401  (the CLI's names for them)
 from .arguments import resolve_params
 
 err = Console(stderr=True, soft_wrap=True, highlight=False)  # no hard wraps: greppable

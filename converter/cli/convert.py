@@ -15,13 +15,15 @@ from rich.errors import LiveError
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import EXIT_OK, Code, fatal, plural, repair_command
+from ..errors import EXIT_OK, fatal
 from ..execute import Executor
 from ..execute.local import LocalExecutor, default_workers
 from ..execute.shard import Outcome, ShardOutcome
 from ..manifest import DEFAULT_MANIFEST
 from ..output.records import Mode
 from ..pipeline import ConvertOptions, ConvertResult, Reporter, convert, gc_paused
+from ..reasons import Code
+from ..text import plural, repair_command
 from . import console
 from .arguments import PathArg
 from .console import err, human, out, parse_size, run_guarded

@@ -9,8 +9,10 @@ import click
 from rich.markup import escape
 
 from ..contract import GROUP_SIZE
-from ..errors import Code, fatal, plural
+from ..errors import fatal
 from ..output.directory import PERMISSION_ERRNOS, SPACE_ERRNOS
+from ..reasons import Code
+from ..text import plural
 from .arguments import PathArg
 from .console import err, human, run_guarded
 

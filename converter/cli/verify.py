@@ -19,7 +19,9 @@ from rich.markup import escape
 
 from ..audit import verify as run_verify
 from ..audit.report import VerifyReport
-from ..errors import Code, fatal, plural
+from ..errors import fatal
+from ..reasons import Code
+from ..text import plural
 from . import console
 from .arguments import PathArg
 from .console import err, out, run_guarded

@@ -1,9 +1,8 @@
-"""Reasons and problems: each reason one record (`reasons_*`), `Code` built from them, and
-the values every check returns (`problems`). Import from here: `from .errors import Code,
-fatal, problem`."""
+"""The error mechanism: a reason's record (`Reason`), the registry that finds a record by its
+code, and the values every check returns (`problems`). The reasons themselves are the
+packages' own (`converter.reasons.Code`, `adapter.reasons.AdapterCode`); a call site imports
+its code from there and `problem`/`fatal` from here."""
 
-from ..text import Size, human_size, plural, repair_command
-from .codes import CONSEQUENCES, RECORDS, Code, reason
 from .problems import (
     Fatal,
     Problem,
@@ -28,9 +27,9 @@ from .reason import (
     Message,
     Reason,
 )
+from .registry import RECORDS, reason
 
 __all__ = [
-    "CONSEQUENCES",
     "EXIT_BUG",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
@@ -38,22 +37,17 @@ __all__ = [
     "EXIT_TERMINATED",
     "EXIT_USAGE",
     "RECORDS",
-    "Code",
     "Fatal",
     "Message",
     "Problem",
     "Reason",
-    "Size",
     "count_codes",
     "exit_code",
     "facts_of",
     "fatal",
-    "human_size",
     "message",
-    "plural",
     "problem",
     "reason",
-    "repair_command",
     "root_problems",
     "rules",
     "suppressed_codes",

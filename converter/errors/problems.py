@@ -1,10 +1,11 @@
 """Problems are values: every check returns them, the CLI renders them.
 
-A `Problem` says why (a stable `Code`), where (file, tensor), what is wrong, and expected
+A `Problem` says why (a stable code: a member of the converter's `Code` or the adapter's
+`AdapterCode`), where (file, tensor), what is wrong, and expected
 vs found, so a user can act on it without reading a traceback and a script or a test can
 act on the reason without matching message text. `Fatal` carries one or more of them out
-of deep code to the command line, which prints their causes (`CONSEQUENCES`: what follows
-from another reason is counted, not repeated) and exits with the code their reasons' records
+of deep code to the command line, which prints their causes (what a reason's record says
+`implies` is counted, not repeated) and exits with the code their reasons' records
 give: raise sites never choose an exit code.
 
 A call site names the code and passes the facts, `problem(Code.HEADER_TOO_LARGE, file=name,
@@ -17,9 +18,13 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 
-from .codes import CONSEQUENCES, Code, reason
 from .reason import EXIT_OK, EXIT_PROBLEMS, Message
+from .registry import reason
+
+# A member of a package's code enum (`converter.reasons.Code`, `adapter.reasons.AdapterCode`).
+Code = Enum
 
 
 @dataclass(frozen=True)
@@ -137,9 +142,10 @@ def exit_code(codes: Iterable[Code]) -> int:
 
 
 def suppressed_codes(present: Iterable[Code]) -> set[Code]:
-    """The reasons among `present` that follow from another reason also present."""
+    """The reasons among `present` that follow from another reason also present (its
+    record's `implies`)."""
     present = set(present)
-    return {c for c in present if any(c in CONSEQUENCES.get(r, ()) for r in present - {c})}
+    return {c for c in present if any(c.value in reason(r).implies for r in present - {c})}
 
 
 def root_problems(problems: Iterable[Problem]) -> tuple[list[Problem], list[Problem]]:

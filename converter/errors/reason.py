@@ -1,9 +1,10 @@
-"""A reason's record: its code, its exit code and its words, declared together.
+"""A reason's record: its code, its exit code, its words and what follows from it, together.
 
-Each reason is one `Reason` in one of the `reasons_*` modules (grouped by area, as the
-safetensors library keeps each error's message with its variant): adding a reason is adding
-its record, and `Code` gains the member. A record is the only place a reason's words and
-exit code are written; call sites pass facts, never text.
+Each reason is one `Reason` in the reasons of the package that refuses it (the converter's
+`converter/reasons/`, the adapter's `adapter/reasons/`, grouped by area, as the safetensors
+library keeps each error's message with its variant): adding a reason is adding its record,
+and the package's code enum gains the member. A record is the only place a reason's words
+and exit code are written; call sites pass facts, never text.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class Reason:
     (`what`, `expected`, `found`, `hint`) or, where one reason covers several situations,
     `rules`: {rule: Message}, a call site's `rule` fact picking one. `exit`: EXIT_USAGE where
     what was asked (an option, a manifest name, an output path, a window) cannot be done as
-    asked; EXIT_PROBLEMS (the default) where the data is wrong.
+    asked; EXIT_PROBLEMS (the default) where the data is wrong. `implies`: the codes that
+    follow from this one when both are found (counted beside it, not repeated).
     """
 
     code: str
@@ -49,6 +51,7 @@ class Reason:
     hint: str | None = None
     rules: Mapping[str, Message] | None = field(default=None)
     exit: int = EXIT_PROBLEMS
+    implies: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         plain = (self.what, self.expected, self.found, self.hint)

@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import fsio
-from ..errors import Code, Size, fatal, human_size
+from ..errors import fatal
 from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard, Plan
+from ..reasons import Code
 from ..source import SourceReader
+from ..text import Size, human_size
 from . import DownloadProgress, Executor, OnDone
 from .estimate import Estimate
 from .remote import Remote, StreamedSources

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import human_size
+from ..text import human_size
 
 SAMPLE_BYTES = 256 * 2**20  # enough to pass a disk's cache and readahead, ~1 s on an SSD
 SAMPLE_SECONDS = 2.0  # and never longer than this

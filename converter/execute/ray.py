@@ -19,10 +19,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import Code, Problem, fatal
+from ..errors import Problem, fatal
 from ..hashing import Interrupted
 from ..output.records import Ledger, ShardRecord
 from ..plan import OutputShard
+from ..reasons import Code
 from . import Executor, OnDone
 from .shard import (
     Outcome,

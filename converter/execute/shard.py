@@ -22,7 +22,7 @@ from enum import Enum
 from pathlib import Path
 
 from .. import contract, faults, fsio
-from ..errors import Code, Problem, problem
+from ..errors import Problem, problem
 from ..hashing import (
     Crc32,
     ScaleScan,
@@ -34,6 +34,7 @@ from ..hashing import (
 from ..output.directory import SPACE_ERRNOS
 from ..output.records import Ledger, ShardRecord
 from ..plan import OutputShard, OutputTensor, Piece
+from ..reasons import Code
 from ..source.hub_cache import content_id
 from .byte_ranges import RangeHasher, copy_range, write_all
 

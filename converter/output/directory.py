@@ -33,9 +33,11 @@ from typing import NoReturn
 
 from .. import contract, faults, fsio
 from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, STATE_DIR
-from ..errors import Code, Fatal, fatal, plural, problem
+from ..errors import Fatal, fatal, problem
 from ..hashing import CHUNK_SIZE, sha256_file, shard_header_sha256
+from ..reasons import Code
 from ..source import SourceId
+from ..text import plural
 from .lock import LockRefused, OutputLock
 from .records import FinalFile, Ledger, Mode, PartialDownloads, ShardRecord
 from .session import Session

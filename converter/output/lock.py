@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Literal
 
 from .. import fsio
-from ..errors import Code, Fatal, fatal
+from ..errors import Fatal, fatal
+from ..reasons import Code
 
 _OWNER_MAX = 64 * 1024  # a lock we wrote names its owner in a few dozen bytes
 # Never through a link, never blocking on a FIFO planted in the lock's place.

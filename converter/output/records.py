@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .. import faults, fsio
-from ..errors import Code, Fatal, Size, fatal
+from ..errors import Fatal, fatal
+from ..reasons import Code
+from ..text import Size
 
 
 @dataclass(frozen=True)

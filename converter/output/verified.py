@@ -26,7 +26,8 @@ from pathlib import Path
 
 from .. import contract, fsio
 from ..contract import STATE_DIR
-from ..errors import Code, Fatal, Problem, fatal, message, problem
+from ..errors import Fatal, Problem, fatal, message, problem
+from ..reasons import Code
 from .records import FileIdentity, file_identity
 
 RECORD_NAME = "verified.json"

@@ -25,7 +25,8 @@ from typing import Protocol
 
 from .. import fsio
 from ..contract import CONFIG_NAME, INDEX_NAME
-from ..errors import Code, Fatal, Problem, fatal, problem
+from ..errors import Fatal, Problem, fatal, problem
+from ..reasons import Code
 from ..safetensors_format import ShardHeader
 from .hub_cache import snapshot_of
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME
-from ..errors import Code, Fatal, fatal
+from ..errors import Fatal, fatal
 from ..hashing import Interrupted
+from ..reasons import Code
 from ..safetensors_format import ShardHeader, check_header_length, parse_header_bytes
 from . import Resolved, hub_cache
 from .hub_net import NetSettings, is_timeout, read_range, with_retries

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import Code, Fatal, fatal
+from ..errors import Fatal, fatal
+from ..reasons import Code
 
 TIMEOUT_ENV = "KIMI_W31_HUB_TIMEOUT"  # seconds a request waits for the server
 RETRIES_ENV = "KIMI_W31_HUB_RETRIES"  # retries of a request that timed out

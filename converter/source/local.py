@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .. import contract, fsio
 from ..contract import CHECKSUMS_NAME, INDEX_NAME
-from ..errors import Code, Fatal, Problem, fatal, problem
+from ..errors import Fatal, Problem, fatal, problem
+from ..reasons import Code
 from ..safetensors_format import ShardHeader, read_header
 from . import Resolved
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cli_helpers import json_problems, run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 from .core import (
     CLEAN,
@@ -79,7 +79,7 @@ def plant_alias(root: Path, pick: Callable[[str], bool], spell: Callable[[str], 
 
 def _judge(proc, alias: str, must_not_exist: Path | None) -> tuple[str, str]:
     """Refused with `name-collision` naming the alias, or with a cause it follows from
-    (`errors.CONSEQUENCES`: a layer's experts under two spellings) that is listed while the
+    (its record's `implies`: a layer's experts under two spellings) that is listed while the
     collision is counted."""
     listed = json_problems(proc.stdout)
     hits = [

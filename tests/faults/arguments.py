@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 from cli_helpers import json_problems, run_cli
 from kimi_w31.converter.cli.arguments import PathArg
-from kimi_w31.converter.errors import EXIT_USAGE, Code
+from kimi_w31.converter.errors import EXIT_USAGE
+from kimi_w31.converter.reasons import Code
 
 from .core import CLEAN, CRASH, WRONG, Case, looks_like_crash
 

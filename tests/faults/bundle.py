@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kimi_w31.adapter import bundle as B
-from kimi_w31.converter.errors import Code
+from kimi_w31.adapter.reasons import AdapterCode
+from kimi_w31.converter.reasons import Code
 
 from .core import CLEAN, CORRECT, CRASH, WRONG, Case
 
@@ -70,59 +71,75 @@ def _chown(which: str) -> Callable[[Path], None]:
 
 # (name, mutation of a good bundle, the code that must refuse it)
 CASES: list[tuple[str, Callable[[Path], None], Code]] = [
-    ("built on another CPU (aarch64)", _other_stack("machine", "aarch64"), Code.KERNEL_BUNDLE_CPU),
-    ("built against a newer glibc", _other_stack("libc", "glibc 2.39"), Code.KERNEL_BUNDLE_LIBC),
+    (
+        "built on another CPU (aarch64)",
+        _other_stack("machine", "aarch64"),
+        AdapterCode.KERNEL_BUNDLE_CPU,
+    ),
+    (
+        "built against a newer glibc",
+        _other_stack("libc", "glibc 2.39"),
+        AdapterCode.KERNEL_BUNDLE_LIBC,
+    ),
     (
         "another Python ABI",
         _other_stack("abi", "cpython-313-x86_64-linux-gnu"),
-        Code.KERNEL_BUNDLE_PYTHON_ABI,
+        AdapterCode.KERNEL_BUNDLE_PYTHON_ABI,
     ),
-    ("another FlashInfer", _other_stack("flashinfer", "0.6.18"), Code.KERNEL_BUNDLE_FLASHINFER),
-    ("another CUDA", _other_stack("cuda", "12.8"), Code.KERNEL_BUNDLE_CUDA),
+    (
+        "another FlashInfer",
+        _other_stack("flashinfer", "0.6.18"),
+        AdapterCode.KERNEL_BUNDLE_FLASHINFER,
+    ),
+    ("another CUDA", _other_stack("cuda", "12.8"), AdapterCode.KERNEL_BUNDLE_CUDA),
     (
         "directory missing",
         lambda root: root.rename(root.with_name("moved")),
-        Code.KERNEL_BUNDLE_MISSING,
+        AdapterCode.KERNEL_BUNDLE_MISSING,
     ),
     (
         "manifest FIFO",
         lambda r: _replace(r / B.MANIFEST, os.mkfifo),
-        Code.KERNEL_BUNDLE_NOT_REGULAR,
+        AdapterCode.KERNEL_BUNDLE_NOT_REGULAR,
     ),
-    ("library FIFO", lambda r: _replace(r / LIB, os.mkfifo), Code.KERNEL_BUNDLE_NOT_REGULAR),
+    ("library FIFO", lambda r: _replace(r / LIB, os.mkfifo), AdapterCode.KERNEL_BUNDLE_NOT_REGULAR),
     (
         "library -> /dev/zero",
         lambda r: _replace(r / LIB, lambda p: p.symlink_to("/dev/zero")),
-        Code.KERNEL_BUNDLE_LINK,
+        AdapterCode.KERNEL_BUNDLE_LINK,
     ),
     (
         "manifest -> a valid one outside",
         lambda r: _link_out(r, B.MANIFEST),
-        Code.KERNEL_BUNDLE_LINK,
+        AdapterCode.KERNEL_BUNDLE_LINK,
     ),
-    ("library -> a valid one outside", lambda r: _link_out(r, LIB), Code.KERNEL_BUNDLE_LINK),
-    ("directory group-writable", lambda r: r.chmod(0o775), Code.KERNEL_BUNDLE_WRITABLE),
+    ("library -> a valid one outside", lambda r: _link_out(r, LIB), AdapterCode.KERNEL_BUNDLE_LINK),
+    ("directory group-writable", lambda r: r.chmod(0o775), AdapterCode.KERNEL_BUNDLE_WRITABLE),
     (
         "manifest writable by others",
         lambda r: (r / B.MANIFEST).chmod(0o646),
-        Code.KERNEL_BUNDLE_WRITABLE,
+        AdapterCode.KERNEL_BUNDLE_WRITABLE,
     ),
-    ("library group-writable", lambda r: (r / LIB).chmod(0o664), Code.KERNEL_BUNDLE_WRITABLE),
+    (
+        "library group-writable",
+        lambda r: (r / LIB).chmod(0o664),
+        AdapterCode.KERNEL_BUNDLE_WRITABLE,
+    ),
     (
         "library damaged",
         lambda r: (r / LIB).write_bytes(b"\x7fELF other"),
-        Code.KERNEL_BUNDLE_LIBRARY,
+        AdapterCode.KERNEL_BUNDLE_LIBRARY,
     ),
-    ("manifest of the first format", lambda r: _old_format(r), Code.KERNEL_BUNDLE_INVALID),
+    ("manifest of the first format", lambda r: _old_format(r), AdapterCode.KERNEL_BUNDLE_INVALID),
 ]
 ROOT_CASES: list[tuple[str, Callable[[Path], None], Code]] = [
-    ("directory owned by another user", _chown("."), Code.KERNEL_BUNDLE_OWNER),
-    ("manifest owned by another user", _chown(B.MANIFEST), Code.KERNEL_BUNDLE_OWNER),
-    ("library owned by another user", _chown(LIB), Code.KERNEL_BUNDLE_OWNER),
+    ("directory owned by another user", _chown("."), AdapterCode.KERNEL_BUNDLE_OWNER),
+    ("manifest owned by another user", _chown(B.MANIFEST), AdapterCode.KERNEL_BUNDLE_OWNER),
+    ("library owned by another user", _chown(LIB), AdapterCode.KERNEL_BUNDLE_OWNER),
     (
         "library a device node (1,5: /dev/zero)",
         lambda r: _replace(r / LIB, lambda p: os.mknod(p, 0o644 | stat.S_IFCHR, os.makedev(1, 5))),
-        Code.KERNEL_BUNDLE_NOT_REGULAR,
+        AdapterCode.KERNEL_BUNDLE_NOT_REGULAR,
     ),
 ]
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from cli_helpers import json_problems, run_cli, start_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 from .core import (
     CLEAN,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cli_helpers import json_problems, run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 from safetensors import safe_open
 
 from . import core as fl

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from cli_helpers import json_problems, run_cli
 from kimi_w31.converter.contract import STATE_DIR
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
 
 CLEAN = "clean error"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cli_helpers import json_problems, run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 from .core import (
     CLEAN,

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cli_helpers import json_problems, run_cli
-from kimi_w31.converter.errors import Code
 from kimi_w31.converter.pipeline import ConvertOptions, prepare
+from kimi_w31.converter.reasons import Code
 
 from .core import (
     CLEAN,
@@ -85,8 +85,9 @@ def free_space_cases(template: Path, work: Path) -> list[Case]:
     """The up-front check: a disk that clearly cannot hold the output is refused early."""
     from unittest import mock
 
-    from kimi_w31.converter.errors import Fatal, Size
+    from kimi_w31.converter.errors import Fatal
     from kimi_w31.converter.pipeline import convert
+    from kimi_w31.converter.text import Size
 
     src = copy_source(template, work / "src")
     out = work / "new" / "out"

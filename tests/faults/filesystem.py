@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cli_helpers import CliResult, json_problems, run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 from .core import (
     CLEAN,

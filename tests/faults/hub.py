@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cli_helpers import CliResult, run_cli
 from hub_server import FakeHub, Silent
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 from .core import CLEAN, CORRECT, CRASH, MANIFEST, SHARD_SIZE, WRONG, Case, tree
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cli_helpers import json_problems, run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.safetensors_format import DTYPE_BITS
 from verify_mutations import rerecord
 

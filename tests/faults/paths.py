@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from cli_helpers import run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 from .core import (
     CLEAN,

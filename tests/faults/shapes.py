@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from cli_helpers import json_problems, run_cli
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 from .core import (
     CLEAN,

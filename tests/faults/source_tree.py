@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 from .core import (
     INDEX,

@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import Code, Problem
+from kimi_w31.converter.errors import Problem
 from kimi_w31.converter.manifest import load_manifest, resolve_dims
+from kimi_w31.converter.reasons import Code
 
 pytestmark = pytest.mark.sglang
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from conftest import LAYERS, E, K, N
 from harness import EXPERT_PREFIX, FakeK3Text, build_moe, load_with_real_loader, sglang_process
-from kimi_w31.converter.errors import Code
+from kimi_w31.converter.reasons import Code
 
 pytestmark = pytest.mark.sglang
 

@@ -97,7 +97,7 @@ def test_a_bad_bundle_stops_the_process_at_its_first_config_read(converted_dir, 
     """Through SGLang's own hook registry: with KIMI_W31_KERNELS naming a missing directory
     or a bundle of another stack, the first config read of the process raises the refusal
     (before any model is built, let alone a weight loaded)."""
-    from kimi_w31.adapter import bundle as B
+    from kimi_w31.adapter.reasons import AdapterCode
     from test_kernel_bundle import STACK, write_bundle
 
     missing = _bundle_probe(converted_dir, KIMI_W31_KERNELS=str(tmp_path / "gone"))
@@ -105,5 +105,5 @@ def test_a_bad_bundle_stops_the_process_at_its_first_config_read(converted_dir, 
     other = write_bundle(tmp_path / "other", stack=dataclasses.replace(STACK, flashinfer="0.6.18"))
     refused = _bundle_probe(converted_dir, KIMI_W31_KERNELS=str(other))
     assert refused["error"] == "BundleError"
-    assert B.Code.KERNEL_BUNDLE_FLASHINFER.value in refused["codes"]
+    assert AdapterCode.KERNEL_BUNDLE_FLASHINFER.value in refused["codes"]
     assert _bundle_probe(converted_dir) == {"config": "read"}  # no bundle named: untouched

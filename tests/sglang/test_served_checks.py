@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import FakeK3Text, build_moe, kimi_convert, load_with_real_loader, sglang_process
-from kimi_w31.converter.errors import Code
 from kimi_w31.converter.output import verified
+from kimi_w31.converter.reasons import Code
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.sglang

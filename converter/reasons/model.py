@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .reason import Message, Reason
+from ..errors import Message, Reason
 
 REASONS = (
     # -- the config
@@ -13,13 +13,18 @@ REASONS = (
             "output": Message("config has no quantization_config"),
         },
     ),
+    # A converted checkpoint given as a source lacks every w1/w3 and holds w31.
     Reason(
         "already-marked",
         "config already carries the kimi_w31 markers: this checkpoint is converted "
         "already, or tampered with",
         expected="no kimi_w31 block or wrapper",
         found="{marks}",
+        implies=frozenset(
+            {"expert-tensor-unexpected", "expert-partner-missing", "layer-incomplete", "no-experts"}
+        ),
     ),
+    # A config field the layer rule cannot read makes every expert layer "not a MoE layer".
     Reason(
         "config-field",
         rules={
@@ -47,6 +52,16 @@ REASONS = (
                 "{key} is not a multiple of the MXFP4 group size {group}", found="{value}"
             ),
         },
+        implies=frozenset(
+            {
+                "layer-unexpected",
+                "layer-missing",
+                "layer-incomplete",
+                "expert-id-range",
+                "expert-shape",
+                "no-experts",
+            }
+        ),
     ),
     Reason(
         "pinned-mismatch",
@@ -125,6 +140,7 @@ REASONS = (
             ),
         },
     ),
+    # A w1/w3 left beside its w31: the names reaching one parameter follow.
     Reason(
         "expert-tensor-unexpected",
         rules={
@@ -139,6 +155,7 @@ REASONS = (
                 hint="convert it again from the source and run `kimi-convert verify`",
             ),
         },
+        implies=frozenset({"no-experts", "name-collision"}),
     ),
     Reason("expert-dtype", "wrong dtype", expected="{want}", found="{dtype}"),
     Reason("expert-shape", "wrong shape", expected="{want}", found="{shape}"),
@@ -154,9 +171,11 @@ REASONS = (
             ),
         },
     ),
+    # Experts that exist but sit where no MoE layer loads them are not "no experts".
     Reason(
         "expert-outside-layer",
         "routed experts outside a 'layers.<i>.' component: no layer would load them",
+        implies=frozenset({"no-experts"}),
     ),
     Reason(
         "layer-missing",
@@ -189,15 +208,19 @@ REASONS = (
             ),
         },
     ),
+    # Experts that exist but sit where no MoE layer loads them are not "no experts".
     Reason(
         "layer-unexpected",
         "layer {layer} is not a MoE layer under the config's rule (num_hidden_layers, "
         "first_k_dense_replace, moe_layer_freq) but has routed experts",
+        implies=frozenset({"no-experts"}),
     ),
+    # A layer's experts under two spellings: the names reaching one parameter follow.
     Reason(
         "layer-duplicated",
         "layer {layer} has routed experts under two prefixes",
         expected="only {prefix}experts.*",
+        implies=frozenset({"no-experts", "name-collision"}),
     ),
     Reason(
         "no-experts",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .reason import Message, Reason
+from ..errors import Message, Reason
 
 REASONS = (
     # -- a converted checkpoint (verify, serve)
@@ -24,6 +24,7 @@ REASONS = (
             ),
         },
     ),
+    # An unconverted checkpoint given to verify: no w31, every w1/w3 left.
     Reason(
         "block-missing",
         rules={
@@ -35,6 +36,16 @@ REASONS = (
                 hint="convert it again from the source",
             ),
         },
+        implies=frozenset(
+            {
+                "not-wrapped",
+                "checksums-invalid",
+                "expert-tensor-unexpected",
+                "expert-partner-missing",
+                "layer-incomplete",
+                "no-experts",
+            }
+        ),
     ),
     Reason(
         "block-field",

@@ -5,7 +5,7 @@ catches them by type); their words and codes are these records."""
 
 from __future__ import annotations
 
-from .reason import Message, Reason
+from ...converter.errors import Message, Reason
 
 _SERVE_MARLIN = "or serve with --moe-runner-backend marlin."
 _MARLIN_INSTEAD = "serve with --moe-runner-backend marlin instead"

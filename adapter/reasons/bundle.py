@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .reason import Message, Reason
+from ...converter.errors import Message, Reason
 
 REASONS = (
     Reason(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .reason import EXIT_USAGE, Message, Reason
+from ..errors import EXIT_USAGE, Message, Reason
 
 REASONS = (
     Reason(

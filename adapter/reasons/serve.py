@@ -3,7 +3,7 @@ checks it runs before it starts SGLang."""
 
 from __future__ import annotations
 
-from .reason import EXIT_USAGE, Message, Reason
+from ...converter.errors import EXIT_USAGE, Message, Reason
 
 REASONS = (
     Reason(
