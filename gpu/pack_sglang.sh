@@ -36,6 +36,8 @@ dl .whl annotated-doc==0.0.7 annotated-types==0.8.0 asttokens==3.0.2 click-defau
 dl .whl cffi==2.1.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 pycparser==3.12 \
     python-multipart==0.0.34 referencing==0.37.0 rpds-py==2026.9.1 setproctitle==1.3.8 \
     soundfile==0.14.0 xgrammar==0.2.7
+# SGLang's watchdog dumps a stuck scheduler's stacks with py-spy when it is on PATH.
+dl .whl py-spy==0.4.3
 dl "$tmp" sglang-kernel==0.4.6
 python3 -m gpu.slim_kernel "$tmp"/sglang_kernel-0.4.6-*.whl .whl/sgl_kernel-0.4.6-slim.tar.xz
 ls .whl/*.whl | wc -l | sed 's/^/wheels: /'
