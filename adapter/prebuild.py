@@ -260,7 +260,7 @@ def publish_lock(out: Path, wait_s: float = PUBLISH_WAIT_S, poll_s: float = 0.05
     (KERNEL_BUNDLE_BUSY). The converter's output lock, not a lock library: none is among
     the project's dependencies, and that lock already handles a dead holder, a link or FIFO
     planted in its place, and NFS (O_EXCL plus flock)."""
-    from ..converter.errors import Code, problem
+    from ..converter.errors import Code
     from ..converter.output.lock import OutputLock
     from . import bundle as B
 
@@ -274,7 +274,7 @@ def publish_lock(out: Path, wait_s: float = PUBLISH_WAIT_S, poll_s: float = 0.05
             owner = refused.owner or {}
             who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else refused.why
             raise B.BundleError(
-                [problem(Code.KERNEL_BUNDLE_BUSY, file=out, who=who, seconds=int(wait_s))]
+                fatal(Code.KERNEL_BUNDLE_BUSY, file=out, who=who, seconds=int(wait_s))
             )
         time.sleep(poll_s)
     try:

@@ -399,7 +399,7 @@ def test_a_publish_waits_for_the_lock_then_refuses(tmp_path) -> None:
     t0 = time.monotonic()
     with pytest.raises(B.BundleError) as err, pb.publish_lock(out, wait_s=0.3):
         pass
-    assert err.value.codes == [Code.KERNEL_BUNDLE_BUSY] and time.monotonic() - t0 >= 0.3
+    assert err.value.error.codes == [Code.KERNEL_BUNDLE_BUSY] and time.monotonic() - t0 >= 0.3
     releaser = threading.Timer(0.2, held.release)
     releaser.start()
     with pb.publish_lock(out, wait_s=10):  # waits for the holder, then publishes
@@ -422,7 +422,7 @@ def test_an_out_folder_servers_would_refuse_is_refused_before_building(
     with pytest.raises(B.BundleError) as err:
         pb.prebuild(arch="sm90", out=out)
     want = Code.KERNEL_BUNDLE_WRITABLE if why == "group-writable" else Code.KERNEL_BUNDLE_MISSING
-    assert err.value.codes == [want] and fake_flashinfer["w4a16"].builds == 0
+    assert err.value.error.codes == [want] and fake_flashinfer["w4a16"].builds == 0
 
 
 def test_a_bundle_is_published_with_modes_servers_accept_whatever_the_umask(
