@@ -630,13 +630,13 @@ def test_a_bundle_does_not_skip_the_checks_of_a_converted_checkpoint(tmp_path, m
     verified = []
     monkeypatch.setattr(B, "current_stack", lambda arch, build=False: STACK)
     monkeypatch.setattr(launch, "check_stack", lambda: [])
-    monkeypatch.setattr(
-        launch, "verify_structure", lambda root: verified.append(root) or ["index: missing"]
-    )
+    found = B.problem(Code.SHARD_UNREFERENCED, file="model-00001-of-00001.safetensors")
+    monkeypatch.setattr(launch, "verify_structure", lambda root: verified.append(root) or [found])
     bundle = write_bundle(tmp_path / "kernels")
     args = [str(ckpt(tmp_path)), "--print", "--kernels", str(bundle)]
     refused_ = run_cli(args, inprocess=True, command=launch.serve)
-    assert refused_.returncode == 1 and "verify: index" in refused_.output and verified
+    assert refused_.returncode == 1 and verified
+    assert f"[{Code.SHARD_UNREFERENCED.value}]" in refused_.output
     monkeypatch.setattr(launch, "verify_structure", lambda root: [])
     ok = run_cli(args, inprocess=True, command=launch.serve)
     assert ok.returncode == 0, ok.output

@@ -33,7 +33,7 @@ from ...converter.cli.console import (
     render_error,
 )
 from ...converter.contract import STATE_DIR
-from ...converter.errors import Code, Fatal, fatal, plural
+from ...converter.errors import Code, Fatal, Problem, fatal, plural
 from ..arch import ARCHES
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
@@ -95,39 +95,64 @@ def check_stack(
     version_of: Callable[[str], str] = md.version,
     entry_points: Callable[..., Sequence] = md.entry_points,
     environ: Mapping[str, str] = os.environ,
-) -> list[str]:
-    """Problems with the installed SGLang / FlashInfer / plugin (empty: all good)."""
-    problems: list[str] = []
+) -> list[Fatal]:
+    """What the installed SGLang / FlashInfer / plugin lack, one coded refusal per finding
+    (`stack-unready`, its rule the kind of finding; empty: all good)."""
+    found: list[Fatal] = []
     for dist, check, want in (
         ("sglang", lambda v: v == SGLANG_PIN, f"== {SGLANG_PIN}"),
         ("flashinfer-python", lambda v: _version_tuple(v) >= FLASHINFER_MIN, ">= 0.7.0"),
     ):
         try:
-            found = version_of(dist)
+            version = version_of(dist)
         except md.PackageNotFoundError:
-            problems.append(f"{dist} is not installed (need {want}): {INSTALL_HINT}")
+            found.append(
+                fatal(
+                    Code.STACK_UNREADY,
+                    rule="not-installed",
+                    package=dist,
+                    want=want,
+                    install=INSTALL_HINT,
+                )
+            )
             continue
-        if not check(found):
-            problems.append(
-                f"{dist} {found} is installed, the adapter needs {want}: {INSTALL_HINT}"
+        if not check(version):
+            found.append(
+                fatal(
+                    Code.STACK_UNREADY,
+                    rule="version",
+                    package=dist,
+                    version=version,
+                    want=want,
+                    install=INSTALL_HINT,
+                )
             )
     names = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
     if PLUGIN_NAME not in names:
-        problems.append(
-            f"no '{PLUGIN_NAME}' entry point in group {PLUGIN_GROUP}: install kimi-w31 into "
-            "the environment that runs SGLang"
+        found.append(
+            fatal(Code.STACK_UNREADY, rule="no-entry-point", plugin=PLUGIN_NAME, group=PLUGIN_GROUP)
         )
     else:
         try:
             names[PLUGIN_NAME].load()
         except Exception as exc:  # the plugin itself must import without SGLang running
-            problems.append(f"the {PLUGIN_NAME} plugin does not import: {exc!r}")
+            found.append(
+                fatal(Code.STACK_UNREADY, rule="plugin-import", plugin=PLUGIN_NAME, error=repr(exc))
+            )
     allowed = environ.get("SGLANG_PLUGINS", "")
     if allowed.strip() and PLUGIN_NAME not in {x.strip() for x in allowed.split(",")}:
-        problems.append(
-            f"SGLANG_PLUGINS={allowed!r} filters out '{PLUGIN_NAME}': add it to the list"
+        found.append(
+            fatal(Code.STACK_UNREADY, rule="plugins-filtered", value=allowed, plugin=PLUGIN_NAME)
         )
-    return problems
+    return found
+
+
+def merged(errors: Sequence[Fatal], problems: Sequence[Problem] = ()) -> Fatal | None:
+    """One refusal of every problem found (None: nothing), hinted with each distinct hint
+    of the refusals merged."""
+    every = [p for e in errors for p in e.problems] + list(problems)
+    hints = dict.fromkeys(e.hint for e in errors if e.hint)
+    return Fatal(every, hint="; ".join(hints) or None) if every else None
 
 
 # --- SGLang's flags after `--` ------------------------------------------------------------
@@ -598,14 +623,19 @@ def text_only_override(theirs: str | None) -> list[str]:
     return ["--json-model-override-args", json.dumps(merged, separators=(",", ":"))]
 
 
-def verify_structure(root: Path) -> list[str]:
-    """`kimi-convert verify`'s structure level (headers, index, block): rendered problems."""
+def verify_structure(root: Path) -> list[Problem]:
+    """`kimi-convert verify`'s structure level (headers, index, block): its problems, each
+    with its own code (a failed check that kept none is named by a `stack-unready` one)."""
     from ...converter.audit import verify
 
     report = verify(root)
-    return [p.render() for c in report.checks if c.ok is False for p in c.problems] or (
-        [] if report.ok else ["structure verification failed"]
-    )
+    return [
+        p
+        for c in report.checks
+        if c.ok is False
+        for p in c.problems
+        or fatal(Code.STACK_UNREADY, rule="verify", check=c.name, detail=c.detail).problems
+    ]
 
 
 @click.command(
@@ -823,11 +853,11 @@ def _serve(
             err=True,
         )
     if not skip_checks:
-        problems = check_stack()
-        if not plan.env:  # a converted checkpoint: prove its structure first
-            problems += [f"verify: {p}" for p in verify_structure(checkpoint)]
-        if problems:
-            raise ServeError(fatal(Code.STACK_UNREADY, problems="\n  - ".join(problems)))
+        # A converted checkpoint: prove its structure first (verify's problems, its codes).
+        structure = verify_structure(checkpoint) if not plan.env else []
+        refusal = merged(check_stack(), structure)
+        if refusal is not None:
+            raise ServeError(refusal)
     plan.env.update(bundle_env)  # after the checks: they read plan.env as "unconverted"
     if print_only:
         if as_json:
