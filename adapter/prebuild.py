@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -228,10 +229,33 @@ def _build(spec: Any, jobs: int, report: ProgressCallback, poll_s: float) -> flo
         else:
             os.environ["MAX_JOBS"] = previous
     if errors:
-        raise PrebuildError(
-            fatal(Code.PREBUILD_BUILD, rule="compile", module=spec.name, error=errors[0])
-        ) from errors[0]
+        raise build_refusal(spec.name, errors[0]) from errors[0]
     return time.monotonic() - t0
+
+
+OUTPUT_LINES = 30  # of a failed compiler's output, kept in the refusal
+
+
+def build_refusal(module: str, error: BaseException) -> PrebuildError:
+    """A failed build as a refusal: a compiler that exited non-zero (FlashInfer raises its
+    own error from ninja's `CalledProcessError`) is `prebuild-failed` with its exit status
+    and the last lines it printed; anything else FlashInfer's build raised, `prebuild-build`."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, subprocess.CalledProcessError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return PrebuildError(fatal(Code.PREBUILD_BUILD, rule="compile", module=module, error=error))
+    command = cause.cmd[0] if isinstance(cause.cmd, (list, tuple)) and cause.cmd else cause.cmd
+    output = cause.output if isinstance(cause.output, str) else ""
+    return PrebuildError(
+        fatal(
+            Code.PREBUILD_FAILED,
+            module=module,
+            command=os.path.basename(str(command)),
+            status=cause.returncode,
+            output="\n".join(output.splitlines()[-OUTPUT_LINES:]),
+        )
+    )
 
 
 # Publishing into `--out`: the lock file, the private staging folders, and how long a

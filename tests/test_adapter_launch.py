@@ -244,7 +244,7 @@ def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monk
         raise ImportError("no torch")
 
     def no_build(*a, **k):
-        raise prebuild.PrebuildError("no torch here", "no-torch")
+        raise prebuild.PrebuildError(fatal(Code.NO_TORCH, install=prebuild.INSTALL_SERVING))
 
     monkeypatch.setattr(kernels, "preflight_bundle", no_torch)
     monkeypatch.setattr(prebuild, "require_torch", no_build)
@@ -257,7 +257,7 @@ def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monk
             ckpt(roots["silu"], converted=False, hidden_act="silu"), unconverted=True
         ),
         Code.KERNEL_BUNDLE_UNCHECKED: lambda: launch.kernel_bundle_env(tmp_path),
-        Code.PREBUILD_FAILED: lambda: launch.run_prebuild(None, "lines"),
+        Code.NO_TORCH: lambda: launch.run_prebuild(None, "lines"),  # prebuild's own code
         Code.BAD_FLAG: lambda: launch.text_only_override("[1]"),
     }
     for code, call in cases.items():
@@ -560,3 +560,31 @@ def test_a_failed_verify_check_without_problems_is_still_a_coded_refusal(monkeyp
     )
     failed.ok = True  # negative control: a passing report has nothing to say
     assert launch.verify_structure(Path("out")) == []
+
+
+@pytest.mark.parametrize(
+    ("where", "cls", "code", "facts"),
+    [
+        ("prebuild", "PrebuildError", Code.PREBUILD_ARCH, {"rule": "other-gpu", "gpu": "sm120"}),
+        ("flashinfer_moe", "SituUnsupportedError", Code.SITU_UNSUPPORTED, {"rule": "missing"}),
+        ("bundle", "BundleError", Code.KERNEL_BUNDLE_BUSY, {"who": "pid 1", "seconds": 1}),
+    ],
+)
+def test_prebuild_passes_on_the_code_of_a_refusal_from_below(monkeypatch, where, cls, code, facts):
+    """`serve --prebuild` and `prebuild` refuse with the build's own code and exit code,
+    not one wrapping code (prebuild-failed is the compiler's exit only)."""
+    import importlib
+
+    from kimi_w31.adapter import prebuild
+
+    error = fatal(code, **facts)
+    module = importlib.import_module(f"kimi_w31.adapter.{where}")
+
+    def refuse(*a, **k):
+        raise getattr(module, cls)(error)
+
+    monkeypatch.setattr(prebuild, "prebuild", refuse)
+    with pytest.raises(ServeError) as err:
+        launch.run_prebuild("sm90", "lines")
+    assert err.value.error is error and err.value.reason == code.value
+    assert err.value.exit_code == reason(code).exit

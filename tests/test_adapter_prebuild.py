@@ -55,8 +55,14 @@ class FakeSpec:
         self.build_dir.mkdir(parents=True, exist_ok=True)
         for i, _ in enumerate(self.sources):
             time.sleep(0.02)
-            if self.fail and i == 1:
-                raise RuntimeError("nvcc exited with 1")
+            if self.fail == "status" and i == 1:  # as FlashInfer's run_ninja raises it
+                output = "".join(f"[{n}/9] nvcc s{n}.cu\n" for n in range(40)) + "error: x\n"
+                try:
+                    raise subprocess.CalledProcessError(2, ["/usr/bin/ninja", "-v"], output)
+                except subprocess.CalledProcessError as exc:
+                    raise RuntimeError("Ninja build failed. Ninja output:\n" + output) from exc
+            if self.fail == "other" and i == 1:
+                raise RuntimeError("no ninja file")
             (self.build_dir / f"s{i}.cuda.o").write_bytes(b"")
         self.get_library_path().write_bytes(b"\x7fELF" + self.name.encode())
 
@@ -152,14 +158,29 @@ def test_sm120_wrong_precision_and_unknown_arch(fake_flashinfer) -> None:
     assert err.value.reason == "prebuild-arch"
 
 
-def test_build_failure_is_reported(fake_flashinfer) -> None:
-    fake_flashinfer["w4a16"].fail = True
-    with pytest.raises(
-        pb.PrebuildError, match="fused_moe_90_kimi_w31_w4a16 failed: nvcc exited"
-    ) as err:
+def test_a_compiler_exit_is_prebuild_failed_with_its_status(fake_flashinfer) -> None:
+    """The build's own failure, which no check of ours names: its exit status and its last
+    lines are the refusal's facts."""
+    from kimi_w31.converter.errors import Code, problem
+
+    spec = fake_flashinfer["w4a16"]
+    spec.fail = "status"
+    with pytest.raises(pb.PrebuildError) as err:
+        pb.prebuild(arch="sm90", poll_s=0.01)
+    assert err.value.reason == Code.PREBUILD_FAILED.value and err.value.exit_code == 1
+    lines = [f"[{n}/9] nvcc s{n}.cu" for n in range(40)] + ["error: x"]
+    facts = {"module": spec.name, "command": "ninja", "status": 2}
+    tail = "\n".join(lines[-pb.OUTPUT_LINES :])
+    assert err.value.error.problems == [problem(Code.PREBUILD_FAILED, **facts, output=tail)]
+    assert "MAX_JOBS" not in os.environ
+
+
+def test_another_build_failure_is_prebuild_build(fake_flashinfer) -> None:
+    """Negative control: a failure that is no process's exit keeps the build's own code."""
+    fake_flashinfer["w4a16"].fail = "other"
+    with pytest.raises(pb.PrebuildError) as err:
         pb.prebuild(arch="sm90", poll_s=0.01)
     assert err.value.reason == "prebuild-build" and err.value.exit_code == 1
-    assert "MAX_JOBS" not in os.environ
 
 
 def test_plan_only_builds_nothing(fake_flashinfer, tmp_path) -> None:

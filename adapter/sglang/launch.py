@@ -37,7 +37,7 @@ from ...converter.errors import Code, Fatal, Problem, fatal, plural
 from ..arch import ARCHES
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
-from ..refused import words
+from ..refused import Refused, words
 
 SGLANG_PIN = "0.5.23"
 FLASHINFER_MIN = (0, 7, 0)
@@ -940,16 +940,10 @@ def run_prebuild(
     jobs: int | None = None,
     plan_only: bool = False,
 ) -> None:
-    """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
+    """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError
+    with the refusal's own problems (a bundle's, FlashInfer's, the build's: their codes)."""
     from ...converter.cli import console
-    from ..bundle import BundleError
-    from ..prebuild import PrebuildError, prebuild, require_torch
-
-    try:
-        require_torch()  # before the imports below, which need it
-    except PrebuildError as exc:
-        raise ServeError(fatal(Code.PREBUILD_FAILED, error=exc)) from None
-    from ..flashinfer_moe import SituUnsupportedError
+    from ..prebuild import prebuild
 
     shown: dict[str, console.Progress] = {}
 
@@ -975,8 +969,8 @@ def run_prebuild(
             jobs=jobs,
             plan_only=plan_only,
         )
-    except (PrebuildError, SituUnsupportedError, BundleError) as exc:
-        raise ServeError(fatal(Code.PREBUILD_FAILED, error=exc)) from None
+    except Refused as exc:  # the build's own refusal, its code passed on
+        raise ServeError(exc.error) from None
     finally:
         for bar in shown.values():
             bar.stop()

@@ -113,5 +113,11 @@ REASONS = (
         "--kernels {kernels}: cannot read this machine's stack ({error})",
         hint="{install}",
     ),
-    Reason("prebuild-failed", "prebuild: {error}"),
+    # The build's own failure, which no check of ours names: the compiler's exit status and
+    # the last lines it printed (a refusal of ours passes on its own code instead).
+    Reason(
+        "prebuild-failed",
+        "building {module} failed: {command} exited with status {status}; its last "
+        "lines:\n{output}",
+    ),
 )
