@@ -24,12 +24,11 @@ from typing import Any
 import click
 
 from ...converter import contract
-from ...converter.cli.arguments import PathArg
+from ...converter.cli.arguments import PathArg, json_option, progress_option
 from ...converter.cli.console import (
     guard_paths,
     human,
     parse_size,
-    progress_option,
     render_error,
 )
 from ...converter.contract import STATE_DIR
@@ -722,13 +721,7 @@ def verify_structure(root: Path) -> list[Problem]:
     help="Once the server answers /health, send one greedy streamed /generate request and "
     "print its first-token latency (stderr), then keep serving. Node 0 only.",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="A refusal as the JSON document convert and verify print (stdout); with --print, "
-    "the plan as JSON (argv, env).",
-)
+@json_option("a refusal, or with --print the plan (argv, env),")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
     checkpoint: Path,
