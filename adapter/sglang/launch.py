@@ -723,23 +723,7 @@ def verify_structure(root: Path) -> list[Problem]:
 )
 @json_option("a refusal, or with --print the plan (argv, env),")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
-def serve(
-    checkpoint: Path,
-    tp: int,
-    ep: int,
-    backend: str,
-    unconverted: bool,
-    prebuild_first: bool,
-    kernels: Path | None,
-    print_only: bool,
-    gpu_memory: str | None,
-    skip_checks: bool,
-    text_only: bool,
-    ifname: str | None,
-    smoke: bool,
-    as_json: bool,
-    sglang_args: tuple[str, ...],
-) -> None:
+def serve(as_json: bool, **options: Any) -> None:
     """Check CHECKPOINT_DIR and the SGLang stack, then run SGLang's server on it.
 
     Before starting anything: a GPU on this machine (unless --print), a finished conversion,
@@ -770,23 +754,7 @@ def serve(
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
     with json_refusals(as_json):
-        _serve(
-            checkpoint,
-            tp,
-            ep,
-            backend,
-            unconverted,
-            prebuild_first,
-            kernels,
-            print_only,
-            gpu_memory,
-            skip_checks,
-            text_only,
-            ifname,
-            smoke,
-            as_json,
-            sglang_args,
-        )
+        _serve(as_json=as_json, **options)  # the options by name: `_serve` types them
 
 
 @contextmanager
