@@ -214,6 +214,16 @@ def test_a_bundle_of_another_cpu_architecture_is_refused_by_the_running_tags(tmp
     assert B.check(write_bundle(tmp_path / "c", stack=here), "w4a16", here, SOURCE_HASH)
 
 
+@pytest.mark.parametrize(
+    ("built", "want"),
+    [({"arch": "sm120"}, Code.KERNEL_BUNDLE_ARCH), ({"python": "3.11"}, Code.KERNEL_BUNDLE_PYTHON)],
+)
+def test_a_bundle_for_another_gpu_or_python_is_refused(tmp_path, built, want) -> None:
+    """An SM120 bundle on an SM90 server, a Python 3.11 bundle under 3.12."""
+    root = write_bundle(tmp_path / "b", stack=dataclasses.replace(STACK, **built))
+    assert refused(root) == [want]
+
+
 @given(st.sets(st.sampled_from(sorted(FIELD_CODES))))
 def test_every_differing_field_is_named_once(names) -> None:
     manifest = B.BundleManifest(STACK, (), "0.1.0", "")
