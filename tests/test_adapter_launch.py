@@ -187,11 +187,11 @@ def test_stack_plugin_problems():
 def test_every_stack_finding_is_one_problem_and_their_hints_are_merged():
     found = _stack({}, [], {"SGLANG_PLUGINS": "other"})
     assert [len(f.problems) for f in found] == [1, 1, 1, 1]
-    refusal = launch.merged(found)
+    refusal = launch.one_refusal(found)
     assert refusal.codes == [Code.STACK_UNREADY] * 4 and refusal.exit_code == 1
     hints = refusal.hint.split("; ")
     assert hints == list(dict.fromkeys(f.hint for f in found if f.hint))  # each once
-    assert launch.merged([]) is None
+    assert launch.one_refusal([]) is None
 
 
 def test_cli_print_shows_the_command(tmp_path, monkeypatch):

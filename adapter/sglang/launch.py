@@ -146,7 +146,7 @@ def check_stack(
     return found
 
 
-def merged(errors: Sequence[Fatal], problems: Sequence[Problem] = ()) -> Fatal | None:
+def one_refusal(errors: Sequence[Fatal], problems: Sequence[Problem] = ()) -> Fatal | None:
     """One refusal of every problem found (None: nothing), hinted with each distinct hint
     of the refusals merged."""
     every = [p for e in errors for p in e.problems] + list(problems)
@@ -816,7 +816,7 @@ def _serve(
     if not skip_checks:
         # A converted checkpoint: prove its structure first (verify's problems, its codes).
         structure = verify_structure(checkpoint) if not plan.env else []
-        refusal = merged(check_stack(), structure)
+        refusal = one_refusal(check_stack(), structure)
         if refusal is not None:
             raise ServeError(refusal)
     plan.env.update(bundle_env)  # after the checks: they read plan.env as "unconverted"
