@@ -43,15 +43,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..converter.errors import Problem, problem
+from ..converter.errors import Fatal, Problem, fatal, problem, reason, root_problems
 from ..converter.hashing import sha256_file  # noqa: F401  (the bundle's name for it)
-from ..converter.reasons import Code
 from .reasons import AdapterCode
+from .refused import Refused
 
 FORMAT = "kimi-w31-kernels/2"  # 2: platform tags (CPU, C library, Python ABI), recipe keys
 MANIFEST = "manifest.json"
-STACK_FIELDS = ("arch", "flashinfer", "cuda", "torch", "python", "machine", "libc", "abi")
-_FIELD_CODE = {
+# Each stack field (a `Stack` attribute) and the code a bundle built for another value of it
+# is refused with.
+FIELD_CODES = {
     "arch": AdapterCode.KERNEL_BUNDLE_ARCH,
     "flashinfer": AdapterCode.KERNEL_BUNDLE_FLASHINFER,
     "cuda": AdapterCode.KERNEL_BUNDLE_CUDA,
@@ -61,6 +62,7 @@ _FIELD_CODE = {
     "libc": AdapterCode.KERNEL_BUNDLE_LIBC,
     "abi": AdapterCode.KERNEL_BUNDLE_PYTHON_ABI,
 }
+STACK_FIELDS = tuple(FIELD_CODES)
 # A manifest is a few KiB; the largest module (SM120, FlashInfer's whole set) is well under
 # 2 GiB. Anything bigger is not a bundle's, and is never read to the end.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -150,30 +152,37 @@ class BundleManifest:
         except BundleError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            refused = problem(
+            refused = fatal(
                 AdapterCode.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc
             )
-            raise BundleError([refused]) from None
+            raise BundleError(refused) from None
 
     def module(self, variant: str) -> Module | None:
         return next((m for m in self.modules if m.variant == variant), None)
 
 
-class BundleError(RuntimeError):
-    """A bundle that must not be loaded; `problems` carry the reason codes."""
+class BundleError(Refused, RuntimeError):
+    """A bundle that must not be loaded: a `Fatal` whose words and hint are its reasons'
+    records (adapter/reasons/bundle.py). Built from a `Fatal` (one reason, its rule
+    picking the message) or from a list of problems found together (a stack compared field
+    by field), whose hint is its first cause's."""
 
-    def __init__(self, problems: list[Problem]) -> None:
-        self.problems = problems
-        super().__init__(
-            "kernel bundle refused:\n  - "
-            + "\n  - ".join(f"[{p.code.value}] {p.render()}" for p in problems)
-            + "\nRebuild it with `kimi-convert prebuild --out DIR` in this stack, or unset "
-            "KIMI_W31_KERNELS to build into FlashInfer's cache on first use."
-        )
+    def __init__(self, error: Fatal | list[Problem]) -> None:
+        super().__init__(error if isinstance(error, Fatal) else Fatal(error, hint=_hint(error)))
 
     @property
-    def codes(self) -> list[Code]:
-        return [p.code for p in self.problems]
+    def problems(self) -> list[Problem]:
+        return self.error.problems
+
+
+def _hint(problems: list[Problem]) -> str | None:
+    """The record's hint of the first cause that has one (a list is built from reasons of
+    one message each: their hints name no facts)."""
+    for p in root_problems(problems)[0]:
+        record = reason(p.code)
+        if record.rules is None and record.hint is not None:
+            return record.hint
+    return None
 
 
 def _public(version: str) -> str:
@@ -249,7 +258,7 @@ def stack_problems(
     """One problem per stack field that differs (each with its own code)."""
     return [
         problem(
-            _FIELD_CODE[name],
+            FIELD_CODES[name],
             file=where,
             running=getattr(running, name),
             built=getattr(manifest.stack, name),
@@ -290,7 +299,7 @@ def open_root(root: Path) -> int:
         fd = os.open(real, _DIR_FLAGS)
     except FileNotFoundError:
         raise BundleError(
-            [problem(AdapterCode.KERNEL_BUNDLE_MISSING, rule="missing", file=root)]
+            fatal(AdapterCode.KERNEL_BUNDLE_MISSING, rule="missing", file=root)
         ) from None
     except OSError as exc:
         if exc.errno in (errno.ENOTDIR, errno.ELOOP):
@@ -299,24 +308,12 @@ def open_root(root: Path) -> int:
             except OSError:
                 what = "unreadable"
             raise BundleError(
-                [
-                    problem(
-                        AdapterCode.KERNEL_BUNDLE_MISSING,
-                        rule="not-directory",
-                        file=root,
-                        kind=what,
-                    )
-                ]
+                fatal(AdapterCode.KERNEL_BUNDLE_MISSING, rule="not-directory", file=root, kind=what)
             ) from None
         raise BundleError(
-            [
-                problem(
-                    AdapterCode.KERNEL_BUNDLE_INVALID,
-                    rule="unreadable",
-                    file=root,
-                    error=exc.strerror,
-                )
-            ]
+            fatal(
+                AdapterCode.KERNEL_BUNDLE_INVALID, rule="unreadable", file=root, error=exc.strerror
+            )
         ) from None
     problems = _trust_problems(os.fstat(fd), root)
     if problems:
@@ -341,27 +338,22 @@ def open_member(folder: int, name: str, where: Path, what: str) -> tuple[int, in
             except OSError:
                 target = "?"
             raise BundleError(
-                [problem(AdapterCode.KERNEL_BUNDLE_LINK, file=where, target=target)]
+                fatal(AdapterCode.KERNEL_BUNDLE_LINK, file=where, target=target)
             ) from None
         if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket
             raise BundleError(
-                [problem(AdapterCode.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind="socket")]
+                fatal(AdapterCode.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind="socket")
             ) from None
         raise BundleError(
-            [
-                problem(
-                    AdapterCode.KERNEL_BUNDLE_INVALID,
-                    rule="unreadable",
-                    file=where,
-                    error=exc.strerror,
-                )
-            ]
+            fatal(
+                AdapterCode.KERNEL_BUNDLE_INVALID, rule="unreadable", file=where, error=exc.strerror
+            )
         ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BundleError(
-                [problem(AdapterCode.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind=_kind(st.st_mode))]
+                fatal(AdapterCode.KERNEL_BUNDLE_NOT_REGULAR, file=where, kind=_kind(st.st_mode))
             )
         problems = _trust_problems(st, where)
         if st.st_size > limit:
@@ -395,15 +387,13 @@ def _read_bounded(fd: int, what: str, where: Path, sink: Callable[[bytes], None]
         done += len(block)
         if done > limit:
             raise BundleError(
-                [
-                    problem(
-                        AdapterCode.KERNEL_BUNDLE_TOO_LARGE,
-                        file=where,
-                        what=what,
-                        size=done,
-                        limit=limit,
-                    )
-                ]
+                fatal(
+                    AdapterCode.KERNEL_BUNDLE_TOO_LARGE,
+                    file=where,
+                    what=what,
+                    size=done,
+                    limit=limit,
+                )
             )
         sink(block)
 
@@ -415,14 +405,12 @@ def read_manifest(folder: int, root: Path) -> BundleManifest:
         fd, _ = open_member(folder, MANIFEST, where, "manifest")
     except FileNotFoundError:
         raise BundleError(
-            [
-                problem(
-                    AdapterCode.KERNEL_BUNDLE_INVALID,
-                    rule="unreadable",
-                    file=where,
-                    error=os.strerror(errno.ENOENT),
-                )
-            ]
+            fatal(
+                AdapterCode.KERNEL_BUNDLE_INVALID,
+                rule="unreadable",
+                file=where,
+                error=os.strerror(errno.ENOENT),
+            )
         ) from None
     try:
         parts: list[bytes] = []
@@ -433,7 +421,7 @@ def read_manifest(folder: int, root: Path) -> BundleManifest:
         text = b"".join(parts).decode()
     except UnicodeDecodeError as exc:
         raise BundleError(
-            [problem(AdapterCode.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc)]
+            fatal(AdapterCode.KERNEL_BUNDLE_INVALID, rule="not-manifest", file=where, error=exc)
         ) from None
     return BundleManifest.from_json(text, str(where))
 
@@ -473,14 +461,12 @@ def open_library(folder: int, root: Path, module: Module) -> Library:
         fd, _ = open_member(folder, module.file, where, "library")
     except FileNotFoundError:
         raise BundleError(
-            [
-                problem(
-                    AdapterCode.KERNEL_BUNDLE_LIBRARY,
-                    file=where,
-                    want=module.sha256[:16],
-                    digest="missing",
-                )
-            ]
+            fatal(
+                AdapterCode.KERNEL_BUNDLE_LIBRARY,
+                file=where,
+                want=module.sha256[:16],
+                digest="missing",
+            )
         ) from None
     try:
         h = hashlib.sha256()
@@ -492,14 +478,12 @@ def open_library(folder: int, root: Path, module: Module) -> Library:
     if digest != module.sha256:
         os.close(fd)
         raise BundleError(
-            [
-                problem(
-                    AdapterCode.KERNEL_BUNDLE_LIBRARY,
-                    file=where,
-                    want=module.sha256[:16],
-                    digest=digest[:16],
-                )
-            ]
+            fatal(
+                AdapterCode.KERNEL_BUNDLE_LIBRARY,
+                file=where,
+                want=module.sha256[:16],
+                digest=digest[:16],
+            )
         )
     return Library(where, fd, digest)
 
@@ -566,6 +550,8 @@ def check(
         try:
             library = open_library(folder, root, module)
         except BundleError as exc:
+            if not problems:
+                raise
             raise BundleError(problems + exc.problems) from None
         if problems:
             library.close()

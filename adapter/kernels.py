@@ -183,21 +183,48 @@ class Variant:
         return self.trim.derived_prefix if self.trim else ""
 
 
-W4A16 = Variant(
-    key="w4a16",
-    arch="sm90",
-    module_name="fused_moe_90_kimi_w31_w4a16",
-    stock_prefix="fused_moe_90",
-    generator="gen_cutlass_fused_moe_sm90_module",
-    trim=Trim(
-        kernel_marker="__nv_bfloat16, SafeFP4",
-        gemm_source="moe_gemm_kernels_bf16_fp4.cu",
-        ctor=_CTOR_W4A16,
-        instantiation_head=_INSTANTIATION_W4A16,
-        required_runner="CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>",
-        derived_prefix=TRIMMED_PREFIX,
-        launchers=KIMI_K3_W4A16,
-    ),
+def _sm90(
+    key: str,
+    module_name: str,
+    *,
+    activation: str,
+    act: str,
+    ctor: str,
+    head: str,
+    runner: str,
+    prefix: str,
+    launchers: frozenset[Launcher] | None = None,
+) -> Variant:
+    """An SM90 serving path: FlashInfer's SM90 generator, its stock module trimmed to the
+    runner of one activation type (`activation`, `act` in file names) with FP4 weights."""
+    return Variant(
+        key=key,
+        arch="sm90",
+        module_name=module_name,
+        stock_prefix="fused_moe_90",
+        generator="gen_cutlass_fused_moe_sm90_module",
+        trim=Trim(
+            kernel_marker=f"{activation}, SafeFP4",
+            gemm_source=f"moe_gemm_kernels_{act}_fp4.cu",
+            ctor=ctor,
+            instantiation_head=head,
+            required_runner=runner,
+            derived_prefix=prefix,
+            launchers=launchers,
+        ),
+    )
+
+
+W4A16 = _sm90(
+    "w4a16",
+    "fused_moe_90_kimi_w31_w4a16",
+    activation="__nv_bfloat16",
+    act="bf16",
+    ctor=_CTOR_W4A16,
+    head=_INSTANTIATION_W4A16,
+    runner="CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>",
+    prefix=TRIMMED_PREFIX,
+    launchers=KIMI_K3_W4A16,
 )
 # The same runner with every launcher a tactic can select: its own module name, derived
 # files and split tree, so the two never share a cache entry, a bundle entry or a part.
@@ -212,20 +239,15 @@ W4A16_ALL = replace(
         split_dir="kimi_w31_split_all",
     ),
 )
-W4A8_HUMMING = Variant(
-    key="w4a8",
-    arch="sm90",
-    module_name="fused_moe_90_kimi_w31_w4a8_humming",
-    stock_prefix="fused_moe_90",
-    generator="gen_cutlass_fused_moe_sm90_module",
-    trim=Trim(
-        kernel_marker="__nv_fp8_e4m3, SafeFP4",
-        gemm_source="moe_gemm_kernels_fp8_fp4.cu",
-        ctor=_CTOR_W4A8,
-        instantiation_head=_INSTANTIATION_W4A8,
-        required_runner="Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>;",
-        derived_prefix=TRIMMED_PREFIX + "w4a8_",
-    ),
+W4A8_HUMMING = _sm90(
+    "w4a8",
+    "fused_moe_90_kimi_w31_w4a8_humming",
+    activation="__nv_fp8_e4m3",
+    act="fp8",
+    ctor=_CTOR_W4A8,
+    head=_INSTANTIATION_W4A8,
+    runner="Sm90Wfp4Afp8ScaleMode::kHummingPreMmaE8M0>;",
+    prefix=TRIMMED_PREFIX + "w4a8_",
 )
 SM120 = Variant(
     key="sm120",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -235,10 +236,35 @@ def _build(spec: Any, jobs: int, report: ProgressCallback, poll_s: float) -> flo
         else:
             os.environ["MAX_JOBS"] = previous
     if errors:
-        raise PrebuildError(
-            fatal(AdapterCode.PREBUILD_BUILD, rule="compile", module=spec.name, error=errors[0])
-        ) from errors[0]
+        raise build_refusal(spec.name, errors[0]) from errors[0]
     return time.monotonic() - t0
+
+
+OUTPUT_LINES = 30  # of a failed compiler's output, kept in the refusal
+
+
+def build_refusal(module: str, error: BaseException) -> PrebuildError:
+    """A failed build as a refusal: a compiler that exited non-zero (FlashInfer raises its
+    own error from ninja's `CalledProcessError`) is `prebuild-failed` with its exit status
+    and the last lines it printed; anything else FlashInfer's build raised, `prebuild-build`."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, subprocess.CalledProcessError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return PrebuildError(
+            fatal(AdapterCode.PREBUILD_BUILD, rule="compile", module=module, error=error)
+        )
+    command = cause.cmd[0] if isinstance(cause.cmd, (list, tuple)) and cause.cmd else cause.cmd
+    output = cause.output if isinstance(cause.output, str) else ""
+    return PrebuildError(
+        fatal(
+            AdapterCode.PREBUILD_FAILED,
+            module=module,
+            command=os.path.basename(str(command)),
+            status=cause.returncode,
+            output="\n".join(output.splitlines()[-OUTPUT_LINES:]),
+        )
+    )
 
 
 # Publishing into `--out`: the lock file, the private staging folders, and how long a
@@ -267,7 +293,6 @@ def publish_lock(out: Path, wait_s: float = PUBLISH_WAIT_S, poll_s: float = 0.05
     (KERNEL_BUNDLE_BUSY). The converter's output lock, not a lock library: none is among
     the project's dependencies, and that lock already handles a dead holder, a link or FIFO
     planted in its place, and NFS (O_EXCL plus flock)."""
-    from ..converter.errors import problem
     from ..converter.output.lock import OutputLock
     from . import bundle as B
 
@@ -281,7 +306,7 @@ def publish_lock(out: Path, wait_s: float = PUBLISH_WAIT_S, poll_s: float = 0.05
             owner = refused.owner or {}
             who = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else refused.why
             raise B.BundleError(
-                [problem(AdapterCode.KERNEL_BUNDLE_BUSY, file=out, who=who, seconds=int(wait_s))]
+                fatal(AdapterCode.KERNEL_BUNDLE_BUSY, file=out, who=who, seconds=int(wait_s))
             )
         time.sleep(poll_s)
     try:

@@ -17,7 +17,7 @@ from kimi_w31.adapter.reasons import AdapterCode
 from kimi_w31.adapter.sglang import launch
 from kimi_w31.adapter.sglang.launch import ServeError, check_stack, plan_serve, serve
 from kimi_w31.converter import contract
-from kimi_w31.converter.errors import reason
+from kimi_w31.converter.errors import Fatal, fatal, problem, reason
 from kimi_w31.converter.reasons import Code
 from kimi_w31.converter.synth import SynthSpec, make_config
 
@@ -125,7 +125,7 @@ def test_block_without_wrapped_quantization_is_refused(tmp_path):
         plan_serve(root)
 
 
-def _stack(versions: dict[str, str], eps=(), environ=None) -> list[str]:
+def _stack(versions: dict[str, str], eps=(), environ=None) -> list[Fatal]:
     def version_of(name: str) -> str:
         if name not in versions:
             raise md.PackageNotFoundError(name)
@@ -143,29 +143,57 @@ def _ep(loads: bool = True):
     return types.SimpleNamespace(name="kimi_w31", load=load)
 
 
+def _unready(rule: str, **facts) -> Fatal:
+    """The refusal check_stack gives for one finding: its rule and its typed facts."""
+    return fatal(AdapterCode.STACK_UNREADY, rule=rule, **facts)
+
+
 def test_stack_ok():
     assert _stack({"sglang": "0.5.23", "flashinfer-python": "0.7.2.post1"}, [_ep()]) == []
 
 
+SGLANG = {"package": "sglang", "want": "== 0.5.23", "install": launch.INSTALL_HINT}
+FLASHINFER = {"package": "flashinfer-python", "want": ">= 0.7.0", "install": launch.INSTALL_HINT}
+
+
 @pytest.mark.parametrize(
-    ("versions", "fragment"),
+    ("versions", "rule", "facts"),
     [
-        ({"flashinfer-python": "0.7.2"}, "sglang is not installed"),
-        ({"sglang": "0.5.24", "flashinfer-python": "0.7.2"}, "sglang 0.5.24"),
-        ({"sglang": "0.5.23", "flashinfer-python": "0.6.18.post1"}, "flashinfer-python 0.6.18"),
+        ({"flashinfer-python": "0.7.2"}, "not-installed", SGLANG),
+        ({"sglang": "0.5.24", "flashinfer-python": "0.7.2"}, "version", SGLANG),
+        ({"sglang": "0.5.23", "flashinfer-python": "0.6.18.post1"}, "version", FLASHINFER),
     ],
 )
-def test_stack_version_problems(versions, fragment):
-    problems = _stack(versions, [_ep()])
-    assert len(problems) == 1 and fragment in problems[0]
+def test_stack_version_problems(versions, rule, facts):
+    (found,) = _stack(versions, [_ep()])
+    version = versions.get(facts["package"])
+    more = {"version": version} if version else {}
+    assert found == _unready(rule, **facts, **more)
+    (p,) = found.problems
+    assert (p.code, p.expected, p.found) == (AdapterCode.STACK_UNREADY, facts["want"], version)
 
 
 def test_stack_plugin_problems():
     ok = {"sglang": "0.5.23", "flashinfer-python": "0.7.0"}
-    assert "no 'kimi_w31' entry point" in _stack(ok, [])[0]
-    assert "does not import" in _stack(ok, [_ep(loads=False)])[0]
-    assert "SGLANG_PLUGINS" in _stack(ok, [_ep()], {"SGLANG_PLUGINS": "other"})[0]
+    names = {"plugin": "kimi_w31"}
+    assert _stack(ok, []) == [_unready("no-entry-point", group="sglang.srt.plugins", **names)]
+    assert _stack(ok, [_ep(loads=False)]) == [
+        _unready("plugin-import", error=repr(ImportError("boom")), **names)
+    ]
+    assert _stack(ok, [_ep()], {"SGLANG_PLUGINS": "other"}) == [
+        _unready("plugins-filtered", value="other", **names)
+    ]
     assert _stack(ok, [_ep()], {"SGLANG_PLUGINS": "other, kimi_w31"}) == []
+
+
+def test_every_stack_finding_is_one_problem_and_their_hints_are_merged():
+    found = _stack({}, [], {"SGLANG_PLUGINS": "other"})
+    assert [len(f.problems) for f in found] == [1, 1, 1, 1]
+    refusal = launch.one_refusal(found)
+    assert refusal.codes == [AdapterCode.STACK_UNREADY] * 4 and refusal.exit_code == 1
+    hints = refusal.hint.split("; ")
+    assert hints == list(dict.fromkeys(f.hint for f in found if f.hint))  # each once
+    assert launch.one_refusal([]) is None
 
 
 def test_cli_print_shows_the_command(tmp_path, monkeypatch):
@@ -193,12 +221,15 @@ def test_cli_print_shows_the_command(tmp_path, monkeypatch):
 
 
 def test_cli_refuses_on_failed_checks(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "check_stack", lambda: ["sglang is not installed"])
-    monkeypatch.setattr(launch, "verify_structure", lambda root: ["index: missing shard"])
-    result = run_cli([str(ckpt(tmp_path)), "--print"], inprocess=True, command=serve)
-    assert result.returncode != 0
-    assert "sglang is not installed" in result.output and "verify: index" in result.output
-    assert AdapterCode.STACK_UNREADY.value in result.output
+    """The stack's findings and verify's problems in one refusal, each with its code."""
+    monkeypatch.setattr(launch, "check_stack", lambda: [_unready("not-installed", **SGLANG)])
+    shard = problem(Code.SHARD_UNREFERENCED, file="model-00001-of-00001.safetensors")
+    monkeypatch.setattr(launch, "verify_structure", lambda root: [shard])
+    result = run_cli([str(ckpt(tmp_path)), "--print", "--json"], inprocess=True, command=serve)
+    assert result.returncode == 1, result.output
+    document = json.loads(result.stdout)
+    codes = [p["code"] for p in document["problems"]]
+    assert codes == [AdapterCode.STACK_UNREADY.value, Code.SHARD_UNREFERENCED.value]
 
 
 def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monkeypatch):
@@ -215,7 +246,7 @@ def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monk
         raise ImportError("no torch")
 
     def no_build(*a, **k):
-        raise prebuild.PrebuildError("no torch here", "no-torch")
+        raise prebuild.PrebuildError(fatal(AdapterCode.NO_TORCH, install=prebuild.INSTALL_SERVING))
 
     monkeypatch.setattr(kernels, "preflight_bundle", no_torch)
     monkeypatch.setattr(prebuild, "require_torch", no_build)
@@ -228,7 +259,7 @@ def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monk
             ckpt(roots["silu"], converted=False, hidden_act="silu"), unconverted=True
         ),
         AdapterCode.KERNEL_BUNDLE_UNCHECKED: lambda: launch.kernel_bundle_env(tmp_path),
-        AdapterCode.PREBUILD_FAILED: lambda: launch.run_prebuild(None, "lines"),
+        AdapterCode.NO_TORCH: lambda: launch.run_prebuild(None, "lines"),  # prebuild's own code
         AdapterCode.BAD_FLAG: lambda: launch.text_only_override("[1]"),
     }
     for code, call in cases.items():
@@ -238,10 +269,14 @@ def test_each_serve_refusal_carries_its_code_and_its_records_exit(tmp_path, monk
 
 
 def test_cli_runs_the_real_structure_verify(tmp_path, monkeypatch):
-    """A config alone is not a checkpoint: the converter's verify must complain."""
+    """A config alone is not a checkpoint: the converter's verify must complain, with its
+    own codes."""
     monkeypatch.setattr(launch, "check_stack", lambda: [])
-    result = run_cli([str(ckpt(tmp_path)), "--print"], inprocess=True, command=serve)
-    assert result.returncode != 0 and "verify:" in result.output
+    root = ckpt(tmp_path)
+    want = {p.code.value for p in launch.verify_structure(root)}
+    result = run_cli([str(root), "--print", "--json"], inprocess=True, command=serve)
+    assert result.returncode == 1 and want
+    assert {p["code"] for p in json.loads(result.stdout)["problems"]} <= want
 
 
 def test_cli_execs_sglang(tmp_path, monkeypatch):
@@ -494,7 +529,7 @@ def test_skip_checks_skips_each_check(tmp_path, monkeypatch, setup, args):
     if setup == "block":
         root = _with_index(ckpt(tmp_path, activation_situ_beta=3.0), 10)
     if setup == "stack":
-        monkeypatch.setattr(launch, "check_stack", lambda: ["sglang is not installed"])
+        monkeypatch.setattr(launch, "check_stack", lambda: [_unready("not-installed", **SGLANG)])
     base = [str(root), "--print", "--gpu-memory", "10TB", *args]
     refused = run_cli(base, inprocess=True, command=serve)
     assert refused.returncode == 1, refused.output
@@ -506,8 +541,64 @@ def test_skip_checks_skips_each_check(tmp_path, monkeypatch, setup, args):
 def test_the_install_hint_is_the_readmes(monkeypatch):
     """No package index carries kimi-w31: the hint is the README's install line."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    problems = _stack({}, [_ep()])
-    assert len(problems) == 2
-    for p in problems:
-        assert launch.INSTALL_HINT in p and "kimi-w31[" not in p
+    found = _stack({}, [_ep()])
+    assert len(found) == 2
+    for refusal in found:
+        assert refusal.hint == launch.INSTALL_HINT and "kimi-w31[" not in refusal.hint
     assert launch.INSTALL_HINT.split(" from ")[0] in readme
+
+
+def test_a_failed_verify_check_without_problems_is_still_a_coded_refusal(monkeypatch):
+    from kimi_w31.converter import audit
+    from kimi_w31.converter.audit.report import Check, VerifyReport
+
+    failed = Check("index", "structure", "index", False, "unreadable")
+    passed = Check("files", "structure", "files", True, "")
+    report = VerifyReport("out", ["structure"], [passed, failed])
+    monkeypatch.setattr(audit, "verify", lambda root: report)
+    assert (
+        launch.verify_structure(Path("out"))
+        == fatal(
+            AdapterCode.STACK_UNREADY, rule="verify", check="index", detail="unreadable"
+        ).problems
+    )
+    failed.ok = True  # negative control: a passing report has nothing to say
+    assert launch.verify_structure(Path("out")) == []
+
+
+@pytest.mark.parametrize(
+    ("where", "cls", "code", "facts"),
+    [
+        (
+            "prebuild",
+            "PrebuildError",
+            AdapterCode.PREBUILD_ARCH,
+            {"rule": "other-gpu", "gpu": "sm120"},
+        ),
+        (
+            "flashinfer_moe",
+            "SituUnsupportedError",
+            AdapterCode.SITU_UNSUPPORTED,
+            {"rule": "missing"},
+        ),
+        ("bundle", "BundleError", AdapterCode.KERNEL_BUNDLE_BUSY, {"who": "pid 1", "seconds": 1}),
+    ],
+)
+def test_prebuild_passes_on_the_code_of_a_refusal_from_below(monkeypatch, where, cls, code, facts):
+    """`serve --prebuild` and `prebuild` refuse with the build's own code and exit code,
+    not one wrapping code (prebuild-failed is the compiler's exit only)."""
+    import importlib
+
+    from kimi_w31.adapter import prebuild
+
+    error = fatal(code, **facts)
+    module = importlib.import_module(f"kimi_w31.adapter.{where}")
+
+    def refuse(*a, **k):
+        raise getattr(module, cls)(error)
+
+    monkeypatch.setattr(prebuild, "prebuild", refuse)
+    with pytest.raises(ServeError) as err:
+        launch.run_prebuild("sm90", "lines")
+    assert err.value.error is error and err.value.reason == code.value
+    assert err.value.exit_code == reason(code).exit

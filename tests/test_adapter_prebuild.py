@@ -56,8 +56,14 @@ class FakeSpec:
         self.build_dir.mkdir(parents=True, exist_ok=True)
         for i, _ in enumerate(self.sources):
             time.sleep(0.02)
-            if self.fail and i == 1:
-                raise RuntimeError("nvcc exited with 1")
+            if self.fail == "status" and i == 1:  # as FlashInfer's run_ninja raises it
+                output = "".join(f"[{n}/9] nvcc s{n}.cu\n" for n in range(40)) + "error: x\n"
+                try:
+                    raise subprocess.CalledProcessError(2, ["/usr/bin/ninja", "-v"], output)
+                except subprocess.CalledProcessError as exc:
+                    raise RuntimeError("Ninja build failed. Ninja output:\n" + output) from exc
+            if self.fail == "other" and i == 1:
+                raise RuntimeError("no ninja file")
             (self.build_dir / f"s{i}.cuda.o").write_bytes(b"")
         self.get_library_path().write_bytes(b"\x7fELF" + self.name.encode())
 
@@ -153,14 +159,29 @@ def test_sm120_wrong_precision_and_unknown_arch(fake_flashinfer) -> None:
     assert err.value.reason == "prebuild-arch"
 
 
-def test_build_failure_is_reported(fake_flashinfer) -> None:
-    fake_flashinfer["w4a16"].fail = True
-    with pytest.raises(
-        pb.PrebuildError, match="fused_moe_90_kimi_w31_w4a16 failed: nvcc exited"
-    ) as err:
+def test_a_compiler_exit_is_prebuild_failed_with_its_status(fake_flashinfer) -> None:
+    """The build's own failure, which no check of ours names: its exit status and its last
+    lines are the refusal's facts."""
+    from kimi_w31.converter.errors import problem
+
+    spec = fake_flashinfer["w4a16"]
+    spec.fail = "status"
+    with pytest.raises(pb.PrebuildError) as err:
+        pb.prebuild(arch="sm90", poll_s=0.01)
+    assert err.value.reason == AdapterCode.PREBUILD_FAILED.value and err.value.exit_code == 1
+    lines = [f"[{n}/9] nvcc s{n}.cu" for n in range(40)] + ["error: x"]
+    facts = {"module": spec.name, "command": "ninja", "status": 2}
+    tail = "\n".join(lines[-pb.OUTPUT_LINES :])
+    assert err.value.error.problems == [problem(AdapterCode.PREBUILD_FAILED, **facts, output=tail)]
+    assert "MAX_JOBS" not in os.environ
+
+
+def test_another_build_failure_is_prebuild_build(fake_flashinfer) -> None:
+    """Negative control: a failure that is no process's exit keeps the build's own code."""
+    fake_flashinfer["w4a16"].fail = "other"
+    with pytest.raises(pb.PrebuildError) as err:
         pb.prebuild(arch="sm90", poll_s=0.01)
     assert err.value.reason == "prebuild-build" and err.value.exit_code == 1
-    assert "MAX_JOBS" not in os.environ
 
 
 def test_plan_only_builds_nothing(fake_flashinfer, tmp_path) -> None:
@@ -399,7 +420,9 @@ def test_a_publish_waits_for_the_lock_then_refuses(tmp_path) -> None:
     t0 = time.monotonic()
     with pytest.raises(B.BundleError) as err, pb.publish_lock(out, wait_s=0.3):
         pass
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_BUSY] and time.monotonic() - t0 >= 0.3
+    assert (
+        err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_BUSY] and time.monotonic() - t0 >= 0.3
+    )
     releaser = threading.Timer(0.2, held.release)
     t1 = time.monotonic()
     releaser.start()
@@ -428,7 +451,7 @@ def test_an_out_folder_servers_would_refuse_is_refused_before_building(
         if why == "group-writable"
         else AdapterCode.KERNEL_BUNDLE_MISSING
     )
-    assert err.value.codes == [want] and fake_flashinfer["w4a16"].builds == 0
+    assert err.value.error.codes == [want] and fake_flashinfer["w4a16"].builds == 0
 
 
 def test_a_bundle_is_published_with_modes_servers_accept_whatever_the_umask(

@@ -7,9 +7,11 @@ inside the adapter (`ValueError`, `TypeError`, `KeyError`, `IndexError`, `Assert
 `NotImplementedError`, `RuntimeError`, `AttributeError`) and for click's own option-parsing
 errors (`click.BadParameter`, as the converter's CLI uses it). Every other exception, the
 ones users see (`PrebuildError`, `SplitError`, `LayoutError`, `W31LoadError`,
-`SituUnsupportedError`, `SmokeError`, `ServeError`, ...), is built from a `Fatal`: a reason
-code and facts, its words in the reason's record. A programming-error exception that
-reaches a user is wrapped into a coded refusal where it is caught (prebuild's GPU check).
+`SituUnsupportedError`, `SmokeError`, `ServeError`, `BundleError`, ...), is built from a
+`Fatal`: a reason code and facts, its words (and its hint) in the reason's record; nor may
+such a class word itself (text given to its base's `__init__`). A programming-error
+exception that reaches a user is wrapped into a coded refusal where it is caught
+(prebuild's GPU check).
 """
 
 from __future__ import annotations
@@ -55,17 +57,38 @@ def _name(func: ast.AST) -> str:
     return func.id if isinstance(func, ast.Name) else ""
 
 
+def _has_text(call: ast.Call) -> bool:
+    return any(_is_text(a) for a in [*call.args, *(k.value for k in call.keywords)])
+
+
+def _is_super_init(call: ast.Call) -> bool:
+    """`super().__init__(...)`: where an exception class words itself."""
+    func = call.func
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "__init__"
+        and isinstance(func.value, ast.Call)
+        and _name(func.value.func) == "super"
+    )
+
+
 def hand_written_raises(source: str, where: str) -> list[str]:
-    """`where:line: Name` for each raise of a non-programming exception built from text."""
+    """`where:line: Name` for each raise of a non-programming exception built from text,
+    and for each exception class that words itself (text passed to its base's `__init__`:
+    every raise of it would carry words of no record; a class the adapter declares is never
+    one of Python's built-in exceptions, whatever its base)."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
-            continue
-        call = node.exc
-        name = _name(call.func)
-        args = [*call.args, *(k.value for k in call.keywords)]
-        if name not in PROGRAMMING and any(_is_text(a) for a in args):
-            found.append(f"{where}:{node.lineno}: {name}")
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            name = _name(node.exc.func)
+            if name not in PROGRAMMING and _has_text(node.exc):
+                found.append(f"{where}:{node.lineno}: {name}")
+        elif isinstance(node, ast.ClassDef):
+            found += [
+                f"{where}:{call.lineno}: {node.name}"
+                for call in ast.walk(node)
+                if isinstance(call, ast.Call) and _is_super_init(call) and _has_text(call)
+            ]
     return found
 
 
@@ -109,7 +132,26 @@ def test_the_rule_lets_coded_and_programming_errors_pass(source):
     assert hand_written_raises(source, "x.py") == []
 
 
+WORDS_ITSELF = """
+class BundleError(RuntimeError):
+    def __init__(self, problems):
+        super().__init__(
+            "kernel bundle refused:\\n  - "
+            + "\\n  - ".join(p.render() for p in problems)
+        )
+"""
+
+
+def test_the_rule_sees_a_class_that_words_itself():
+    """Negative control: text given to the base's `__init__` by a refusal class is caught,
+    wherever its raises are (they pass only problems)."""
+    assert hand_written_raises(WORDS_ITSELF, "x.py") == ["x.py:4: BundleError"]
+    coded = WORDS_ITSELF.split("super().__init__(")[0] + "super().__init__(words(problems))\n"
+    assert hand_written_raises(coded, "x.py") == []
+
+
 def test_every_adapter_refusal_class_is_built_from_a_fatal():
+    from kimi_w31.adapter.bundle import BundleError
     from kimi_w31.adapter.flashinfer_moe import SituUnsupportedError
     from kimi_w31.adapter.layout import LayoutError
     from kimi_w31.adapter.prebuild import PrebuildError
@@ -118,6 +160,7 @@ def test_every_adapter_refusal_class_is_built_from_a_fatal():
     from kimi_w31.adapter.split import SplitError
 
     for cls in (
+        BundleError,
         SituUnsupportedError,
         LayoutError,
         PrebuildError,

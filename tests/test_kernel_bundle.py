@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kimi_w31.adapter import bundle as B
 from kimi_w31.adapter.reasons import AdapterCode
+from kimi_w31.converter.errors import message
 from kimi_w31.converter.reasons import Code
 
 STACK = B.Stack(
@@ -63,7 +64,7 @@ def library_of(root: Path, variant: str = "w4a16") -> Path:
 def refused(root: Path, *args, **kw) -> list[Code]:
     with pytest.raises(B.BundleError) as err:
         B.check(root, *(args or ("w4a16", STACK, SOURCE_HASH)), **kw)
-    return err.value.codes
+    return err.value.error.codes
 
 
 _text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)
@@ -148,7 +149,7 @@ def test_no_bundle_directory_is_refused_by_its_code(tmp_path, what) -> None:
     assert refused(root) == [AdapterCode.KERNEL_BUNDLE_MISSING]
     with pytest.raises(B.BundleError) as err:
         B.preflight(root, STACK)
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_MISSING]
+    assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_MISSING]
 
 
 def test_a_matching_bundle_gives_its_library_open(tmp_path) -> None:
@@ -162,16 +163,7 @@ def test_a_matching_bundle_gives_its_library_open(tmp_path) -> None:
     assert B.preflight(root, STACK).stack == STACK
 
 
-FIELD_CODES = {
-    "arch": AdapterCode.KERNEL_BUNDLE_ARCH,
-    "flashinfer": AdapterCode.KERNEL_BUNDLE_FLASHINFER,
-    "cuda": AdapterCode.KERNEL_BUNDLE_CUDA,
-    "torch": AdapterCode.KERNEL_BUNDLE_TORCH,
-    "python": AdapterCode.KERNEL_BUNDLE_PYTHON,
-    "machine": AdapterCode.KERNEL_BUNDLE_CPU,
-    "libc": AdapterCode.KERNEL_BUNDLE_LIBC,
-    "abi": AdapterCode.KERNEL_BUNDLE_PYTHON_ABI,
-}
+FIELD_CODES = B.FIELD_CODES
 # A running value each field refuses a STACK bundle on (libc: an older or another one).
 OTHER = {
     "arch": "sm120",
@@ -188,9 +180,16 @@ OTHER = {
 BUILT_ELSEWHERE = {**OTHER, "libc": "glibc 2.39"}
 
 
-def test_every_stack_field_has_its_code() -> None:
-    fields = {f.name for f in dataclasses.fields(B.Stack)}
-    assert set(FIELD_CODES) == set(B.STACK_FIELDS) == fields == set(OTHER)
+def test_every_stack_field_has_a_code_of_its_own() -> None:
+    """Every field of a Stack is compared, each refused with a bundle code no other field
+    has, whose record states the running value as expected and the built one as found."""
+    fields = [f.name for f in dataclasses.fields(B.Stack)]
+    assert list(FIELD_CODES) == list(B.STACK_FIELDS) == fields and set(OTHER) == set(fields)
+    codes = list(FIELD_CODES.values())
+    assert len(set(codes)) == len(codes)
+    for code in codes:
+        assert code.value.startswith("kernel-bundle-")
+        assert (message(code).expected, message(code).found) == ("{running}", "{built}")
 
 
 @pytest.mark.parametrize("name", sorted(FIELD_CODES))
@@ -199,12 +198,13 @@ def test_each_stack_mismatch_is_refused_by_its_code(tmp_path, name) -> None:
     running = dataclasses.replace(STACK, **{name: OTHER[name]})
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a16", running, SOURCE_HASH)
-    assert err.value.codes == [FIELD_CODES[name]]
+    assert err.value.error.codes == [FIELD_CODES[name]]
     (problem,) = err.value.problems
     assert (problem.expected, problem.found) == (getattr(running, name), getattr(STACK, name))
+    assert err.value.error.hint == message(FIELD_CODES[name]).hint is not None  # the record's
     with pytest.raises(B.BundleError) as early:  # the pre-flight refuses it the same way
         B.preflight(root, running)
-    assert early.value.codes == [FIELD_CODES[name]]
+    assert early.value.error.codes == [FIELD_CODES[name]]
 
 
 def test_a_bundle_of_another_cpu_architecture_is_refused_by_the_running_tags(tmp_path) -> None:
@@ -214,6 +214,19 @@ def test_a_bundle_of_another_cpu_architecture_is_refused_by_the_running_tags(tmp
     root = write_bundle(tmp_path / "b", stack=dataclasses.replace(here, machine=other))
     assert refused(root, "w4a16", here, SOURCE_HASH) == [AdapterCode.KERNEL_BUNDLE_CPU]
     assert B.check(write_bundle(tmp_path / "c", stack=here), "w4a16", here, SOURCE_HASH)
+
+
+@pytest.mark.parametrize(
+    ("built", "want"),
+    [
+        ({"arch": "sm120"}, AdapterCode.KERNEL_BUNDLE_ARCH),
+        ({"python": "3.11"}, AdapterCode.KERNEL_BUNDLE_PYTHON),
+    ],
+)
+def test_a_bundle_for_another_gpu_or_python_is_refused(tmp_path, built, want) -> None:
+    """An SM120 bundle on an SM90 server, a Python 3.11 bundle under 3.12."""
+    root = write_bundle(tmp_path / "b", stack=dataclasses.replace(STACK, **built))
+    assert refused(root) == [want]
 
 
 @given(st.sets(st.sampled_from(sorted(FIELD_CODES))))
@@ -251,14 +264,14 @@ def test_a_missing_module_is_refused(tmp_path) -> None:
     root = write_bundle(tmp_path / "b", variants=("w4a16",))
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a8", STACK, SOURCE_HASH)
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_NO_MODULE]
+    assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_NO_MODULE]
 
 
 def test_other_sources_or_flags_are_refused(tmp_path) -> None:
     root = write_bundle(tmp_path / "b")
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a16", STACK, "00" * 32)
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_SOURCES]
+    assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_SOURCES]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
@@ -274,7 +287,7 @@ def test_a_damaged_library_is_refused(tmp_path, damage) -> None:
         lib.unlink()
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a16", STACK, SOURCE_HASH)
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_LIBRARY]
+    assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_LIBRARY]
 
 
 def test_a_stack_mismatch_is_refused_before_the_library_is_read(tmp_path) -> None:
@@ -283,7 +296,7 @@ def test_a_stack_mismatch_is_refused_before_the_library_is_read(tmp_path) -> Non
     running = dataclasses.replace(STACK, torch="2.12.0")
     with pytest.raises(B.BundleError) as err:
         B.check(root, "w4a16", running, SOURCE_HASH)
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_TORCH]
+    assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_TORCH]
 
 
 # -- a bundle is hostile input: what is checked is what is loaded -------------------------
@@ -351,7 +364,8 @@ def test_a_bundle_writable_by_others_is_refused(tmp_path, which, bits) -> None:
     if which != "library":  # the pre-flight reads the directory and the manifest
         with pytest.raises(B.BundleError) as err:
             B.preflight(root, STACK)
-        assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_WRITABLE]
+        assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_WRITABLE]
+        assert err.value.error.hint == message(AdapterCode.KERNEL_BUNDLE_WRITABLE).hint  # its own
     target.chmod(stat.S_IMODE(target.stat().st_mode) & ~bits)  # negative control
     assert B.check(root, "w4a16", STACK, SOURCE_HASH)
 
@@ -410,7 +424,7 @@ def _refused_quickly(root: Path, seconds: float = 10.0) -> list[Code]:
             B.check(root, "w4a16", STACK, SOURCE_HASH)
             out.append([])
         except B.BundleError as exc:
-            out.append(exc.codes)
+            out.append(exc.error.codes)
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
@@ -530,7 +544,7 @@ def test_the_plugin_refuses_a_mismatched_bundle_and_loads_nothing(tmp_path, monk
     installed, regenerated = _plugin_env(monkeypatch, root, dataclasses.replace(STACK, cuda="12.8"))
     with pytest.raises(B.BundleError) as err:
         K.ensure("sm90")
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_CUDA] and installed == []
+    assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_CUDA] and installed == []
     monkeypatch.setattr(B, "current_stack", lambda arch, build=False: STACK)
     assert K.ensure("sm90") is K.W4A16 and regenerated == []  # the key matched
     ((variant, lib),) = installed
@@ -556,13 +570,13 @@ def test_the_plugin_refuses_before_any_weight_loads(tmp_path, monkeypatch) -> No
     plugin.check_bundle_now()
     with pytest.raises(B.BundleError) as err:
         plugin.refuse_bad_bundle("config-path")
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_FLASHINFER]
+    assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_FLASHINFER]
     monkeypatch.setattr(B, "current_stack", lambda arch, build=False: STACK)
     assert plugin.refuse_bad_bundle("config-path") is None  # negative control
     monkeypatch.setenv("KIMI_W31_KERNELS", str(tmp_path / "gone"))
     with pytest.raises(B.BundleError) as err:
         plugin.refuse_bad_bundle("config-path")
-    assert err.value.codes == [AdapterCode.KERNEL_BUNDLE_MISSING]
+    assert err.value.error.codes == [AdapterCode.KERNEL_BUNDLE_MISSING]
     monkeypatch.delenv("KIMI_W31_KERNELS")
     assert plugin.refuse_bad_bundle("config-path") is None  # no bundle named: nothing
 
@@ -631,13 +645,13 @@ def test_a_bundle_does_not_skip_the_checks_of_a_converted_checkpoint(tmp_path, m
     verified = []
     monkeypatch.setattr(B, "current_stack", lambda arch, build=False: STACK)
     monkeypatch.setattr(launch, "check_stack", lambda: [])
-    monkeypatch.setattr(
-        launch, "verify_structure", lambda root: verified.append(root) or ["index: missing"]
-    )
+    found = B.problem(Code.SHARD_UNREFERENCED, file="model-00001-of-00001.safetensors")
+    monkeypatch.setattr(launch, "verify_structure", lambda root: verified.append(root) or [found])
     bundle = write_bundle(tmp_path / "kernels")
     args = [str(ckpt(tmp_path)), "--print", "--kernels", str(bundle)]
     refused_ = run_cli(args, inprocess=True, command=launch.serve)
-    assert refused_.returncode == 1 and "verify: index" in refused_.output and verified
+    assert refused_.returncode == 1 and verified
+    assert f"[{Code.SHARD_UNREFERENCED.value}]" in refused_.output
     monkeypatch.setattr(launch, "verify_structure", lambda root: [])
     ok = run_cli(args, inprocess=True, command=launch.serve)
     assert ok.returncode == 0, ok.output

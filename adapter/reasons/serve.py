@@ -83,11 +83,41 @@ REASONS = (
             ),
         },
     ),
-    Reason("stack-unready", "not starting the server:\n  - {problems}"),
+    # What the serving stack lacks, one problem per finding (`check_stack`), its facts typed.
+    Reason(
+        "stack-unready",
+        rules={
+            "not-installed": Message(
+                "{package} is not installed", expected="{want}", hint="{install}"
+            ),
+            "version": Message(
+                "{package} {version} is installed, not a version the adapter runs",
+                expected="{want}",
+                found="{version}",
+                hint="{install}",
+            ),
+            "no-entry-point": Message(
+                "no '{plugin}' entry point in group {group}",
+                hint="install kimi-w31 into the environment that runs SGLang",
+            ),
+            "plugin-import": Message("the {plugin} plugin does not import ({error})"),
+            "plugins-filtered": Message(
+                "SGLANG_PLUGINS={value!r} filters out '{plugin}'",
+                hint="add {plugin} to SGLANG_PLUGINS, or unset it",
+            ),
+            "verify": Message("verify's {check} check failed ({detail})"),
+        },
+    ),
     Reason(
         "kernel-bundle-unchecked",
         "--kernels {kernels}: cannot read this machine's stack ({error})",
         hint="{install}",
     ),
-    Reason("prebuild-failed", "prebuild: {error}"),
+    # The build's own failure, which no check of ours names: the compiler's exit status and
+    # the last lines it printed (a refusal of ours passes on its own code instead).
+    Reason(
+        "prebuild-failed",
+        "building {module} failed: {command} exited with status {status}; its last "
+        "lines:\n{output}",
+    ),
 )

@@ -24,23 +24,22 @@ from typing import Any
 import click
 
 from ...converter import contract
-from ...converter.cli.arguments import PathArg
+from ...converter.cli.arguments import PathArg, json_option, progress_option
 from ...converter.cli.console import (
     guard_paths,
     human,
     parse_size,
-    progress_option,
     render_error,
 )
 from ...converter.contract import STATE_DIR
-from ...converter.errors import Fatal, fatal
+from ...converter.errors import Fatal, Problem, fatal
 from ...converter.reasons import Code
 from ...converter.text import plural
 from ..arch import ARCHES
 from ..kernels import VARIANTS
 from ..layout import OPT_IN_ENV, find_block, text_config
 from ..reasons import AdapterCode
-from ..refused import words
+from ..refused import Refused, words
 
 SGLANG_PIN = "0.5.23"
 FLASHINFER_MIN = (0, 7, 0)
@@ -98,39 +97,79 @@ def check_stack(
     version_of: Callable[[str], str] = md.version,
     entry_points: Callable[..., Sequence] = md.entry_points,
     environ: Mapping[str, str] = os.environ,
-) -> list[str]:
-    """Problems with the installed SGLang / FlashInfer / plugin (empty: all good)."""
-    problems: list[str] = []
+) -> list[Fatal]:
+    """What the installed SGLang / FlashInfer / plugin lack, one coded refusal per finding
+    (`stack-unready`, its rule the kind of finding; empty: all good)."""
+    found: list[Fatal] = []
     for dist, check, want in (
         ("sglang", lambda v: v == SGLANG_PIN, f"== {SGLANG_PIN}"),
         ("flashinfer-python", lambda v: _version_tuple(v) >= FLASHINFER_MIN, ">= 0.7.0"),
     ):
         try:
-            found = version_of(dist)
+            version = version_of(dist)
         except md.PackageNotFoundError:
-            problems.append(f"{dist} is not installed (need {want}): {INSTALL_HINT}")
+            found.append(
+                fatal(
+                    AdapterCode.STACK_UNREADY,
+                    rule="not-installed",
+                    package=dist,
+                    want=want,
+                    install=INSTALL_HINT,
+                )
+            )
             continue
-        if not check(found):
-            problems.append(
-                f"{dist} {found} is installed, the adapter needs {want}: {INSTALL_HINT}"
+        if not check(version):
+            found.append(
+                fatal(
+                    AdapterCode.STACK_UNREADY,
+                    rule="version",
+                    package=dist,
+                    version=version,
+                    want=want,
+                    install=INSTALL_HINT,
+                )
             )
     names = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
     if PLUGIN_NAME not in names:
-        problems.append(
-            f"no '{PLUGIN_NAME}' entry point in group {PLUGIN_GROUP}: install kimi-w31 into "
-            "the environment that runs SGLang"
+        found.append(
+            fatal(
+                AdapterCode.STACK_UNREADY,
+                rule="no-entry-point",
+                plugin=PLUGIN_NAME,
+                group=PLUGIN_GROUP,
+            )
         )
     else:
         try:
             names[PLUGIN_NAME].load()
         except Exception as exc:  # the plugin itself must import without SGLang running
-            problems.append(f"the {PLUGIN_NAME} plugin does not import: {exc!r}")
+            found.append(
+                fatal(
+                    AdapterCode.STACK_UNREADY,
+                    rule="plugin-import",
+                    plugin=PLUGIN_NAME,
+                    error=repr(exc),
+                )
+            )
     allowed = environ.get("SGLANG_PLUGINS", "")
     if allowed.strip() and PLUGIN_NAME not in {x.strip() for x in allowed.split(",")}:
-        problems.append(
-            f"SGLANG_PLUGINS={allowed!r} filters out '{PLUGIN_NAME}': add it to the list"
+        found.append(
+            fatal(
+                AdapterCode.STACK_UNREADY,
+                rule="plugins-filtered",
+                value=allowed,
+                plugin=PLUGIN_NAME,
+            )
         )
-    return problems
+    return found
+
+
+def one_refusal(errors: Sequence[Fatal], problems: Sequence[Problem] = ()) -> Fatal | None:
+    """One refusal of every problem found (None: nothing), hinted with each distinct hint
+    of the refusals merged."""
+    every = [p for e in errors for p in e.problems] + list(problems)
+    hints = dict.fromkeys(e.hint for e in errors if e.hint)
+    return Fatal(every, hint="; ".join(hints) or None) if every else None
 
 
 # --- SGLang's flags after `--` ------------------------------------------------------------
@@ -609,14 +648,19 @@ def text_only_override(theirs: str | None) -> list[str]:
     return ["--json-model-override-args", json.dumps(merged, separators=(",", ":"))]
 
 
-def verify_structure(root: Path) -> list[str]:
-    """`kimi-convert verify`'s structure level (headers, index, block): rendered problems."""
+def verify_structure(root: Path) -> list[Problem]:
+    """`kimi-convert verify`'s structure level (headers, index, block): its problems, each
+    with its own code (a failed check that kept none is named by a `stack-unready` one)."""
     from ...converter.audit import verify
 
     report = verify(root)
-    return [p.render() for c in report.checks if c.ok is False for p in c.problems] or (
-        [] if report.ok else ["structure verification failed"]
-    )
+    return [
+        p
+        for c in report.checks
+        if c.ok is False
+        for p in c.problems
+        or fatal(AdapterCode.STACK_UNREADY, rule="verify", check=c.name, detail=c.detail).problems
+    ]
 
 
 @click.command(
@@ -703,31 +747,9 @@ def verify_structure(root: Path) -> list[str]:
     help="Once the server answers /health, send one greedy streamed /generate request and "
     "print its first-token latency (stderr), then keep serving. Node 0 only.",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="A refusal as the JSON document convert and verify print (stdout); with --print, "
-    "the plan as JSON (argv, env).",
-)
+@json_option("a refusal, or with --print the plan (argv, env),")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
-def serve(
-    checkpoint: Path,
-    tp: int,
-    ep: int,
-    backend: str,
-    unconverted: bool,
-    prebuild_first: bool,
-    kernels: Path | None,
-    print_only: bool,
-    gpu_memory: str | None,
-    skip_checks: bool,
-    text_only: bool,
-    ifname: str | None,
-    smoke: bool,
-    as_json: bool,
-    sglang_args: tuple[str, ...],
-) -> None:
+def serve(as_json: bool, **options: Any) -> None:
     """Check CHECKPOINT_DIR and the SGLang stack, then run SGLang's server on it.
 
     Before starting anything: a GPU on this machine (unless --print), a finished conversion,
@@ -758,23 +780,7 @@ def serve(
     Exit codes: 0 (or the server's own), 1 a check failed, 2 usage error.
     """
     with json_refusals(as_json):
-        _serve(
-            checkpoint,
-            tp,
-            ep,
-            backend,
-            unconverted,
-            prebuild_first,
-            kernels,
-            print_only,
-            gpu_memory,
-            skip_checks,
-            text_only,
-            ifname,
-            smoke,
-            as_json,
-            sglang_args,
-        )
+        _serve(as_json=as_json, **options)  # the options by name: `_serve` types them
 
 
 @contextmanager
@@ -834,11 +840,11 @@ def _serve(
             err=True,
         )
     if not skip_checks:
-        problems = check_stack()
-        if not plan.env:  # a converted checkpoint: prove its structure first
-            problems += [f"verify: {p}" for p in verify_structure(checkpoint)]
-        if problems:
-            raise ServeError(fatal(AdapterCode.STACK_UNREADY, problems="\n  - ".join(problems)))
+        # A converted checkpoint: prove its structure first (verify's problems, its codes).
+        structure = verify_structure(checkpoint) if not plan.env else []
+        refusal = one_refusal(check_stack(), structure)
+        if refusal is not None:
+            raise ServeError(refusal)
     plan.env.update(bundle_env)  # after the checks: they read plan.env as "unconverted"
     if print_only:
         if as_json:
@@ -926,16 +932,10 @@ def run_prebuild(
     jobs: int | None = None,
     plan_only: bool = False,
 ) -> None:
-    """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError."""
+    """`adapter.prebuild.prebuild` with the converter's progress display; raises ServeError
+    with the refusal's own problems (a bundle's, FlashInfer's, the build's: their codes)."""
     from ...converter.cli import console
-    from ..bundle import BundleError
-    from ..prebuild import PrebuildError, prebuild, require_torch
-
-    try:
-        require_torch()  # before the imports below, which need it
-    except PrebuildError as exc:
-        raise ServeError(fatal(AdapterCode.PREBUILD_FAILED, error=exc)) from None
-    from ..flashinfer_moe import SituUnsupportedError
+    from ..prebuild import prebuild
 
     shown: dict[str, console.Progress] = {}
 
@@ -961,8 +961,8 @@ def run_prebuild(
             jobs=jobs,
             plan_only=plan_only,
         )
-    except (PrebuildError, SituUnsupportedError, BundleError) as exc:
-        raise ServeError(fatal(AdapterCode.PREBUILD_FAILED, error=exc)) from None
+    except Refused as exc:  # the build's own refusal, its code passed on
+        raise ServeError(exc.error) from None
     finally:
         for bar in shown.values():
             bar.stop()

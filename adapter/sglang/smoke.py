@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import click
 
+from ...converter.cli.arguments import json_option
 from ...converter.errors import fatal
 from ..reasons import AdapterCode
 from ..refused import Refused
@@ -183,7 +184,7 @@ def smoke(
     metavar="SECONDS",
     help="Seconds to wait for /health to answer 200 (loading Kimi-K3 takes minutes).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@json_option("the figures")
 def smoke_command(
     url: str,
     prompt: str | None,

@@ -36,12 +36,11 @@ from ..errors import (
 )
 from ..reasons import Code
 from ..text import duration, human, id_ranges, plural  # noqa: F401  (the CLI's names for them)
-from .arguments import resolve_params
+from .arguments import PROGRESS_MODES, progress_option, resolve_params  # noqa: F401
 
 err = Console(stderr=True, soft_wrap=True, highlight=False)  # no hard wraps: greppable
 out = Console(soft_wrap=True, highlight=False)
 
-PROGRESS_MODES = ("auto", "bar", "lines", "none")
 LINE_INTERVAL_ENV = "KIMI_W31_PROGRESS_INTERVAL"  # seconds between plain progress lines
 
 _UNITS = {
@@ -69,20 +68,6 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise click.BadParameter(f"size {text!r} must be more than 0 bytes")
     return value
-
-
-def progress_option(fn: Callable) -> Callable:
-    """The `--progress` option every long-running command takes."""
-    return click.option(
-        "--progress",
-        "progress_mode",
-        type=click.Choice(PROGRESS_MODES),
-        default="auto",
-        show_default=True,
-        help="bar: live bar; lines: a plain line every 30 s (logs, nohup); none; auto: "
-        "bar on a terminal, lines otherwise, none with --json when stderr is stdout's file. "
-        "Always on stderr: --json on stdout stays clean.",
-    )(fn)
 
 
 def problems_json(problems: list[Problem], **extra: object) -> dict:

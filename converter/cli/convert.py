@@ -25,7 +25,14 @@ from ..pipeline import ConvertOptions, ConvertResult, Reporter, convert, gc_paus
 from ..reasons import Code
 from ..text import plural, repair_command
 from . import console
-from .arguments import PathArg
+from .arguments import (
+    PathArg,
+    json_option,
+    manifest_option,
+    progress_option,
+    quiet_option,
+    workers_option,
+)
 from .console import err, human, out, parse_size, run_guarded
 
 RESUME_HINT = "rerun the same command to resume: finished shards are kept"
@@ -233,16 +240,7 @@ def _origin_and_executor(
 @click.command("convert")
 @click.argument("source", metavar="SRC_DIR_OR_REPO_ID", type=PathArg(path_type=str))
 @click.argument("output", metavar="OUT_DIR", type=PathArg(path_type=Path))
-@click.option(
-    "--manifest",
-    type=PathArg(path_type=str),
-    default=DEFAULT_MANIFEST,
-    show_default=True,
-    metavar="NAME_OR_PATH",
-    help="What the checkpoint must look like: kimi-k3 (the official model, dims "
-    "pinned), kimi-k3-any (dims from the config; scaled-down checkpoints such as "
-    "synth's) or a path to a manifest JSON.",
-)
+@manifest_option(DEFAULT_MANIFEST)
 @click.option(
     "--revision",
     default=None,
@@ -257,14 +255,7 @@ def _origin_and_executor(
     callback=lambda c, p, v: parse_size(v),
     help="Largest output shard (e.g. 500MB, 5GB, 4GiB); must be more than 0.",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(0),
-    default=0,
-    metavar="N",
-    help=f"Shards written at once; 0 means one per two CPU cores, up to 8 "
-    f"[default: 0, which is {default_workers()} here].",
-)
+@workers_option("convert", "Shards written", here=default_workers())
 @click.option(
     "--dry-run",
     is_flag=True,
@@ -289,9 +280,9 @@ def _origin_and_executor(
     "E8M0 bytes. Routed-expert U8 scales and F8_E8M0 tensors are always scanned while "
     "copying (nearly free); F32/BF16 scales never are.",
 )
-@console.progress_option
-@click.option("--quiet", "-q", is_flag=True, help="No progress and no summary (errors only).")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@progress_option
+@quiet_option("summary")
+@json_option("the summary")
 @_hub_and_cluster_options
 def convert_cmd(
     source,

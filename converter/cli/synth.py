@@ -13,7 +13,7 @@ from ..errors import fatal
 from ..output.directory import PERMISSION_ERRNOS, SPACE_ERRNOS
 from ..reasons import Code
 from ..text import plural
-from .arguments import PathArg
+from .arguments import PathArg, seed_option
 from .console import err, human, run_guarded
 
 
@@ -119,13 +119,7 @@ from .console import err, human, run_guarded
     metavar="N",
     help="moe_intermediate_size, a multiple of 32 [default: 128, 3072 with --real-dims].",
 )
-@click.option(
-    "--seed",
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Seed of the random weights: the same seed writes the same bytes.",
-)
+@seed_option("the random weights", default=0)
 def synth(
     output,
     layers,

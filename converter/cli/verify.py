@@ -23,7 +23,15 @@ from ..errors import fatal
 from ..reasons import Code
 from ..text import plural
 from . import console
-from .arguments import PathArg
+from .arguments import (
+    PathArg,
+    json_option,
+    manifest_option,
+    progress_option,
+    quiet_option,
+    seed_option,
+    workers_option,
+)
 from .console import err, out, run_guarded
 
 INTERRUPTED = "verification stopped; nothing was changed"
@@ -70,38 +78,14 @@ DEFAULT_SAMPLE = 8
     is_flag=True,
     help="With --numerics: every expert of every MoE layer instead of a sample.",
 )
-@click.option(
-    "--seed",
-    type=int,
-    default=None,
-    metavar="N",
-    help="With --numerics: seed of the expert sample and the random inputs; the "
-    "same seed checks the same experts [default: 0].",
+@seed_option("--numerics' expert sample and random inputs", default=None)
+@manifest_option(None, "the one recorded in the output's kimi_w31 block, else kimi-k3-any")
+@workers_option(
+    "verify", "Files --checksums and --source read", " (each holds at most two 8 MiB buffers)"
 )
-@click.option(
-    "--manifest",
-    type=PathArg(path_type=str),
-    default=None,
-    metavar="NAME_OR_PATH",
-    help="Manifest to check against: kimi-k3, kimi-k3-any or a JSON path "
-    "[default: the one recorded in the output's kimi_w31 block, else kimi-k3-any].",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(1),
-    default=2,
-    show_default=True,
-    metavar="N",
-    help="Files read at once by --checksums and --source (each holds at most two 8 MiB buffers).",
-)
-@console.progress_option
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print the report as JSON: every check, every problem with its code.",
-)
-@click.option("--quiet", "-q", is_flag=True, help="No progress and no report; problems only.")
+@progress_option
+@json_option("the report (every check, every problem with its code)")
+@quiet_option("report")
 def verify(
     output: Path,
     checksums: bool,

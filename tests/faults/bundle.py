@@ -175,9 +175,9 @@ def _judge(root: Path, want: Code) -> tuple[str, str]:
         return WRONG, "accepted"
     if not isinstance(exc, B.BundleError):
         return CRASH, f"{type(exc).__name__}: {exc}"
-    if want not in exc.codes:
-        return CRASH, f"refused, but with {[c.value for c in exc.codes]}, not {want.value}"
-    return CLEAN, f"[{want.value}] {exc.problems[exc.codes.index(want)].what}"
+    if want not in exc.error.codes:
+        return CRASH, f"refused, but with {[c.value for c in exc.error.codes]}, not {want.value}"
+    return CLEAN, f"[{want.value}] {exc.problems[exc.error.codes.index(want)].what}"
 
 
 def _swapped_after_check(root: Path) -> tuple[str, str]:

@@ -75,7 +75,7 @@ try:
     out["config"] = "read"
 except Exception as exc:
     out["error"] = type(exc).__name__
-    out["codes"] = [c.value for c in getattr(exc, "codes", [])]
+    out["codes"] = list(getattr(exc, "codes", ()))  # a refusal's codes (strings)
 print(json.dumps(out))
 """
 
