@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from ..fsio import Space
 from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard, Plan
 from ..source import SourceReader
@@ -73,14 +74,20 @@ class Executor(Protocol):
         """Rows this executor adds to the dry run's plan table."""
         return []
 
-    def estimate(self, shards: list[OutputShard]) -> Estimate | None:
-        """How long writing `shards` will take, when this executor knows better than a timed
-        read of the source's disk (a downloading one: the network); None: it does not."""
+    def writes_beside(self) -> Path | None:
+        """The folder outside the output that a run writes in (a downloading executor: its
+        downloads), whose room the output's survey reads too; None: none (the default)."""
         return None
 
-    def check_space(self, out: Path, shards: list[OutputShard]) -> None:
-        """A dry run's free-space check of what this executor adds beside the output (the
-        output itself is the pipeline's): raises as its run would (default: nothing)."""
+    def preflight(
+        self, out: Space | None, beside: Space | None, shards: list[OutputShard]
+    ) -> Estimate | None:
+        """A dry run's look ahead at what this executor adds beside the output, judged from
+        the room the output's survey read (`out`: the output's filesystem; `beside`: that of
+        `writes_beside`): raises as its run would refuse (a downloading one: downloads that
+        cannot fit), and says how long writing `shards` will take when it knows better than
+        a timed read of the source's disk (the network); None: it does not (the default)."""
+        return None
 
     def summary(self, plan: Plan) -> dict:
         """Keys this executor adds to the run's summary (and its `--json`)."""
