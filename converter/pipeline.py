@@ -217,8 +217,7 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
 def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     source, manifest, plan = prepare(opts)
     identity = source_id(source, source.reader)
-    planned = {f: h.header_sha256 for f, h in source.headers.items()}
-    sources = opts.executor.open_sources(source.root, source.shard_files, planned, source.reader)
+    sources = opts.executor.open_sources(source)
     try:
         # Computed before the output is looked at: a source problem found here changes nothing.
         final = None if opts.dry_run else final_files(source, plan, manifest, identity.name)

@@ -43,7 +43,7 @@ def test_the_defaults_say_nothing_and_read_sources_from_disk(small_source):
     executor = LocalExecutor()
     assert executor.plan_rows(plan) == [] and executor.summary(plan) == {}
     assert type(executor.download_progress) is DownloadProgress
-    files = executor.open_sources(source.root, source.shard_files, {})
+    files = executor.open_sources(source)
     try:
         assert type(files) is SourceFiles and set(files.identity) == set(source.shard_files)
     finally:

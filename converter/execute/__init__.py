@@ -17,7 +17,7 @@ from typing import Protocol
 from ..fsio import Space
 from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard, Plan
-from ..source import SourceReader
+from ..source import Source
 from .estimate import Estimate
 from .shard import ShardContext, ShardOutcome, SourceFiles
 
@@ -59,16 +59,11 @@ class Executor(Protocol):
         the record of partial downloads kept there (a downloading executor frees what an
         earlier run left, and records its own)."""
 
-    def open_sources(
-        self,
-        root: Path,
-        shard_files: list[str],
-        header_sha256: dict[str, str],
-        reader: SourceReader | None = None,
-    ) -> SourceFiles:
-        """The source shards as the run reads them (`reader`: how the source was read, where
-        its shards come from); by default already on disk."""
-        return SourceFiles(root, shard_files, header_sha256)
+    def open_sources(self, source: Source) -> SourceFiles:
+        """The source's shards as the run reads them (how `source` was read says where they
+        come from); by default already on disk, each proven to carry the header the plan
+        was made from."""
+        return SourceFiles(source.root, source.shard_files, source.header_sha256)
 
     def plan_rows(self, plan: Plan) -> list[tuple[str, str]]:
         """Rows this executor adds to the dry run's plan table."""

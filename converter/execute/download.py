@@ -32,7 +32,7 @@ from ..errors import Code, Size, fatal, human_size
 from ..fsio import Space
 from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard, Plan
-from ..source import SourceReader
+from ..source import Source
 from . import DownloadProgress, Executor, OnDone
 from .estimate import Estimate
 from .remote import Remote, StreamedSources
@@ -60,16 +60,13 @@ class DownloadExecutor(Executor):
     # The claimed output: it records partial downloads.
     _journal: PartialDownloads | None = field(default=None, init=False, repr=False)
 
-    def open_sources(
-        self,
-        root: Path,
-        shard_files: list[str],
-        header_sha256: dict[str, str],
-        reader: SourceReader | None = None,
-    ) -> StreamedSources:
+    def open_sources(self, source: Source) -> StreamedSources:
+        reader = source.reader
         if not isinstance(reader, Remote):  # a wiring error: no user input leads here
             raise TypeError("streaming needs a source read from a remote origin")
-        self._sources = StreamedSources(root, reader, shard_files, header_sha256)
+        self._sources = StreamedSources(
+            source.root, reader, source.shard_files, source.header_sha256
+        )
         return self._sources
 
     # -- what the CLI shows: the dry run's rows, the --json block --------------------------
