@@ -250,6 +250,7 @@ def _tell_before_starting(
     assert result.preview is not None
     sizes = {s.name: s.file_size for s in result.plan.shards}
     needed = sum(sizes[name] for name in result.preview.redo)
+    # None only where the output path has no folder to write in: refused before this.
     free = standing.space.free if standing.space is not None else 0
     result.space = (needed, free)
     refusal = space_refusal(result.out, needed, free)
