@@ -293,6 +293,15 @@ def space(path: Path) -> Space:
     return Space(shutil.disk_usage(near).free, os.stat(near).st_dev)
 
 
+def space_if_readable(path: Path) -> Space | None:
+    """`space`, or None where it cannot be read (a folder on the way not searchable, a
+    dangling link standing in for the folder): for a survey, which never raises."""
+    try:
+        return space(path)
+    except OSError:
+        return None
+
+
 def free_bytes(path: Path) -> int:
     """Free bytes of the filesystem `path` is on, or will be on once made (`space`)."""
     return space(path).free

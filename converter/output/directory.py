@@ -281,7 +281,8 @@ class OutputDir:
             os.access(base, os.W_OK | os.X_OK),
             fsio.describe(self.lock_path),
             fsio.space(base) if base_is_dir else None,
-            _room_beside(self.beside),
+            # Unreadable: None (the run's own check, made then, says why).
+            fsio.space_if_readable(self.beside) if self.beside is not None else None,
         )
         head, records = Ledger.parse(ledger)
         return Survey(
@@ -585,17 +586,6 @@ class OutputDir:
                 if path != self.state:
                     with contextlib.suppress(OSError):
                         path.rmdir()  # only if empty
-
-
-def _room_beside(path: Path | None) -> fsio.Space | None:
-    """The room where the run writes beside the directory; None where there is no such
-    folder or its room cannot be read (the run's own check, made then, says why)."""
-    if path is None:
-        return None
-    try:
-        return fsio.space(path)
-    except OSError:
-        return None
 
 
 def _records_of(checksums: dict) -> dict[str, ShardRecord]:
