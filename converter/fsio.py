@@ -18,6 +18,7 @@ import shutil
 import stat
 from collections.abc import Callable, Container, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -278,7 +279,29 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+class Space(NamedTuple):
+    """The filesystem a path is on: its free bytes and its device."""
+
+    free: int
+    device: int
+
+
+def space(path: Path) -> Space:
+    """The filesystem `path` is on, or will be on once made: its nearest existing folder's
+    (a dry run asks before the output folder exists)."""
+    near = nearest_existing(Path(os.path.abspath(path)))
+    return Space(shutil.disk_usage(near).free, os.stat(near).st_dev)
+
+
+def space_if_readable(path: Path) -> Space | None:
+    """`space`, or None where it cannot be read (a folder on the way not searchable, a
+    dangling link standing in for the folder): for a survey, which never raises."""
+    try:
+        return space(path)
+    except OSError:
+        return None
+
+
 def free_bytes(path: Path) -> int:
-    """Free bytes of the filesystem `path` is on, or will be on once made: its nearest
-    existing folder's (a dry run asks before the output folder exists)."""
-    return shutil.disk_usage(nearest_existing(Path(os.path.abspath(path)))).free
+    """Free bytes of the filesystem `path` is on, or will be on once made (`space`)."""
+    return space(path).free

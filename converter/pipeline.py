@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from . import faults, fsio
+from . import faults
 from .errors import Fatal, Problem, fatal
 from .execute import Executor
 from .execute.estimate import Estimate, estimate
@@ -34,7 +34,7 @@ from .execute.shard import (
     why_not_kept,
 )
 from .manifest import DEFAULT_MANIFEST, Manifest, load_manifest
-from .output.directory import OutputDir
+from .output.directory import OutputDir, Standing
 from .output.final import final_files
 from .output.records import FinalFiles, Mode, ShardRecord, space_refusal
 from .output.session import Session
@@ -218,14 +218,13 @@ def convert(opts: ConvertOptions, reporter: Reporter | None = None) -> ConvertRe
 def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
     source, manifest, plan = prepare(opts)
     identity = source_id(source, source.reader)
-    planned = {f: h.header_sha256 for f, h in source.headers.items()}
-    sources = opts.executor.open_sources(source.root, source.shard_files, planned, source.reader)
+    sources = opts.executor.open_sources(source)
     try:
         # Computed before the output is looked at: a source problem found here changes nothing.
         final = None if opts.dry_run else final_files(source, plan, manifest, identity.name)
-        out = OutputDir(opts.out)
+        out = OutputDir(opts.out, beside=opts.executor.writes_beside())
         # Refused before anything, in a dry run as in a run (whose claim judges again).
-        mode, records = out.resume_decision(plan.fingerprint, identity, opts.force)
+        decision = out.resume_decision(plan.fingerprint, identity, opts.force)
         result = ConvertResult(plan, source, out.root, rehash=opts.rehash)
         if final is not None:
             sizes = {s.name: s.file_size for s in plan.shards}
@@ -236,27 +235,31 @@ def _convert(opts: ConvertOptions, reporter: Reporter) -> ConvertResult:
                 _run(opts, run, plan, sources, final, reporter, result)
         else:  # a dry run: what a run would keep, proven as a run proves it (read-only)
             context = ShardContext(sources, out.root, out.tmp, rehash=opts.rehash)
-            result.preview = preview(mode, records, plan, context)
-            _tell_before_starting(result, source, opts.executor)
+            result.preview = preview(decision.mode, decision.records, plan, context)
+            _tell_before_starting(result, source, opts.executor, decision.standing)
     finally:
         sources.close()
     return result
 
 
-def _tell_before_starting(result: ConvertResult, source: Source, executor: Executor) -> None:
+def _tell_before_starting(
+    result: ConvertResult, source: Source, executor: Executor, standing: Standing
+) -> None:
     """What a dry run owes before a long job: whether the output fits (refused with the
-    reason a run's claim gives, by the same rule) and how long the job will take."""
+    reason a run's claim gives, by the same rule) and how long the job will take. The room
+    is judged from what the output's survey read (`standing`), as every other refusal."""
     assert result.preview is not None
     sizes = {s.name: s.file_size for s in result.plan.shards}
     needed = sum(sizes[name] for name in result.preview.redo)
-    free = fsio.free_bytes(result.out)
+    # None only where the output path has no folder to write in: refused before this.
+    free = standing.space.free if standing.space is not None else 0
     result.space = (needed, free)
     refusal = space_refusal(result.out, needed, free)
     if refusal is not None:
         raise refusal
     pending = [s for s in result.plan.shards if s.name in result.preview.redo]
-    executor.check_space(result.out, pending)  # what it adds beside the output (downloads)
-    result.estimate = executor.estimate(pending) or estimate(
+    # What it adds beside the output (downloads): refused, or how long they take.
+    result.estimate = executor.preflight(standing.space, standing.beside, pending) or estimate(
         needed, source.root, source.shard_files
     )
 

@@ -4,6 +4,7 @@ nothing to say about downloads, the plan or the summary inherits the protocol's 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -43,8 +44,23 @@ def test_the_defaults_say_nothing_and_read_sources_from_disk(small_source):
     executor = LocalExecutor()
     assert executor.plan_rows(plan) == [] and executor.summary(plan) == {}
     assert type(executor.download_progress) is DownloadProgress
-    files = executor.open_sources(source.root, source.shard_files, {})
+    files = executor.open_sources(source)
     try:
         assert type(files) is SourceFiles and set(files.identity) == set(source.shard_files)
     finally:
         files.close()
+
+
+def test_a_worker_sees_the_files_the_driver_saw_or_refuses(tmp_path):
+    """`SourceFiles.check_seen`: a file is the one another process saw (its identity), else
+    `SourceChanged` naming it; the same file passes (the negative control)."""
+    from kimi_w31.converter.execute.shard import SourceChanged
+
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 16)
+    seen = SourceFiles(tmp_path, ["a.safetensors"]).identity
+    SourceFiles(tmp_path, ["a.safetensors"]).check_seen(seen, "differs")  # the same file
+    (tmp_path / "b").write_bytes(b"y" * 16)
+    os.replace(tmp_path / "b", tmp_path / "a.safetensors")  # same size, another file
+    with pytest.raises(SourceChanged) as exc:
+        SourceFiles(tmp_path, ["a.safetensors"]).check_seen(seen, "differs")
+    assert exc.value.file == "a.safetensors"

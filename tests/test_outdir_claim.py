@@ -353,3 +353,42 @@ def test_force_deletes_only_recorded_files_and_only_emptied_folders(tmp_path_fac
     # Every folder left holds something: an emptied one is gone.
     for folder in (p for p in root.rglob("*") if p.is_dir()):
         assert STATE_DIR in folder.parts or any(folder.iterdir()), folder
+
+
+# -- the room: read with the survey, measured by the claim once the directory is its own ---------
+
+
+@pytest.mark.parametrize("beside_made", [False, True])
+def test_the_survey_reads_the_room_of_the_output_and_of_the_folder_beside_it(tmp_path, beside_made):
+    beside = tmp_path / "downloads" / "deeper"  # a folder not made yet: its parent stands in
+    if beside_made:
+        beside.mkdir(parents=True)
+    standing = OutputDir(tmp_path / "out", beside=beside).survey().standing
+    assert standing.space is not None and standing.space.device == os.stat(tmp_path).st_dev
+    assert standing.beside is not None and standing.beside.device == os.stat(tmp_path).st_dev
+    assert OutputDir(tmp_path / "out").survey().standing.beside is None  # nothing beside
+
+
+@pytest.mark.parametrize("frees", [True, False])
+def test_the_claim_measures_its_room_after_the_executor_freed_what_it_may(
+    tmp_path, monkeypatch, frees
+):
+    """The room is measured once `prepare` ran: what it frees counts; a claim without room
+    is refused (NO_SPACE) and abandoned, leaving no state folder behind."""
+    room = {"free": 0}
+    real = fsio.shutil.disk_usage
+    monkeypatch.setattr(fsio.shutil, "disk_usage", lambda p: real(p)._replace(free=room["free"]))
+
+    def prepare(downloads) -> None:
+        if frees:
+            room["free"] = 10**6
+
+    out = OutputDir(tmp_path / "out")
+    if frees:
+        with out.claim(FP, False, SRC, {"s0": 1000}, prepare) as run:
+            assert run.mode is Mode.FRESH
+    else:
+        with pytest.raises(Fatal) as exc:
+            out.claim(FP, False, SRC, {"s0": 1000}, prepare)
+        assert exc.value.codes == [Code.NO_SPACE]
+        assert not out.state.exists()

@@ -24,7 +24,7 @@ from kimi_w31.converter.execute.download import DownloadExecutor
 from kimi_w31.converter.execute.remote import Remote
 from kimi_w31.converter.execute.stream import Window, download_order, estimate, fewest_slots
 from kimi_w31.converter.pipeline import ConvertOptions, convert, prepare, source_id
-from kimi_w31.converter.source import Resolved, SourceReader
+from kimi_w31.converter.source import Resolved, Source, SourceReader
 from kimi_w31.converter.source.hub import HubOrigin
 from kimi_w31.converter.source.local import LocalOrigin
 from kimi_w31.converter.synth import SynthSpec, synth_checkpoint
@@ -148,10 +148,10 @@ class FolderSnapshot:
     def summary(self) -> dict:
         return {"folder": str(self.remote)}
 
-    def fetch(self, file, on_open, on_bytes, stop) -> None:
-        on_open()
+    def fetch(self, file, hooks) -> None:
+        hooks.on_open()
         shutil.copyfile(self.remote / file, self.storage / file)
-        on_bytes(self.size(file))
+        hooks.on_bytes(self.size(file))
 
     def delete(self, root: Path, file: str) -> int:
         size = (root / file).stat().st_size if (root / file).exists() else 0
@@ -203,7 +203,7 @@ def test_a_new_origin_needs_only_the_remote_protocol(small_source, converted, tm
 
 def test_the_streaming_executor_refuses_a_source_read_from_disk(small_source):
     with pytest.raises(TypeError):
-        DownloadExecutor().open_sources(small_source, [], {}, LocalOrigin())
+        DownloadExecutor().open_sources(Source(small_source, "local", {}, [], reader=LocalOrigin()))
 
 
 # -- resolve returns a value ----------------------------------------------------------------------

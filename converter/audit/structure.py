@@ -234,26 +234,26 @@ def _manifest(explicit: Manifest | None, block: dict) -> tuple[Manifest, str]:
 
 
 def _block_vs_manifest(block: dict, manifest: Manifest) -> list[Problem]:
-    problems = []
-    for key, want in (
-        ("situ_beta", manifest.situ_beta),
-        ("situ_linear_beta", manifest.situ_linear_beta),
-        ("group_size", manifest.group_size),
-    ):
-        value = block.get(key)
-        if key in block and value != want:
-            problems.append(
-                problem(
-                    Code.BLOCK_MISMATCH,
-                    rule="manifest",
-                    file=contract.CONFIG_NAME,
-                    key=key,
-                    manifest=manifest.name,
-                    want=want,
-                    value=value,
-                )
-            )
-    return problems
+    """The SiTU parameters and group size the block records, against the manifest's (a key
+    the block does not carry is no mismatch)."""
+    wanted = {
+        "situ_beta": manifest.situ_beta,
+        "situ_linear_beta": manifest.situ_linear_beta,
+        "group_size": manifest.group_size,
+    }
+    return [
+        problem(
+            Code.BLOCK_MISMATCH,
+            rule="manifest",
+            file=contract.CONFIG_NAME,
+            key=key,
+            manifest=manifest.name,
+            want=want,
+            value=block[key],
+        )
+        for key, want in wanted.items()
+        if key in block and block[key] != want
+    ]
 
 
 # -- the routed experts and the files -----------------------------------------------------------

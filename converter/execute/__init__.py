@@ -14,9 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from ..fsio import Space
 from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard, Plan
-from ..source import SourceReader
+from ..source import Source
 from .estimate import Estimate
 from .shard import ShardContext, ShardOutcome, SourceFiles
 
@@ -58,29 +59,30 @@ class Executor(Protocol):
         the record of partial downloads kept there (a downloading executor frees what an
         earlier run left, and records its own)."""
 
-    def open_sources(
-        self,
-        root: Path,
-        shard_files: list[str],
-        header_sha256: dict[str, str],
-        reader: SourceReader | None = None,
-    ) -> SourceFiles:
-        """The source shards as the run reads them (`reader`: how the source was read, where
-        its shards come from); by default already on disk."""
-        return SourceFiles(root, shard_files, header_sha256)
+    def open_sources(self, source: Source) -> SourceFiles:
+        """The source's shards as the run reads them (how `source` was read says where they
+        come from); by default already on disk, each proven to carry the header the plan
+        was made from."""
+        return SourceFiles(source.root, source.shard_files, source.header_sha256)
 
     def plan_rows(self, plan: Plan) -> list[tuple[str, str]]:
         """Rows this executor adds to the dry run's plan table."""
         return []
 
-    def estimate(self, shards: list[OutputShard]) -> Estimate | None:
-        """How long writing `shards` will take, when this executor knows better than a timed
-        read of the source's disk (a downloading one: the network); None: it does not."""
+    def writes_beside(self) -> Path | None:
+        """The folder outside the output that a run writes in (a downloading executor: its
+        downloads), whose room the output's survey reads too; None: none (the default)."""
         return None
 
-    def check_space(self, out: Path, shards: list[OutputShard]) -> None:
-        """A dry run's free-space check of what this executor adds beside the output (the
-        output itself is the pipeline's): raises as its run would (default: nothing)."""
+    def preflight(
+        self, out: Space | None, beside: Space | None, shards: list[OutputShard]
+    ) -> Estimate | None:
+        """A dry run's look ahead at what this executor adds beside the output, judged from
+        the room the output's survey read (`out`: the output's filesystem; `beside`: that of
+        `writes_beside`): raises as its run would refuse (a downloading one: downloads that
+        cannot fit), and says how long writing `shards` will take when it knows better than
+        a timed read of the source's disk (the network); None: it does not (the default)."""
+        return None
 
     def summary(self, plan: Plan) -> dict:
         """Keys this executor adds to the run's summary (and its `--json`)."""

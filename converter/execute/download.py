@@ -29,10 +29,11 @@ from pathlib import Path
 
 from .. import fsio
 from ..errors import fatal
+from ..fsio import Space
 from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard, Plan
 from ..reasons import Code
-from ..source import SourceReader
+from ..source import Source
 from ..text import Size, human_size
 from . import DownloadProgress, Executor, OnDone
 from .estimate import Estimate
@@ -61,16 +62,13 @@ class DownloadExecutor(Executor):
     # The claimed output: it records partial downloads.
     _journal: PartialDownloads | None = field(default=None, init=False, repr=False)
 
-    def open_sources(
-        self,
-        root: Path,
-        shard_files: list[str],
-        header_sha256: dict[str, str],
-        reader: SourceReader | None = None,
-    ) -> StreamedSources:
+    def open_sources(self, source: Source) -> StreamedSources:
+        reader = source.reader
         if not isinstance(reader, Remote):  # a wiring error: no user input leads here
             raise TypeError("streaming needs a source read from a remote origin")
-        self._sources = StreamedSources(root, reader, shard_files, header_sha256)
+        self._sources = StreamedSources(
+            source.root, reader, source.shard_files, source.header_sha256
+        )
         return self._sources
 
     # -- what the CLI shows: the dry run's rows, the --json block --------------------------
@@ -105,17 +103,29 @@ class DownloadExecutor(Executor):
             rows.append(("note", "without --delete-source-shards every source shard stays"))
         return rows
 
-    def estimate(self, shards: list[OutputShard]) -> Estimate | None:
+    def writes_beside(self) -> Path | None:
+        return self._sources.remote.storage if self._sources is not None else None
+
+    def preflight(
+        self, out: Space | None, beside: Space | None, shards: list[OutputShard]
+    ) -> Estimate | None:
+        """A dry run's look ahead, in one step: the downloads still to come refused as the
+        run refuses them where they cannot fit (judged from the room the output's survey
+        read), then their time at a measured network rate."""
+        sources = self._sources
+        if sources is None or not shards:
+            return None
+        absent = self._to_download(shards, sources)
+        if out is not None and beside is not None:
+            self._check_space(out, beside, shards, absent, sources)
+        return self._measure(absent, sources)
+
+    def _measure(self, absent: list[str], sources: StreamedSources) -> Estimate | None:
         """The downloads' time at a measured network rate: a short timed download of the
         largest source shard still to come (nothing to download: the disk estimate)."""
-        sources = self._sources
         # Optional to a Remote (`measure`): one that cannot time a fetch gets no estimate.
-        measure = getattr(sources.remote, "measure", None) if sources is not None else None
-        if measure is None or not shards:
-            return None
-        needed = {f for s in shards for f in s.input_files}
-        absent = [f for f in sources.order if f in needed and not os.path.lexists(sources.root / f)]
-        if not absent:
+        measure = getattr(sources.remote, "measure", None)
+        if measure is None or not absent:
             return None
         total = sum(sources.remote.size(f) for f in absent)
         largest = max(absent, key=sources.remote.size)
@@ -130,15 +140,6 @@ class DownloadExecutor(Executor):
             f"for the {human_size(total)} of source shards to download; the conversion runs "
             "beside the downloads",
         )
-
-    def check_space(self, out: Path, shards: list[OutputShard]) -> None:
-        """The run's own check of the downloads beside the output, asked before it starts
-        (the output folder need not exist yet: its nearest existing folder stands in)."""
-        sources = self._sources
-        if sources is None or not shards:
-            return
-        window = Window(shards, sources.order)
-        self._check_space(Path(os.path.abspath(out)), shards, window.order, sources)
 
     def summary(self, plan: Plan) -> dict:
         sources, t = self._sources, self.tally
@@ -212,7 +213,9 @@ class DownloadExecutor(Executor):
             for f in sources.order:
                 if f not in window.feeds and os.path.lexists(sources.root / f):
                     self.tally.delete(sources, f)
-        self._check_space(context.out_dir, pending, window.order, sources)
+        # Either may not exist yet: the folder it will be made in stands in.
+        here, there = fsio.space(context.out_dir), fsio.space(sources.remote.storage)
+        self._check_space(here, there, pending, self._to_download(pending, sources), sources)
         # 3. Stream.
         stream = Stream(self, pending, window, sources, context, ledger, journal, reasons, on_done)
         results += stream.run()
@@ -224,21 +227,28 @@ class DownloadExecutor(Executor):
         if pending and self.window < need:
             raise fatal(Code.WINDOW_TOO_SMALL, need=need, window=self.window)
 
+    @staticmethod
+    def _to_download(shards: list[OutputShard], sources: StreamedSources) -> list[str]:
+        """The source shards `shards` need that are not on disk yet, in index order."""
+        needed = {f for s in shards for f in s.input_files}
+        return [f for f in sources.order if f in needed and not os.path.lexists(sources.root / f)]
+
     def _check_space(
-        self, out_dir: Path, pending: list[OutputShard], order: list[str], sources: StreamedSources
+        self,
+        out: Space,
+        there: Space,
+        pending: list[OutputShard],
+        absent: list[str],
+        sources: StreamedSources,
     ) -> None:
-        """The source window must fit beside the output (the output itself is checked too)."""
-        storage, root = sources.remote.storage, sources.root
-        absent = sorted(
-            (sources.remote.size(f) for f in order if not os.path.lexists(root / f)), reverse=True
-        )
-        need = sum(absent[: self.window]) if self.delete_source_shards else sum(absent)
-        # Either may not exist yet in a dry run: the folder it will be made in stands in.
-        free = fsio.free_bytes(storage)
-        near = fsio.nearest_existing
-        if os.stat(near(Path(os.path.abspath(storage)))).st_dev == os.stat(near(out_dir)).st_dev:
+        """The source window must fit in the room `there` is (the downloads' filesystem),
+        with the output's shards too where both are on one filesystem (`out`)."""
+        sizes = sorted((sources.remote.size(f) for f in absent), reverse=True)
+        need = sum(sizes[: self.window]) if self.delete_source_shards else sum(sizes)
+        if there.device == out.device:
             need += sum(s.file_size for s in pending)
-        if need > free:
+        if need > there.free:
+            storage, free = sources.remote.storage, there.free
             raise fatal(
                 Code.NO_SPACE, rule="downloads", file=storage, need=Size(need), free=Size(free)
             )

@@ -30,7 +30,6 @@ from .shard import (
     ShardContext,
     ShardEvents,
     ShardOutcome,
-    SourceChanged,
     SourceFiles,
     commit,
     settle,
@@ -66,13 +65,11 @@ def shard_task(
         raise fatal(Code.USAGE, rule="ray-version", driver=version, node=__version__)
     sources = SourceFiles(Path(root), shard.input_files, header_sha256=headers)
     try:
-        for f in shard.input_files:  # the same file as the driver saw, or nothing
-            if list(sources.identity[f]) != list(identity[f]):
-                raise SourceChanged(
-                    f,
-                    "differs on this node from the driver's view (is the "
-                    "source on one shared filesystem at the same path?)",
-                )
+        sources.check_seen(  # the same files as the driver saw, or nothing
+            {f: identity[f] for f in shard.input_files},
+            "differs on this node from the driver's view (is the source on one shared "
+            "filesystem at the same path?)",
+        )
         nan: list[Problem] = []
         context = ShardContext(
             sources,

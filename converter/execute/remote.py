@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from ..source import FetchHooks
 from .shard import SourceFiles, file_identity
 
 
@@ -68,15 +69,8 @@ class Remote(Protocol):
         """Which source, for the summary."""
         ...
 
-    def fetch(
-        self,
-        file: str,
-        on_open: Callable[[], None],
-        on_bytes: Callable[[int], None],
-        stop: Callable[[], bool],
-    ) -> None:
-        """Download one shard (a no-op if complete). `on_open` once its temporary file exists,
-        `on_bytes` per increment; `stop()` true: end at the next chunk (raise Interrupted)."""
+    def fetch(self, file: str, hooks: FetchHooks) -> None:
+        """Download one shard (a no-op if complete), reporting through `hooks`."""
         ...
 
     def delete(self, root: Path, file: str) -> int:

@@ -104,6 +104,14 @@ class SourceFiles:
                     "changed during the run (size, modification or change time, or inode differ)",
                 )
 
+    def check_seen(self, seen: Mapping[str, list[int]], detail: str) -> None:
+        """Each file of `seen` (name -> the identity another process took of it: a Ray
+        driver's) is that very file here, as opened by this object; else `SourceChanged`
+        saying `detail`."""
+        for file, then in seen.items():
+            if list(self.identity[file]) != list(then):
+                raise SourceChanged(file, detail)
+
     def prove_unchanged(self, others: Mapping[str, list[int]]) -> None:
         """Before an output is published: every source file it derives from is still the
         file read, every shard this run holds an identity of (kept ones too: a proof made

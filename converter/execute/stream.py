@@ -24,6 +24,7 @@ from typing import Protocol
 from ..hashing import Interrupted
 from ..output.records import Ledger, PartialDownloads
 from ..plan import OutputShard
+from ..source import FetchHooks
 from . import DownloadProgress, OnDone
 from .remote import Partials, StreamedSources
 from .shard import Outcome, ShardContext, ShardOutcome, commit, write
@@ -377,7 +378,7 @@ class Stream:
             reported += n
             progress.download_advance(n)
 
-        self.remote.fetch(file, self.watch.scan, on_bytes, stop.is_set)
+        self.remote.fetch(file, FetchHooks(self.watch.scan, on_bytes, stop.is_set))
         size = self.remote.size(file)
         with self.tally.lock:
             if reported > 0:  # counted as it arrived: a link to bytes on disk is none

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from .. import contract, faults, fsio
 from ..contract import CHECKSUMS_NAME, CONFIG_NAME, INDEX_NAME, STATE_DIR
@@ -68,6 +68,11 @@ class Standing:
     base_shown: str
     base_writable: bool
     lock_shown: str  # what stands where the lock is (a refused lock is worded with it)
+    # The room on the filesystems the run writes on, for a dry run to judge: the output's
+    # (None where `base` is not a directory: refused first), and that of the folder the run
+    # writes beside it (an executor's downloads; None: none).
+    space: fsio.Space | None
+    beside: fsio.Space | None
 
 
 @dataclass(frozen=True)
@@ -209,9 +214,20 @@ class _Room:
     folders: list[Path] = field(default_factory=list)
 
 
+class Decision(NamedTuple):
+    """What a run of this plan does here (`OutputDir.resume_decision`), and what stood there."""
+
+    mode: Mode
+    records: dict[str, ShardRecord]  # shards to prove before keeping them
+    standing: Standing
+
+
 class OutputDir:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, beside: Path | None = None) -> None:
+        """`beside`: the folder outside the directory that the run writes in too (an
+        executor's downloads), whose room is surveyed with the directory's."""
         self.root = Path(os.path.realpath(root.expanduser()))  # a link loop: no exception
+        self.beside = beside
         self.state = self.root / STATE_DIR
         self.tmp = self.state / _TMP
         self.lock_path = self.state / _LOCK
@@ -254,6 +270,7 @@ class OutputDir:
         except OSError as exc:  # judged where a listing is needed (`_room`)
             unlisted = exc
         base = fsio.nearest_existing(self.state)
+        base_is_dir = os.path.isdir(base)
         standing = Standing(
             self.root,
             self.state,
@@ -261,10 +278,13 @@ class OutputDir:
             fsio.lkind(self.state),
             fsio.describe(self.state),
             base,
-            os.path.isdir(base),
+            base_is_dir,
             fsio.describe(base),
             os.access(base, os.W_OK | os.X_OK),
             fsio.describe(self.lock_path),
+            fsio.space(base) if base_is_dir else None,
+            # Unreadable: None (the run's own check, made then, says why).
+            fsio.space_if_readable(self.beside) if self.beside is not None else None,
         )
         head, records = Ledger.parse(ledger)
         return Survey(
@@ -282,14 +302,13 @@ class OutputDir:
             [Path(e["path"]) for e in _json_lines(partials) if isinstance(e.get("path"), str)],
         )
 
-    def resume_decision(
-        self, fingerprint: str, source: SourceId, force: bool
-    ) -> tuple[Mode, dict[str, ShardRecord]]:
+    def resume_decision(self, fingerprint: str, source: SourceId, force: bool) -> Decision:
         """What a run of this plan does here (a run and `--dry-run` alike): the mode and the
-        records of shards to prove before keeping them; refuses what it must refuse. The
-        conversion of another source is replaced (with --force only), as a fresh run."""
-        mode, records, _ = self._decide(fingerprint, source, force)
-        return mode, records
+        records of shards to prove before keeping them, with what stood there (a dry run
+        judges the room from it); refuses what it must refuse. The conversion of another
+        source is replaced (with --force only), as a fresh run."""
+        mode, records, found = self._decide(fingerprint, source, force)
+        return Decision(mode, records, found.standing)
 
     def _decide(
         self, fingerprint: str, source: SourceId, force: bool, refused: LockRefused | None = None
@@ -319,21 +338,21 @@ class OutputDir:
         claim (`give_up`)."""
         source = source or SourceId("", "")
         try:
-            mode, ledger, downloads = self._claim(fingerprint, force, source)
-            if prepare is not None:
-                prepare(downloads)
-            refusal = ledger.space_refusal(self.root, shards or {}, fsio.free_bytes(self.root))
-            if refusal is not None:
-                raise refusal
+            return self._claim(fingerprint, force, source, shards or {}, prepare)
         except BaseException as exc:
             self.give_up(exc)
-        return Session(self, mode, ledger, source, list(shards or {}))
 
     def _claim(
-        self, fingerprint: str, force: bool, source: SourceId
-    ) -> tuple[Mode, Ledger, PartialDownloads]:
-        """Refuse, or take the lock; decide again on what is read under it; then make the
-        directory this run's. Nothing changes before the decision that allows it."""
+        self,
+        fingerprint: str,
+        force: bool,
+        source: SourceId,
+        shards: Mapping[str, int],
+        prepare: Callable[[PartialDownloads], None] | None,
+    ) -> Session:
+        """Refuse, or take the lock; decide again on what is read under it; make the
+        directory this run's; then measure the room it has. Nothing changes before the
+        decision that allows it; the caller abandons the claim on any failure."""
         # Refused before the lock too: a refusal changes nothing, not even a stale lock.
         self.resume_decision(fingerprint, source, force)
         # The lock makes its folder where missing (the root too), then takes the lock in that
@@ -371,7 +390,16 @@ class OutputDir:
         fsio.remove(self.tmp)  # temporaries of a crashed run (a link: only the link)
         self.tmp.mkdir(mode=0o755)
         faults.fault_point("ledger.opened")
-        return mode, ledger, downloads
+        # The room is measured once the directory is this run's: after the room is made and
+        # the executor freed what an earlier run left (`prepare`), for the shards not
+        # finished yet.
+        if prepare is not None:
+            prepare(downloads)
+        free = fsio.free_bytes(self.root)
+        refusal = ledger.space_refusal(self.root, shards, free)
+        if refusal is not None:
+            raise refusal
+        return Session(self, mode, ledger, source, list(shards))
 
     def _room(self, force: bool, found: Survey) -> _Room:
         """What a fresh run removes to make room, decided from `found`: the directory must be

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -80,6 +80,18 @@ class Origin(Protocol):
     def resolve(self, spec: str, revision: str | None) -> Resolved: ...
 
 
+@dataclass(frozen=True)
+class FetchHooks:
+    """What the download of one source file reports while it runs (a remote origin's
+    `fetch`): `on_open` once its temporary file exists, `on_bytes` per increment (negative
+    when the client rewinds a retry); `stop()` true: end at the next chunk (raise
+    `Interrupted`). Hooks left out report nothing."""
+
+    on_open: Callable[[], None] | None = None
+    on_bytes: Callable[[int], None] | None = None
+    stop: Callable[[], bool] | None = None
+
+
 @dataclass
 class Source:
     root: Path
@@ -97,6 +109,11 @@ class Source:
     @property
     def weight_map(self) -> Mapping[str, str]:
         return HeaderWeightMap(self.headers)
+
+    @property
+    def header_sha256(self) -> dict[str, str]:
+        """shard file -> the sha256 of the header the plan is made from."""
+        return {f: h.header_sha256 for f, h in self.headers.items()}
 
 
 class HeaderWeightMap(Mapping[str, str]):

@@ -33,7 +33,7 @@ from ..errors import Fatal, fatal
 from ..hashing import Interrupted
 from ..reasons import Code
 from ..safetensors_format import ShardHeader, check_header_length, parse_header_bytes
-from . import Resolved, hub_cache
+from . import FetchHooks, Resolved, hub_cache
 from .hub_net import NetSettings, is_timeout, read_range, with_retries
 
 HEADER_PROBE = 100_000  # one request covers the header of almost every shard
@@ -307,17 +307,15 @@ class DownloadBar:
             self.on_open()
 
     @classmethod
-    def bound(
-        cls,
-        on_open: Callable[[], None] | None = None,
-        on_bytes: Callable[[int], None] | None = None,
-        stop: Callable[[], bool] | None = None,
-    ) -> type[DownloadBar]:
+    def bound(cls, hooks: FetchHooks) -> type[DownloadBar]:
         """A bar class for one download (huggingface_hub wants a class, not an object)."""
         callbacks = {
-            "on_open": staticmethod(on_open) if on_open else None,
-            "on_bytes": staticmethod(on_bytes) if on_bytes else None,
-            "stop": staticmethod(stop) if stop else None,
+            name: staticmethod(hook) if hook else None
+            for name, hook in (
+                ("on_open", hooks.on_open),
+                ("on_bytes", hooks.on_bytes),
+                ("stop", hooks.stop),
+            )
         }
         return type("DownloadBar", (cls,), callbacks)
 
@@ -521,15 +519,8 @@ class HubSnapshot:
             "download_dir": str(self.storage),
         }
 
-    def fetch(
-        self,
-        file: str,
-        on_open: Callable[[], None],
-        on_bytes: Callable[[int], None],
-        stop: Callable[[], bool],
-    ) -> None:
-        bar = DownloadBar.bound(on_open=on_open, on_bytes=on_bytes, stop=stop)
-        self.origin.download(self.repo, file, bar)
+    def fetch(self, file: str, hooks: FetchHooks) -> None:
+        self.origin.download(self.repo, file, DownloadBar.bound(hooks))
 
     def delete(self, root: Path, file: str) -> int:
         """Remove a source shard: the file, and in the cache its blob too unless another
