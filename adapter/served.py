@@ -118,7 +118,7 @@ def _shape_problems(headers: dict[str, ShardHeader], config: Any, converted: boo
     problems = []
     for file, header in headers.items():
         for name, info in header.tensors.items():
-            split = contract.split_expert_name(name)
+            split = contract.expert_prefix_and_tail(name)
             if split is None:
                 continue
             tail = split[1]

@@ -49,7 +49,7 @@ def split_w31_items(
     stats = stats if stats is not None else SplitStats()
     for item in items:
         name = item[0]
-        split = contract.split_expert_name(name) if isinstance(name, str) else None
+        split = contract.expert_prefix_and_tail(name) if isinstance(name, str) else None
         if split is None:
             yield item
             continue

@@ -439,7 +439,7 @@ FUSED_HALF_ENDINGS = tuple(f".{proj}.{suffix}" for proj in (GATE, UP) for suffix
 
 # A routed-expert tensor name's tail after "experts.": matched in full, ASCII only, expert
 # ids without leading zeros (so "01" cannot alias "1"). Nothing else under an `experts`
-# path component is accepted (see `split_expert_name`).
+# path component is accepted (see `expert_prefix_and_tail`).
 @functools.cache
 def _tail_pattern(suffixes: tuple[str, ...]) -> re.Pattern[str]:
     alternatives = "|".join(map(re.escape, suffixes))
@@ -473,11 +473,11 @@ def expert_name(prefix: str, expert: int, proj: str, suffix: str) -> str:
 
 
 def is_expert_name(name: str) -> bool:
-    """Whether `split_expert_name` splits it, without building the parts (~500k names)."""
+    """Whether `expert_prefix_and_tail` splits it, without building the parts (~500k names)."""
     return ".experts." in name or name.startswith("experts.")
 
 
-def split_expert_name(name: str) -> tuple[str, str] | None:
+def expert_prefix_and_tail(name: str) -> tuple[str, str] | None:
     """(prefix, tail) for a name with an `experts` path component followed by more, else None.
 
     Every such name must be a routed-expert tensor (`parse_expert_tail(tail)` not None);
@@ -500,7 +500,7 @@ def parse_expert_tail(tail: str, suffixes: tuple[str, ...] = SUFFIXES) -> Expert
 
 def parse_expert_name(name: str) -> ExpertName | None:
     """The name taken apart if it is a routed-expert tensor under the grammar, else None."""
-    split = split_expert_name(name)
+    split = expert_prefix_and_tail(name)
     parsed = split and parse_expert_tail(split[1])
     return ExpertName(split[0], *parsed) if parsed else None
 
@@ -603,7 +603,7 @@ def _served_keys_whole(name: str) -> tuple[str, ...]:
         return (key,)
     # The rename commutes with the split, which reads either spelling (adapter/split.py).
     key = key.replace("language_model.", "").replace("weight_packed", "weight")
-    split = split_expert_name(key) if f".{FUSED}." in key else None
+    split = expert_prefix_and_tail(key) if f".{FUSED}." in key else None
     if split is None:
         return (key,)
     return tuple(split[0] + "experts." + tail for tail in _served_tails(split[1]))

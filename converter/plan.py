@@ -133,7 +133,7 @@ def output_tensors(source: Source, table: ExpertTable) -> list[OutputTensor]:
     outputs: list[OutputTensor | None] = []
     waiting: dict[str, tuple[int, str, TensorInfo, bool]] = {}  # w31 name -> first half
     new, tensor_cls, piece_cls = _new_tuple, OutputTensor, Piece
-    split, fusions = contract.split_expert_name, table.fusions  # bound once: 500k calls
+    split, fusions = contract.expert_prefix_and_tail, table.fusions  # bound once: 500k calls
     halves = contract.FUSED_HALF_ENDINGS
     for file in source.shard_files:
         for info in source.headers[file].tensors.values():

@@ -132,7 +132,7 @@ def check_expert_tensors(
     fusions = table.fusions
     for file, info in tensors:
         name = info.name
-        split = contract.split_expert_name(name)
+        split = contract.expert_prefix_and_tail(name)
         if split is None:
             continue
         prefix, tail = split

@@ -43,15 +43,18 @@ def test_grammar_is_full_match_ascii_and_canonical(name, parsed):
 
 
 def test_any_name_under_an_experts_component_must_follow_the_grammar():
-    assert contract.split_expert_name(P + "shared_experts.w1.weight") is None
-    assert contract.split_expert_name(P + "experts.3.gate_proj.weight") == (P, "3.gate_proj.weight")
+    assert contract.expert_prefix_and_tail(P + "shared_experts.w1.weight") is None
+    assert contract.expert_prefix_and_tail(P + "experts.3.gate_proj.weight") == (
+        P,
+        "3.gate_proj.weight",
+    )
     # The last `experts` component decides; an earlier one may be part of the prefix.
-    assert contract.split_expert_name("a.experts.b.experts.2.w2.weight_scale") == (
+    assert contract.expert_prefix_and_tail("a.experts.b.experts.2.w2.weight_scale") == (
         "a.experts.b.",
         "2.w2.weight_scale",
     )
     # A look-alike `shared_experts` later in the name does not hide a real component.
-    assert contract.split_expert_name("m.experts.0.w1.shared_experts.x")[1] == (
+    assert contract.expert_prefix_and_tail("m.experts.0.w1.shared_experts.x")[1] == (
         "0.w1.shared_experts.x"
     )
 
@@ -130,7 +133,7 @@ def test_validation_and_planning_read_every_name_the_same_way(hostile):
         if parsed is not None and parsed.proj in (contract.GATE, contract.UP):
             expected.add(parsed.with_proj(contract.FUSED))
         else:
-            assert contract.split_expert_name(name) is None or parsed is not None, name
+            assert contract.expert_prefix_and_tail(name) is None or parsed is not None, name
             expected.add(name)
     assert set(plan.weight_map()) == expected
 

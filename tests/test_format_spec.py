@@ -609,7 +609,7 @@ def test_name_examples_follow_the_grammar():
     kinds = set()
     for name, reading in rows:
         name = unquote(name)
-        split = contract.split_expert_name(name)
+        split = contract.expert_prefix_and_tail(name)
         parsed = contract.parse_expert_name(name)
         m = re.fullmatch(r"expert (\d+), (\w+), (\w+)", reading)
         if m:

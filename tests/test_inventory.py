@@ -153,7 +153,7 @@ def test_no_non_expert_name_trips_the_expert_grammar(spec):
     for name, _, _ in tensor_specs(spec):
         for spelled in (name, name.replace(".mlp.", ".block_sparse_moe.")):
             routed = ".experts." in spelled and ".shared_experts." not in spelled
-            assert (contract.split_expert_name(spelled) is not None) == routed, spelled
+            assert (contract.expert_prefix_and_tail(spelled) is not None) == routed, spelled
             assert (contract.parse_expert_name(spelled) is not None) == routed, spelled
 
 

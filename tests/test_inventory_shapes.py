@@ -93,7 +93,7 @@ def _shape_problems(spec: SynthSpec, tensors, manifest=ANY):
 
 
 def _non_expert(tensors) -> list[int]:
-    return [i for i, t in enumerate(tensors) if contract.split_expert_name(t[0]) is None]
+    return [i for i, t in enumerate(tensors) if contract.expert_prefix_and_tail(t[0]) is None]
 
 
 @SETTINGS

@@ -84,4 +84,4 @@ def test_the_quick_check_clears_a_whole_model_and_catches_a_late_twin():
 @settings(max_examples=2000, deadline=None)
 @given(st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=8).map(".".join))
 def test_is_expert_name_is_whether_the_name_splits(name):
-    assert contract.is_expert_name(name) == (contract.split_expert_name(name) is not None)
+    assert contract.is_expert_name(name) == (contract.expert_prefix_and_tail(name) is not None)

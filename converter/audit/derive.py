@@ -42,7 +42,7 @@ def expected_tensors(headers: dict[str, ShardHeader]) -> dict[str, Expected]:
     fused: dict[str, tuple[str, str]] = {}  # w31 name -> (up = w3, gate = w1) names
     tails: dict[str, contract.ExpertTail | None] = {}  # a few thousand distinct at real scale
     for name, part in where.items():
-        split = contract.split_expert_name(name)
+        split = contract.expert_prefix_and_tail(name)
         if split is None:
             expected[name] = Expected((part,))
             continue

@@ -117,7 +117,7 @@ def check_experts(
 
 def _group(headers: dict[str, ShardHeader]) -> dict[str, _Group]:
     """Every tensor under an `experts` path component, grouped by its prefix (the text
-    before the last ".experts.", as `contract.split_expert_name` splits)."""
+    before the last ".experts.", as `contract.expert_prefix_and_tail` splits)."""
     names = list(chain.from_iterable(h.tensors for h in headers.values()))
     infos = list(chain.from_iterable(h.tensors.values() for h in headers.values()))
     cuts = list(map(str.rfind, names, repeat(_MARK)))
