@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -89,6 +90,13 @@ def cli_argv(args: Iterable[object], prelude: str | None = None) -> list[str]:
     return [*entry, *map(str, args)]
 
 
+def ctrl_c_as_at_a_terminal() -> None:
+    """A child's SIGINT back to its default: a runner started in the background by a
+    non-interactive shell (`make test &`, nohup) ignores SIGINT, its children inherit that,
+    and Python keeps an ignored SIGINT ignored, so a test's Ctrl-C would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(
     args: Iterable[object],
     *,
@@ -121,7 +129,7 @@ def run_cli(
         proc = subprocess.run(
             cli_argv(argv, prelude),
             env=cli_env(env),
-            preexec_fn=preexec_fn,
+            preexec_fn=preexec_fn or ctrl_c_as_at_a_terminal,
             cwd=cwd,
             capture_output=True,
             text=True,
@@ -142,6 +150,7 @@ def start_cli(
     proc = subprocess.Popen(
         cli_argv(args),
         env=cli_env({**(env or {}), "KIMI_W31_FAULT_AT": stop_at + ":stop"}),
+        preexec_fn=ctrl_c_as_at_a_terminal,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cli_helpers import CliResult, cli_argv, cli_env, run_cli
+from cli_helpers import CliResult, cli_argv, cli_env, ctrl_c_as_at_a_terminal, run_cli
 from hub_server import FakeHub
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -511,6 +511,7 @@ def test_interrupted_downloads_leave_no_partial_files(hub, reference, tmp_path, 
         proc = subprocess.Popen(
             _argv(REPO, out, "--download", *ARGS, *args, small_chunks=True),
             env=cli_env(_env(hub, tmp_path)),
+            preexec_fn=ctrl_c_as_at_a_terminal,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
