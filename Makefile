@@ -14,6 +14,13 @@ DEMO         := demo
 # falls back to whatever other index or local wheel it is configured with.
 TORCH_INDEX  ?= https://download.pytorch.org/whl/cpu
 TORCH        ?= torch==2.13.0
+# The suites run on two workers (CI has two cores, and much of each suite waits on
+# subprocesses, sockets and timeouts). Each test file goes whole to one worker
+# (--dist loadfile), so a module's fixtures (a Ray runtime, a model build) are built once;
+# files are handed out in collection order (not xdist's most-tests-first), which puts the
+# longest ones early: tests/sglang/conftest.py orders that suite.
+JOBS         ?= 2
+PARALLEL     := -n $(JOBS) --dist loadfile --no-loadscope-reorder
 # `make bench` and `make faults` write their reports here; UPDATE_DOCS=1 writes docs/.
 REPORTS      := $(if $(UPDATE_DOCS),docs,.reports)
 
@@ -44,7 +51,7 @@ demo: $(DEMO_STAMP)
 test: $(TORCH_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL)
 
 # The tests that exercise each runtime dependency, in a second venv holding the lowest
 # versions pyproject.toml declares (constraints-floors.txt): the declared ranges hold.
@@ -62,11 +69,11 @@ FLOORS_TESTS := \
 $(FLOORS)/.installed: pyproject.toml constraints-floors.txt
 	rm -rf $(FLOORS)
 	$(PY) -m venv $(FLOORS)
-	$(FLOORS)/bin/pip install -q --constraint constraints-floors.txt -e . pytest hypothesis
+	$(FLOORS)/bin/pip install -q --constraint constraints-floors.txt -e . pytest hypothesis pytest-xdist
 	touch $@
 
 test-floors: $(FLOORS)/.installed
-	KIMI_W31_EXPECT_FLOORS=constraints-floors.txt $(FLOORS)/bin/python -m pytest -q $(FLOORS_TESTS)
+	KIMI_W31_EXPECT_FLOORS=constraints-floors.txt $(FLOORS)/bin/python -m pytest -q $(PARALLEL) $(FLOORS_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -81,7 +88,7 @@ faults: $(STAMP)
 # The adapter's tests against the real SGLang 0.5.23 code, in their own (~3 GB) environment.
 test-sglang:
 	bash tools/sglang-env.sh .venv-sglang
-	.venv-sglang/bin/python -m pytest -q -m sglang tests/sglang
+	.venv-sglang/bin/python -m pytest -q -m sglang $(PARALLEL) tests/sglang
 
 clean:
 	rm -rf $(VENV) .venv-sglang $(FLOORS) $(DEMO) .bench .reports

@@ -130,6 +130,12 @@ def test_every_reader_refuses_what_is_not_a_regular_file_without_blocking(tmp_pa
 # ------------------------------------------------------------------ the state folder
 
 
+def _finished_copy(converted: Path, out: Path) -> None:
+    """The shared conversion as `convert` left it: without the record a verify of it (by a
+    test that ran earlier, in any order) may have added to its state folder."""
+    shutil.copytree(converted, out, ignore=shutil.ignore_patterns(STATE_DIR))
+
+
 STATE_MAKERS = {
     "link-to-dir": lambda p, v: p.symlink_to(v),
     "link-to-file": lambda p, v: p.symlink_to(v / "precious.txt"),
@@ -155,7 +161,7 @@ def test_a_state_folder_that_is_not_a_real_directory_is_never_used(
     (victim / "precious.txt").write_text("keep me\n")
     out = work / "out"
     if finished:
-        shutil.copytree(converted, out)
+        _finished_copy(converted, out)
     else:
         out.mkdir()
     STATE_MAKERS[kind](out / STATE_DIR, victim)
@@ -197,7 +203,7 @@ def test_nothing_in_the_state_folder_leads_a_write_or_a_read_elsewhere(
     (victim / "precious.txt").write_text(json.dumps({"pid": 2**22 + 7, "host": os.uname()[1]}))
     out = work / "out"
     if finished:
-        shutil.copytree(converted, out)
+        _finished_copy(converted, out)
     else:
         out.mkdir()
     (out / STATE_DIR).mkdir()
@@ -375,7 +381,7 @@ def test_a_finished_output_refuses_another_source_and_names_its_owner(
     small_source, converted, tmp_path
 ):
     out = tmp_path / "out"
-    shutil.copytree(converted, out)
+    _finished_copy(converted, out)
     other = tmp_path / "elsewhere" / "ft"
     shutil.copytree(small_source, other)
     before = fl.tree(out)
@@ -404,7 +410,7 @@ def test_a_rerun_claims_the_data_proven_only_when_it_re_read_it(
     small_source, converted, tmp_path_factory, deleted, flipped, rehash
 ):
     out = tmp_path_factory.mktemp("claim") / "out"
-    shutil.copytree(converted, out)
+    _finished_copy(converted, out)
     shards = sorted(out.glob("*.safetensors"))
     for i in flipped - deleted:
         path = shards[i % len(shards)]
@@ -471,7 +477,7 @@ def test_verify_ignores_hidden_paths_and_says_which(converted, tmp_path_factory,
     """Upload state, git's files, anything hidden: not part of a checkpoint, ignored and
     named. A file that is not hidden is still one the conversion must have written."""
     out = tmp_path_factory.mktemp("hidden") / "out"
-    shutil.copytree(converted, out)
+    _finished_copy(converted, out)
     for rel in paths + (["notes.txt"] if stray else []):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_text("not written by the conversion\n")

@@ -50,7 +50,7 @@ pip_quiet() {
     partial_json_parser nvidia-ml-py uvicorn fastapi \
     uvloop setproctitle jsonschema xgrammar soundfile python-multipart \
     "torch==2.13.0" \
-    pytest hypothesis safetensors click click-default-group rich huggingface_hub
+    pytest pytest-xdist hypothesis safetensors click click-default-group rich huggingface_hub
 # The project itself, editable, so its entry point is visible to SGLang's plugin loader.
 "${PIP[@]}" --no-deps -e "$HERE"
 

@@ -26,6 +26,16 @@ if not _have_sglang():
 else:
     import harness  # noqa: F401  (installs the import stand-ins before SGLang is imported)
 
+# Run first: the longest file (two real servers, the whole-model probes), so that under
+# `make test-sglang`'s two workers the other one runs the rest meanwhile.
+LONGEST_FIRST = ("test_whole_model.py",)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    # A stable sort: each file's own order, and every other file's, is kept.
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+
+
 # Small, but 128-aligned like the kernels need: E experts, K hidden, N intermediate.
 E, K, N, LAYERS = 4, 256, 256, 2
 
