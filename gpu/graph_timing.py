@@ -6,7 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def graph_replay_ms(fn: Callable[[], Any], iters: int = 50) -> float:
+def capture(fn: Callable[[], Any]) -> Any:
+    """`fn` captured in a CUDA graph, after two warm-up calls on a side stream (what
+    capture needs: allocations and lazy initialisation happen outside it)."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -18,6 +20,13 @@ def graph_replay_ms(fn: Callable[[], Any], iters: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def graph_replay_ms(fn: Callable[[], Any], iters: int = 50) -> float:
+    import torch
+
+    graph = capture(fn)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

@@ -44,6 +44,7 @@ import numpy as np
 from . import race_cases as R
 from . import sglang_cases as S
 from . import sglang_layer as L
+from .graph_timing import capture
 
 
 @dataclass(frozen=True)
@@ -272,14 +273,7 @@ class Race:
     def capture(fn: Callable[[], Any]) -> Any:
         import torch
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture(fn)
         graph.replay()
         torch.cuda.synchronize()
         return graph

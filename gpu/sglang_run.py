@@ -37,7 +37,7 @@ import numpy as np
 from . import cases as C
 from . import sglang_cases as S
 from . import sglang_layer as L
-from .graph_timing import graph_replay_ms
+from .graph_timing import capture, graph_replay_ms
 
 SINGLE_MS = (1, 8, 32, 128)
 DIST_MS = (8, 128)
@@ -252,15 +252,7 @@ class Single:
 
         call()
         eager = static["out"].clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
+        graph = capture(call)
         replays = []
         for _ in range(2):
             static["out"].zero_()
