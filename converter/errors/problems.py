@@ -24,12 +24,12 @@ from .reason import EXIT_OK, EXIT_PROBLEMS, Message
 from .registry import reason
 
 # A member of a package's code enum (`converter.reasons.Code`, `adapter.reasons.AdapterCode`).
-Code = Enum
+ReasonCode = Enum
 
 
 @dataclass(frozen=True)
 class Problem:
-    code: Code
+    code: ReasonCode
     what: str
     file: str | None = None
     tensor: str | None = None
@@ -54,12 +54,12 @@ class Problem:
         return fields
 
 
-def message(code: Code, rule: str | None = None) -> Message:
+def message(code: ReasonCode, rule: str | None = None) -> Message:
     """The message of `code` (in the situation `rule`, where the code has several)."""
     return reason(code).message(rule)
 
 
-def rules(code: Code) -> list[str | None]:
+def rules(code: ReasonCode) -> list[str | None]:
     """The situations `code` has messages for ([None]: one message)."""
     return reason(code).situations()
 
@@ -75,7 +75,7 @@ def template_names(template: str | None) -> set[str]:
     }
 
 
-def facts_of(code: Code, rule: str | None = None) -> frozenset[str]:
+def facts_of(code: ReasonCode, rule: str | None = None) -> frozenset[str]:
     """The facts a call site must pass for this message (beyond file/tensor)."""
     m = message(code, rule)
     names = set().union(*(template_names(t) for t in (m.what, m.expected, m.found, m.hint)))
@@ -99,7 +99,7 @@ def _text(value: object) -> str | None:
 
 
 def problem(
-    code: Code,
+    code: ReasonCode,
     *,
     rule: str | None = None,
     file: object = None,
@@ -124,7 +124,7 @@ def problem(
     )
 
 
-def fatal(code: Code, *, hint: str | None = None, **facts: object) -> Fatal:
+def fatal(code: ReasonCode, *, hint: str | None = None, **facts: object) -> Fatal:
     """A single-problem error for `code` with these facts; its hint is the message's unless
     the call site has one only it can word (what a rerun would keep, say)."""
     p = problem(code, **facts)
@@ -135,13 +135,13 @@ def fatal(code: Code, *, hint: str | None = None, **facts: object) -> Fatal:
     return Fatal([p], hint=hint)
 
 
-def exit_code(codes: Iterable[Code]) -> int:
+def exit_code(codes: Iterable[ReasonCode]) -> int:
     """The exit code of a run that stopped for these reasons: a usage reason wins (the
     command line is wrong whatever else is)."""
     return max((reason(c).exit for c in codes), default=EXIT_OK)
 
 
-def suppressed_codes(present: Iterable[Code]) -> set[Code]:
+def suppressed_codes(present: Iterable[ReasonCode]) -> set[ReasonCode]:
     """The reasons among `present` that follow from another reason also present (its
     record's `implies`)."""
     present = set(present)
@@ -198,5 +198,5 @@ class Fatal(Exception):
         return f"{len(roots)} problems found"
 
     @property
-    def codes(self) -> list[Code]:
+    def codes(self) -> list[ReasonCode]:
         return [p.code for p in self.problems]
